@@ -1,0 +1,73 @@
+"""The single dispatch point for quantize/dequantize: `backend = auto | torch | triton`.
+
+`kernels.reference` (pure torch, CPU or GPU) and `kernels.triton_quant` share one signature;
+`auto` picks Triton for CUDA tensors when Triton imports, else the reference. This package is
+the only place that imports triton, and only when the Triton backend is actually used, so the
+CLI and the CPU path never pay for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+from . import reference
+from .spec import NonFiniteInput, QuantResult, QuantSpec
+
+BACKENDS = ("auto", "torch", "triton")
+
+__all__ = ["BACKENDS", "NonFiniteInput", "QuantResult", "QuantSpec", "dequantize", "quantize",
+           "resolve_backend", "tensor_amax", "triton_available"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Name the implementation that will run: 'torch' or 'triton'."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend 'triton' needs the triton package: pip install triton")
+        if device.type != "cuda" and not _interpreted():
+            raise RuntimeError(
+                "backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels "
+                "on the CPU through the interpreter)")
+    return backend
+
+
+def _impl(backend: str, device: torch.device) -> ModuleType:
+    if resolve_backend(backend, device) == "triton":
+        from . import triton_quant
+
+        return triton_quant
+    return reference
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None,
+             backend: str = "auto") -> QuantResult:
+    return _impl(backend, x.device).quantize(x, spec, global_amax)
+
+
+def dequantize(q: QuantResult, spec: QuantSpec, shape: tuple[int, ...], backend: str = "auto") -> torch.Tensor:
+    return _impl(backend, q.codes.device).dequantize(q, spec, tuple(shape))
+
+
+def tensor_amax(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    return _impl(backend, x.device).tensor_amax(x)

@@ -1,0 +1,237 @@
+"""Pure-torch quantizers and dequantizers: the reference every Triton kernel must match bit for bit.
+
+Numerics follow FORMATS.md A.2: FP32 arithmetic, clamp before every narrowing cast, RNE for
+E4M3 (PyTorch's cast) and E2M1 (ties to the even code, saturating at 6), low nibble first,
+NVFP4 with ModelOpt's op order, MX scale exponents from the FP32 bit pattern per `scale_rule`.
+Inputs are `[..., N, K]`; blocks always run along the last (input) dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .spec import (
+    E2M1_MAX,
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
+    EMAX_ELEM,
+    FP8_BLOCK,
+    FP8_BLOCK_KIND,
+    FP8_CHANNEL,
+    FP8_TENSOR,
+    MAX_ELEM,
+    MX,
+    NVFP4,
+    NVFP4_GLOBAL_DIVISOR,
+    NonFiniteInput,
+    QuantResult,
+    QuantSpec,
+)
+
+# E2M1 magnitudes by 3-bit code; bit 3 of a nibble is the sign.
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+# ---------------------------------------------------------------- element codecs
+
+
+def encode_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """FP32 -> E4M3FN bytes: clamp to +-448 first (an unclamped cast gives NaN on some torch
+    versions), then PyTorch's RNE cast. The sign of zero is kept."""
+    return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    return codes.view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def encode_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """FP32 -> 4-bit E2M1 codes (uint8, one per element, not packed).
+
+    Round to nearest, ties to the even code, saturate at 6. Each comparison is one step of the
+    magnitude ladder 0, .5, 1, 1.5, 2, 3, 4, 6: at a midpoint `>` rounds down (the lower code is
+    even) and `>=` rounds up (the upper code is even). Negative values keep sign bit 0x8, also
+    when they round to zero (compressed-tensors' signbit convention)."""
+    a = v.abs()
+    mag = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    )
+    return mag | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    mag = E2M1_VALUES.to(codes.device)[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -mag, mag)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """`byte[j] = code[2j] | code[2j+1] << 4` along the last dim (even index low)."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    out = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# ---------------------------------------------------------------- E8M0 scales
+
+
+def e8m0_byte(amax: torch.Tensor, element: str, rule: str) -> torch.Tensor:
+    """Shared-exponent byte (= e + 127, clamped to [0, 254]) from a block amax, FP32 bit math.
+
+    floor: floor(log2 amax) - emax_elem            (OCP MX v1.0)
+    even:  floor(log2 R(amax)) - emax_elem, R rounds the FP32 mantissa at the FP4 mantissa width
+           (adds 1 << 21 to the bits), as compressed-tensors does for MXFP4 and MXFP8 alike
+    rceil: ceil(log2(amax / max_elem))              (ModelOpt, triton_kernels, gpt-oss)
+    An all-zero block gives byte 0 under every rule; 255 (NaN) is never produced."""
+    bits = amax.to(torch.float32).view(torch.int32)
+    if rule == "floor":
+        biased = (bits >> 23) - EMAX_ELEM[element]
+    elif rule == "even":
+        biased = ((bits + (1 << 21)) >> 23) - EMAX_ELEM[element]
+    elif rule == "rceil":
+        q = (amax.to(torch.float32) / MAX_ELEM[element]).view(torch.int32)
+        biased = (q + 0x7FFFFF) >> 23
+    else:
+        raise ValueError(f"unknown scale rule {rule!r}")
+    return biased.clamp(0, 254).to(torch.uint8)
+
+
+def e8m0_to_float(byte: torch.Tensor) -> torch.Tensor:
+    """2^(byte - 127) exactly in FP32; byte 0 is the FP32 subnormal 2^-127."""
+    b = byte.to(torch.int32)
+    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)
+    return bits.view(torch.float32)
+
+
+# ---------------------------------------------------------------- quantizers
+
+
+def _check_finite(x: torch.Tensor) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise NonFiniteInput("holds NaN or Inf values")
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """Max |x| as an FP32 0-d tensor (0 for an empty tensor)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    _check_finite(x)
+    return x.abs().amax().to(torch.float32)
+
+
+def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    scale = amax / E4M3_MAX
+    return torch.where(amax == 0, torch.ones_like(scale), scale)
+
+
+def _fp8_tensor(x: torch.Tensor) -> QuantResult:
+    scale = _fp8_scale(tensor_amax(x))
+    return QuantResult(encode_e4m3(x / scale), scale)
+
+
+def _fp8_channel(x: torch.Tensor) -> QuantResult:
+    amax = x.abs().amax(dim=-1) if x.shape[-1] else x.new_zeros(x.shape[:-1])
+    scale = _fp8_scale(amax)
+    return QuantResult(encode_e4m3(x / scale.unsqueeze(-1)), scale)
+
+
+def _fp8_block(x: torch.Tensor) -> QuantResult:
+    *lead, n, k = x.shape
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    # Zero padding affects only the amax of edge blocks; the output is cropped back.
+    padded = F.pad(x, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
+    tiles = padded.reshape(*lead, nb, FP8_BLOCK, kb, FP8_BLOCK)
+    amax = tiles.abs().amax(dim=(-3, -1)) if tiles.numel() else tiles.new_zeros(*lead, nb, kb)
+    scale = _fp8_scale(amax)
+    expanded = scale.repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)
+    codes = encode_e4m3(x / expanded[..., :n, :k])
+    return QuantResult(codes, scale)
+
+
+def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+
+
+def _mx(x: torch.Tensor, spec: QuantSpec) -> QuantResult:
+    g = _groups(x, spec.group)
+    amax = g.abs().amax(dim=-1) if g.numel() else g.new_zeros(g.shape[:-1])
+    byte = e8m0_byte(amax, spec.element, spec.scale_rule)
+    scaled = (g / e8m0_to_float(byte).unsqueeze(-1)).reshape(x.shape)
+    if spec.element == "e4m3":
+        return QuantResult(encode_e4m3(scaled), byte)
+    return QuantResult(pack_nibbles(encode_e2m1(scaled)), byte)
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """`weight_scale_2 = amax / 2688` in FP32; an all-zero tensor counts as amax 1.0."""
+    amax = amax.to(torch.float32)
+    amax = torch.where(amax == 0, torch.ones_like(amax), amax)
+    return amax / NVFP4_GLOBAL_DIVISOR
+
+
+def _nvfp4(x: torch.Tensor, global_amax: torch.Tensor | None) -> QuantResult:
+    s2 = nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax)
+    g = _groups(x, 16)
+    amax_b = g.abs().amax(dim=-1) if g.numel() else g.new_zeros(g.shape[:-1])
+    block = amax_b / (E2M1_MAX * s2)  # ModelOpt: 6 * s2 first, then the division
+    block = torch.where(block == 0, torch.ones_like(block), block)
+    sb = encode_e4m3(block.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX))
+    denom = decode_e4m3(sb) * s2  # the product first, in FP32, then the division
+    codes = encode_e2m1(g / denom.unsqueeze(-1)).reshape(x.shape)
+    return QuantResult(pack_nibbles(codes), sb, s2)
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None) -> QuantResult:
+    """Quantize `x [..., N, K]` (any float dtype; upcast to FP32 here) per `spec`.
+
+    `global_amax` (NVFP4 only) overrides the tensor's own amax, so that fused groups share one
+    `weight_scale_2`."""
+    x = x.to(torch.float32)
+    _check_finite(x)
+    if spec.kind == FP8_TENSOR:
+        return _fp8_tensor(x)
+    if spec.kind == FP8_CHANNEL:
+        return _fp8_channel(x)
+    if spec.kind == FP8_BLOCK_KIND:
+        return _fp8_block(x)
+    if spec.kind == MX:
+        return _mx(x, spec)
+    if spec.kind == NVFP4:
+        return _nvfp4(x, global_amax)
+    raise ValueError(f"unknown quantizer kind {spec.kind!r}")
+
+
+# ---------------------------------------------------------------- dequantizers
+
+
+def dequantize(q: QuantResult, spec: QuantSpec, shape: tuple[int, ...]) -> torch.Tensor:
+    """Decode to FP32 `[..., N, K]` = `shape`."""
+    if spec.kind in (FP8_TENSOR, FP8_CHANNEL, FP8_BLOCK_KIND):
+        values = decode_e4m3(q.codes)
+        scale = q.scale.to(torch.float32)
+        if spec.kind == FP8_CHANNEL:
+            scale = scale.unsqueeze(-1)
+        elif spec.kind == FP8_BLOCK_KIND:
+            n, k = shape[-2], shape[-1]
+            scale = scale.repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)
+            scale = scale[..., :n, :k]
+        return values * scale
+    if spec.element == "e2m1":
+        values = decode_e2m1(unpack_nibbles(q.codes))
+    else:
+        values = decode_e4m3(q.codes)
+    g = _groups(values, spec.group)
+    if spec.kind == MX:
+        block = e8m0_to_float(q.scale)
+    else:
+        block = decode_e4m3(q.scale) * q.global_scale.to(torch.float32)
+    return (g * block.unsqueeze(-1)).reshape(shape)

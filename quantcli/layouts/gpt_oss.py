@@ -1,0 +1,60 @@
+"""gpt-oss layout (`quant_method: mxfp4`): MXFP4 MoE experts for vLLM, SGLang and transformers.
+
+    mxfp4 on a 3-D expert stack W[E, N, K] (out before in):
+        <name>_blocks U8 [E, N, K/32, 16]   (16 bytes = 32 E2M1 codes, low nibble = even k)
+        <name>_scales U8 E8M0 [E, N, K/32]  (multiply, 2^(byte - 127); rule rceil)
+Only fused experts are quantized (vLLM's mxfp4 method covers FusedMoE alone); every other
+Linear is listed in `modules_to_not_convert`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from quantcli.errors import LayoutError
+from quantcli.recipes import QuantizedTensor, Recipe
+
+from .base import DiskTensor, GetTensor, Layout, require_8bit
+
+
+class GptOssLayout(Layout):
+    name = "gpt-oss"
+    consumers = "vLLM, SGLang, transformers (MoE experts only)"
+    recipes = ("mxfp4",)
+    default_scale_rule = "rceil"
+    exclusion_key = "modules_to_not_convert"
+
+    def check_shape(self, name: str, recipe: Recipe, shape: tuple[int, ...]) -> None:
+        if len(shape) != 3:
+            raise LayoutError(f"{name}: --layout gpt-oss quantizes 3-D MoE expert stacks only "
+                              f"(got {len(shape)}-D); use --layout compressed-tensors for Linears")
+
+    def to_disk(self, module: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+        e, n, k = q.shape
+        return {f"{module}_blocks": q.codes.reshape(e, n, k // 32, 16).contiguous(),
+                f"{module}_scales": q.scale.contiguous()}
+
+    def from_disk(self, module: str, recipe: Recipe, get: GetTensor, names: Mapping[str, object]) -> QuantizedTensor:
+        blocks = require_8bit(f"{module}_blocks", get(f"{module}_blocks"))
+        scales = require_8bit(f"{module}_scales", get(f"{module}_scales"))
+        *lead, kb, sixteen = blocks.shape
+        shape = (*lead, kb * 32)
+        return QuantizedTensor("mxfp4", shape, blocks.reshape(*lead, kb * sixteen), scales, None,
+                               recipe.scale_rule)
+
+    def describe(self, module: str, recipe: Recipe) -> list[DiskTensor]:
+        return [DiskTensor(f"{module}_blocks", "codes", "e2m1x2", None),
+                DiskTensor(f"{module}_scales", "block_scale", "e8m0_bias127", "multiply")]
+
+    def detect(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> bool:
+        qc = config.get("quantization_config") or {}
+        return qc.get("quant_method") == "mxfp4"
+
+    def module_recipe(self, module: str, names: Mapping[str, object], config: Mapping) -> str | None:
+        return "mxfp4" if f"{module}_blocks" in names and f"{module}_scales" in names else None
+
+    def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str],
+                            scale_rule: str | None) -> dict:
+        return {"quant_method": "mxfp4", "modules_to_not_convert": excluded}

@@ -1,0 +1,20 @@
+"""fp8-block: FP8 E4M3FN weights, one FP32 scale per 128 x 128 block (DeepSeek-V3 style).
+
+Format card
+    element     E4M3FN, one byte per weight
+    block       128 x 128 of W[N, K]; edge blocks are partial (zero-padded for the amax only)
+    scale       FP32 `amax_block / 448`, shape [..., ceil(N/128), ceil(K/128)], row-major,
+                multiply on dequant (even when stored as `weight_scale_inv`); all-zero block -> 1.0
+    encode      q = e4m3_rne(clamp(x / scale_block, -448, 448))
+    decode      x ~ float(q) * scale_block
+    bits/param  8 + 32/16384
+    layouts     fp8 (default; `weight_scale_inv`), compressed-tensors (`weight_scale`),
+                modelopt (`FP8_PB_WO`, 4-D `weight_scale`, vLLM only, N and K multiples of 128)
+"""
+
+from quantcli.kernels.spec import FP8_BLOCK, FP8_BLOCK_KIND, QuantSpec
+
+from .base import Recipe
+
+RECIPE = Recipe(name="fp8-block", spec=QuantSpec(FP8_BLOCK_KIND), element_bits=8,
+                block=(FP8_BLOCK, FP8_BLOCK), scale_encoding="f32")

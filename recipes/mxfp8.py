@@ -1,0 +1,25 @@
+"""mxfp8: OCP microscaling FP8, E4M3FN elements with one E8M0 scale per 32 along K.
+
+Format card
+    element     E4M3FN, one byte per weight
+    block       1 x 32 along the input dim K (K % 32 == 0)
+    scale       E8M0 stored as U8, value 2^(byte - 127), shape [..., N, K/32], multiply;
+                byte from the block amax by `scale_rule` (emax_elem = 8, max_elem = 448):
+                  floor  floor(log2 amax) - 8                      (OCP MX v1.0)
+                  even   floor(log2 R(amax)) - 8, R rounds the mantissa at FP4 width (CT)
+                  rceil  ceil(log2(amax / 448))                     (ModelOpt, triton_kernels)
+                clamped to [0, 254] (255 = NaN is never written); all-zero block -> byte 0
+    encode      q = e4m3_rne(clamp(x / 2^(byte-127), -448, 448))
+    decode      x ~ float(q) * 2^(byte - 127)
+    bits/param  8.25
+    layouts     compressed-tensors (default, rule even), modelopt (`MXFP8`, rule rceil, vLLM),
+                fp8 (SGLang `quant_method: mxfp8`, `weight_scale_inv` U8, rule rceil)
+"""
+
+from quantcli.kernels.spec import MX, SCALE_RULES, QuantSpec
+
+from .base import Recipe
+
+RECIPE = Recipe(name="mxfp8", spec=QuantSpec(MX, element="e4m3", group=32, scale_rule="even"),
+                element_bits=8, block=(1, 32), scale_encoding="e8m0_bias127", k_multiple=32,
+                scale_rules=SCALE_RULES)

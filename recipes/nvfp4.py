@@ -1,0 +1,25 @@
+"""nvfp4: NVIDIA FP4, E2M1 elements with an E4M3 scale per 16 and an FP32 global scale.
+
+Format card (ModelOpt's arithmetic, FP32 throughout)
+    element     E2M1, RNE ties to even code, saturating at 6, two per byte, low nibble first
+    block       1 x 16 along K (K % 16 == 0)
+    global      s2 = amax_W / 2688 (2688 = 6 * 448), FP32, multiply (`weight_scale_2`);
+                compressed-tensors stores 1 / s2 as `weight_global_scale` (divide).
+                Fused groups (q/k/v, gate/up, w1/w3) share the group's max amax.
+                All-zero tensor: amax_W treated as 1.0.
+    block scale sb = e4m3_rne(clamp(amax_b / (6 * s2), 2^-9, 448)), the product 6 * s2 first;
+                a zero quotient (all-zero block) -> 1.0 (0x38)
+    encode      q = e2m1_rne(x / (float(sb) * s2)), the product float(sb) * s2 formed first
+    decode      x ~ e2m1(q) * (float(sb) * s2)
+    bits/param  4.5 (+ 32 bits per tensor)
+    layouts     modelopt (default; `weight` U8 [N, K/2], `weight_scale` F8_E4M3 [N, K/16],
+                `weight_scale_2` F32 0-d), compressed-tensors (`weight_packed`, `weight_scale`,
+                `weight_global_scale` F32 [1])
+"""
+
+from quantcli.kernels.spec import NVFP4, QuantSpec
+
+from .base import Recipe
+
+RECIPE = Recipe(name="nvfp4", spec=QuantSpec(NVFP4, element="e2m1", group=16), element_bits=4,
+                block=(1, 16), scale_encoding="e4m3fn", k_multiple=16, has_global_scale=True)
