@@ -1,0 +1,209 @@
+"""Command bodies: call the library, render tables or JSON, return the exit code."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .errors import QuantcliError
+
+
+def _console(stderr: bool = False) -> Console:
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+
+
+def emit_json(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+# ---------------------------------------------------------------- convert
+
+
+def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
+                config: Path | None, scale_rule: str | None, revision: str | None, device: str, backend: str,
+                dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool) -> int:
+    from .convert import RunOptions, check_destination
+    from .plan import Options, load_recipe_file
+    from .source import open_source
+
+    opts = Options(recipe=recipe or "")
+    if config is not None:
+        data = load_recipe_file(config)
+        opts.recipe = recipe or data.get("recipe", "")
+        opts.layout = data.get("layout")
+        opts.scale_rule = data.get("scale_rule")
+        opts.targets = list(data.get("targets", []))
+        opts.ignore = list(data.get("ignore", []))
+        opts.overrides = [(o["pattern"], o["recipe"]) for o in data.get("override", [])]
+    opts.layout = layout or opts.layout
+    opts.scale_rule = scale_rule or opts.scale_rule
+    opts.ignore += ignore
+    if not opts.recipe:
+        raise QuantcliError("--recipe is required (or 'recipe' in --config): fp8, fp8-channel, fp8-block, mxfp8, "
+                            "mxfp4, nvfp4, or bf16/fp16/fp32 to dequantize")
+    run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
+    local_src = Path(src) if Path(src).exists() else None
+    if not dry_run:
+        check_destination(local_src, dst, run)
+    source = open_source(src, revision)
+
+    from .reformat import detect_quantized, plan_for
+
+    detected = detect_quantized(source)
+    plan = plan_for(source, opts, detected)
+    if dry_run:
+        return _print_plan(plan, json_out)
+    from .convert import Converter
+
+    converter = Converter(plan, dst, run)
+    if not quiet and not json_out and sys.stderr.isatty():
+        result = _with_progress(converter, plan)
+    else:
+        result = converter.execute()
+    summary = {
+        "destination": str(result.dst), "layout": plan.layout.name, "recipes": sorted(plan.recipes),
+        "tensors_quantized": result.quantized, "tensors_total": len(plan.tensors),
+        "bytes_in": result.bytes_in, "bytes_out": result.bytes_out, "seconds": round(result.seconds, 3),
+        "shards_written": result.shards_written, "shards_resumed": result.shards_resumed,
+        "excluded": plan.excluded_names(), "warnings": result.warnings,
+        "lossless": getattr(plan, "lossless", False), "notes": list(getattr(plan, "notes", [])),
+    }
+    if json_out:
+        emit_json(summary)
+        return 0
+    con = _console()
+    for w in result.warnings:
+        _console(stderr=True).print(f"warning: {w}")
+    for n in summary["notes"]:
+        con.print(f"note: {n}")
+    rate = result.bytes_in / max(result.seconds, 1e-9) / 1e9
+    con.print(f"wrote {result.dst}: {result.quantized} of {len(plan.tensors)} tensors quantized "
+              f"({', '.join(sorted(plan.recipes)) or 'none'} -> {plan.layout.name}), "
+              f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)} in {result.seconds:.1f} s "
+              f"({rate:.2f} GB/s)" + (f", {result.shards_resumed} shard(s) resumed" if result.shards_resumed else ""))
+    return 0
+
+
+def _with_progress(converter, plan):
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    columns = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn()]
+    with Progress(*columns, console=_console(stderr=True), transient=True) as bar:
+        task = bar.add_task("converting", total=plan.bytes_in)
+
+        def advance(n: int, shard: str) -> None:
+            bar.update(task, advance=n, description=shard)
+
+        converter.progress = advance
+        return converter.execute()
+
+
+def _print_plan(plan, json_out: bool) -> int:
+    from .convert import fingerprint
+
+    rows = []
+    for t in plan.tensors:
+        rows.append({"name": t.name, "shard": t.shard, "dtype": t.dtype, "shape": list(t.shape),
+                     "recipe": t.recipe, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,
+                     "bits_per_param": round(8 * t.bytes_out / max(1, t.bytes_in // _itemsize(t.dtype)), 3),
+                     "fused_group": t.fused_group, "outputs": [o.name for o in t.outputs]})
+    largest = max((t.bytes_in + t.bytes_out for t in plan.tensors), default=0)
+    # One source tensor, its FP32 upcast and its outputs are alive at once (plus the transposed view).
+    peak = max((t.bytes_in + 4 * _numel(t.shape) * 2 + t.bytes_out for t in plan.tensors if t.quantized),
+               default=largest)
+    params_q = plan.params(quantized=True)
+    total_params = plan.params()
+    doc = {"source": plan.source.label, "layout": plan.layout.name, "recipes": sorted(plan.recipes),
+           "tensors": rows, "excluded": [{"module": e.module, "reason": e.reason} for e in plan.exclusions],
+           "exclusion_key": plan.layout.exclusion_key, "exclusion_list": plan.excluded_names(),
+           "warnings": plan.warnings, "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
+           "params": total_params, "params_quantized": params_q,
+           "bits_per_param": round(8 * plan.bytes_out / max(1, total_params), 3),
+           "estimated_peak_memory_bytes": peak, "fingerprint": fingerprint(plan)}
+    if json_out:
+        emit_json(doc)
+        return 0
+    con = _console()
+    table = Table(title=f"plan: {plan.source.label} -> {plan.layout.name}", show_lines=False)
+    for col in ("tensor", "dtype", "shape", "recipe", "in", "out", "bits/param"):
+        table.add_column(col, justify="right" if col in ("in", "out", "bits/param") else "left")
+    for r in rows:
+        table.add_row(r["name"], r["dtype"], "x".join(map(str, r["shape"])), r["recipe"] or "-",
+                      human_bytes(r["bytes_in"]), human_bytes(r["bytes_out"]), f"{r['bits_per_param']:.2f}")
+    con.print(table)
+    for e in plan.exclusions:
+        con.print(f"excluded {e.module}: {e.reason}")
+    for w in plan.warnings:
+        con.print(f"warning: {w}")
+    con.print(f"total {human_bytes(plan.bytes_in)} -> {human_bytes(plan.bytes_out)}, {doc['bits_per_param']:.2f} "
+              f"bits/param over {total_params:,} params ({params_q:,} quantized); estimated peak memory "
+              f"{human_bytes(peak)}; nothing written (--dry-run)")
+    return 0
+
+
+def _itemsize(dtype: str) -> int:
+    from .safetensors_io import ITEMSIZE
+
+    return ITEMSIZE.get(dtype, 1)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: bool, kv_cache: bool,
+                kv_budget: str, json_out: bool) -> int:
+    from .inspect import inspect_checkpoint, kv_cache_account, parse_size, render_inspect
+
+    budget = parse_size(kv_budget)
+    report = inspect_checkpoint(path, revision=revision, pattern=tensors, stats=stats)
+    if kv_cache:
+        report["kv_cache"] = kv_cache_account(report["config"], budget)
+    if json_out:
+        report = dict(report)
+        report.pop("config", None)
+        emit_json(report)
+    else:
+        render_inspect(report, _console())
+    return 0
+
+
+# ---------------------------------------------------------------- verify
+
+
+def run_verify(quant: str, *, reference: str | None, revision: str | None, tensors: str | None, top: int,
+               exact: bool, tp: int | None, thresholds: list[str], device: str, json_out: bool) -> int:
+    from .verify import parse_thresholds, render_verify, verify_checkpoint
+
+    limits = parse_thresholds(thresholds)
+    if exact and reference is None:
+        raise QuantcliError("--exact needs --reference SRC: it re-quantizes the reference and compares bytes")
+    if tp is not None and tp < 1:
+        raise QuantcliError(f"--tp {tp}: must be a positive number of ranks")
+    report = verify_checkpoint(quant, reference=reference, revision=revision, pattern=tensors, exact=exact,
+                               tp=tp, limits=limits, device=device)
+    if json_out:
+        emit_json(report)
+    else:
+        render_verify(report, _console(), top)
+    return 0 if report["passed"] else 1

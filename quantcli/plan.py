@@ -1,0 +1,306 @@
+"""Plan a conversion from headers alone: which tensors are quantized with which recipe, what is
+excluded and why, fused groups, every output tensor's name, dtype and shape.
+
+Everything that can go wrong with shapes or options is found here, before any tensor data is
+read, and reported all at once.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import LayoutError, QuantcliError, RecipeError
+from .layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
+from .recipes import RECIPES, QuantizedTensor, Recipe, get_recipe
+from .safetensors_io import DTYPES, ITEMSIZE, OutSpec, dtype_name
+from .source import Source
+
+# FORMATS.md A.4: never quantized by default. (reason, pattern on the module name)
+DEFAULT_EXCLUDES: list[tuple[str, re.Pattern]] = [
+    ("lm_head", re.compile(r"(^|\.)lm_head$|^output$|(^|\.)output_layer$")),
+    ("embedding", re.compile(r"embed|(^|\.)wte$|(^|\.)wpe$|word_embeddings|position_embeddings")),
+    ("norm", re.compile(r"norm", re.IGNORECASE)),
+    ("MoE router/gate", re.compile(r"(^|\.)gate$|router|shared_expert_gate$")),
+    ("vision tower", re.compile(r"vision_tower|(^|\.)visual(\.|$)|vision_model|multi_modal_projector|embed_vision")),
+    ("MTP head", re.compile(r"(^|\.)mtp(\.|$)")),
+]
+# Projections that engines fuse into one GEMM and that must share one global scale (A.3).
+FUSED_SETS = [("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("gate_proj", "up_proj"),
+              ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa")]
+# 3-D expert parameters without a `.weight` suffix (gpt-oss, Llama 4) are stored [E, in, out].
+TRANSPOSED_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    shard: str
+    dtype: str
+    shape: tuple[int, ...]
+    recipe: str | None = None  # None: passed through unchanged
+    module: str | None = None
+    transpose: bool = False  # [E, K, N] source stacks are quantized as [E, N, K]
+    fused_group: str | None = None
+    outputs: tuple[OutSpec, ...] = ()
+
+    @property
+    def quantized(self) -> bool:
+        return self.recipe is not None
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        if self.transpose:
+            return (*self.shape[:-2], self.shape[-1], self.shape[-2])
+        return self.shape
+
+    @property
+    def bytes_in(self) -> int:
+        n = ITEMSIZE.get(self.dtype, 1)
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    module: str
+    reason: str
+
+
+@dataclass
+class Options:
+    recipe: str
+    layout: str | None = None
+    ignore: list[str] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)  # empty: every eligible Linear
+    overrides: list[tuple[str, str]] = field(default_factory=list)  # (pattern, recipe), first match wins
+    scale_rule: str | None = None
+
+
+@dataclass
+class Plan:
+    source: Source
+    layout: Layout
+    options: Options
+    tensors: list[TensorPlan]
+    exclusions: list[Exclusion]
+    warnings: list[str]
+    recipes: dict[str, Recipe]
+
+    def by_shard(self) -> dict[str, list[TensorPlan]]:
+        out: dict[str, list[TensorPlan]] = {s: [] for s in self.source.shards}
+        for t in self.tensors:
+            out[t.shard].append(t)
+        return out
+
+    def fused_groups(self) -> dict[str, list[TensorPlan]]:
+        groups: dict[str, list[TensorPlan]] = {}
+        for t in self.tensors:
+            if t.fused_group:
+                groups.setdefault(t.fused_group, []).append(t)
+        return groups
+
+    def modules_by_recipe(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for t in self.tensors:
+            if t.quantized:
+                out.setdefault(t.recipe, []).append(t.module)
+        return out
+
+    def excluded_names(self) -> list[str]:
+        """The exact module names for the layout's exclusion key: every Linear left unquantized,
+        and always lm_head (tied heads have no tensor but are still an unquantized Linear)."""
+        names = {e.module for e in self.exclusions}
+        names.add("lm_head")
+        return sorted(names)
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(t.bytes_in for t in self.tensors)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(t.bytes_out for t in self.tensors)
+
+    def params(self, quantized: bool | None = None) -> int:
+        total = 0
+        for t in self.tensors:
+            if quantized is None or t.quantized == quantized:
+                n = 1
+                for d in t.shape:
+                    n *= d
+                total += n
+        return total
+
+
+def load_recipe_file(path: Path) -> dict:
+    """Read a TOML recipe file: recipe, layout, scale_rule, targets, ignore, [[override]]."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise QuantcliError(f"--config {path}: no such file") from None
+    except (tomllib.TOMLDecodeError, OSError) as exc:
+        raise QuantcliError(f"--config {path}: not valid TOML ({exc})") from None
+    known = {"recipe", "layout", "scale_rule", "targets", "ignore", "override"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise QuantcliError(f"--config {path}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+    for i, o in enumerate(data.get("override", [])):
+        if set(o) != {"pattern", "recipe"}:
+            raise QuantcliError(f"--config {path}: [[override]] #{i + 1} needs exactly 'pattern' and 'recipe'")
+    return data
+
+
+def matches(pattern: str, module: str) -> bool:
+    """`re:REGEX` (re.match on the module name) or a glob on the module name."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(module + ".weight", pattern)
+
+
+def _validate_pattern(pattern: str, option: str) -> None:
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as exc:
+            raise QuantcliError(f"{option} {pattern!r}: not a valid regex ({exc})") from None
+
+
+def default_exclusion(module: str, config: dict) -> str | None:
+    for reason, rx in DEFAULT_EXCLUDES:
+        if rx.search(module):
+            return reason
+    # DeepSeek-style MTP layers sit after the last decoder layer.
+    n_layers, n_mtp = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers")
+    if n_layers and n_mtp:
+        m = re.match(r"model\.layers\.(\d+)\.", module)
+        if m and int(m.group(1)) >= n_layers:
+            return "MTP head"
+    return None
+
+
+def fused_group_of(module: str) -> str | None:
+    parent, _, leaf = module.rpartition(".")
+    for members in FUSED_SETS:
+        if leaf in members:
+            return f"{parent}.{{{','.join(members)}}}"
+    return None
+
+
+def output_specs(layout: Layout, module: str, recipe: Recipe, shape: tuple[int, ...]) -> tuple[OutSpec, ...]:
+    """Names, dtypes and shapes the layout will write, from a meta-device stand-in."""
+    scale_dtype = torch.float32 if recipe.scale_encoding == "f32" else torch.uint8
+    meta = QuantizedTensor(
+        recipe.name, shape,
+        torch.empty(recipe.codes_shape(shape), dtype=torch.uint8, device="meta"),
+        torch.empty(recipe.scale_shape(shape), dtype=scale_dtype, device="meta"),
+        torch.empty((), dtype=torch.float32, device="meta") if recipe.has_global_scale else None,
+        recipe.scale_rule)
+    return tuple(OutSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in layout.to_disk(module, meta).items())
+
+
+def _choose_recipe(module: str, opts: Options) -> str:
+    for pattern, recipe in opts.overrides:
+        if matches(pattern, module):
+            return recipe
+    return opts.recipe
+
+
+def make_plan(source: Source, opts: Options) -> Plan:
+    if opts.recipe not in RECIPES:
+        get_recipe(opts.recipe)  # raises the registry's error listing the names
+    for p in opts.ignore:
+        _validate_pattern(p, "--ignore")
+    for p in opts.targets:
+        _validate_pattern(p, "targets")
+    layout = get_layout(opts.layout or DEFAULT_LAYOUT[opts.recipe])
+    used = {opts.recipe} | {r for _, r in opts.overrides}
+    recipes: dict[str, Recipe] = {}
+    for name in sorted(used):
+        get_recipe(name)
+        layout.require(name, layouts_for(name))
+        recipes[name] = layout.recipe_for(name, opts.scale_rule if get_recipe(name).scale_rules else None)
+    if opts.scale_rule and not any(r.scale_rules for r in recipes.values()):
+        raise QuantcliError(f"--scale-rule {opts.scale_rule}: only MX recipes (mxfp8, mxfp4) take a scale rule")
+
+    errors: list[str] = []
+    warnings: list[str] = []
+    exclusions: list[Exclusion] = []
+    tensors: list[TensorPlan] = []
+    for shard in source.shards:
+        for name, info in sorted(source.headers[shard].tensors.items()):
+            if source.weight_map and source.weight_map.get(name) != shard:
+                continue  # a tensor the index assigns elsewhere (duplicate) is not ours to copy
+            plain = TensorPlan(name, shard, info.dtype, info.shape,
+                               outputs=(OutSpec(name, info.dtype, info.shape),))
+            is_linear = name.endswith(".weight") and len(info.shape) == 2
+            is_experts = len(info.shape) == 3 and "experts" in name
+            if not (is_linear or is_experts):
+                tensors.append(plain)
+                continue
+            module = module_of(name)
+            reason = default_exclusion(module, source.config)
+            if reason is None and any(matches(p, module) for p in opts.ignore):
+                reason = "--ignore"
+            if reason is None and opts.targets and not any(matches(p, module) for p in opts.targets):
+                reason = "not in targets"
+            if reason is None and layout.name == "gpt-oss" and not is_experts:
+                reason = "gpt-oss layout quantizes MoE experts only"
+            if reason is None and DTYPES.get(info.dtype) not in (torch.float32, torch.float16, torch.bfloat16):
+                reason = f"dtype {info.dtype} is not a float weight"
+            recipe = recipes[_choose_recipe(module, opts)] if reason is None else None
+            transpose = bool(is_experts and TRANSPOSED_EXPERTS.search(name))
+            if recipe is not None:
+                shape = (*info.shape[:-2], info.shape[-1], info.shape[-2]) if transpose else info.shape
+                try:
+                    recipe.check(name, shape, DTYPES[info.dtype])
+                    layout.check_shape(name, recipe, shape)
+                except (RecipeError, LayoutError) as exc:
+                    reason = str(exc).split(": ", 1)[1]
+                    warnings.append(f"{name}: left unquantized: {reason}")
+                    recipe = None
+            if recipe is None:
+                if is_linear and reason not in ("embedding", "norm"):
+                    exclusions.append(Exclusion(module, reason))
+                tensors.append(plain)
+                continue
+            group = fused_group_of(module) if recipe.has_global_scale else None
+            tensors.append(TensorPlan(name, shard, info.dtype, info.shape, recipe.name, module, transpose, group,
+                                      output_specs(layout, module, recipe, shape)))
+    # Fused groups only matter when they have two or more quantized members.
+    counts: dict[str, int] = {}
+    for t in tensors:
+        if t.fused_group:
+            counts[t.fused_group] = counts.get(t.fused_group, 0) + 1
+    tensors = [t if not t.fused_group or counts[t.fused_group] > 1 else _replace_group(t) for t in tensors]
+    _check_collisions(tensors, errors)
+    if errors:
+        raise QuantcliError(f"{len(errors)} problem(s) in the plan: " + "; ".join(errors))
+    if not any(t.quantized for t in tensors):
+        warnings.append("no tensor matched the recipe: the output will be an unquantized copy")
+    return Plan(source, layout, opts, tensors, exclusions, warnings, recipes)
+
+
+def _replace_group(t: TensorPlan) -> TensorPlan:
+    from dataclasses import replace
+
+    return replace(t, fused_group=None)
+
+
+def _check_collisions(tensors: list[TensorPlan], errors: list[str]) -> None:
+    seen: dict[str, str] = {}
+    for t in tensors:
+        for o in t.outputs:
+            if o.name in seen and seen[o.name] != t.name:
+                errors.append(f"output tensor {o.name} would be written for both {seen[o.name]} and {t.name}")
+            seen[o.name] = t.name

@@ -1,0 +1,33 @@
+"""Write a small random Hugging Face checkpoint (Llama or Mixtral-style MoE) for demos and tests.
+
+    python scripts/make_checkpoint.py demo/tiny-llama
+    python scripts/make_checkpoint.py demo/tiny-moe --arch moe --shards 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quantcli.testing import make_llama, make_moe  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--arch", choices=["llama", "moe"], default="llama")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    make = make_llama if args.arch == "llama" else make_moe
+    make(args.out, hidden=args.hidden, layers=args.layers, shards=args.shards, seed=args.seed)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
