@@ -1,0 +1,48 @@
+"""Random access to a checkpoint's tensors by name, across shards (one open file per shard)."""
+
+from __future__ import annotations
+
+from .safetensors_io import Header, TensorInfo, TensorReader, read_header
+from .source import Source
+
+
+class CheckpointTensors:
+    def __init__(self, source: Source):
+        self.source = source
+        self.where: dict[str, str] = {}
+        for shard in source.shards:
+            for name in source.headers[shard].tensors:
+                if not source.weight_map or source.weight_map.get(name) == shard:
+                    self.where[name] = shard
+        self._readers: dict[str, TensorReader] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def info(self, name: str) -> TensorInfo:
+        return self.source.headers[self.where[name]].tensors[name]
+
+    def _reader(self, shard: str) -> TensorReader:
+        if shard not in self._readers:
+            header: Header = self.source.headers[shard]
+            if header.data_offset < 0:  # a Hub header read remotely: fetch the shard now
+                header = read_header(self.source.shard_path(shard))
+            self._readers[shard] = TensorReader(header)
+        return self._readers[shard]
+
+    def get(self, name: str):
+        return self._reader(self.where[name]).tensor(name)
+
+    def raw(self, name: str) -> bytearray:
+        return self._reader(self.where[name]).raw(name)
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+
+    def __enter__(self) -> "CheckpointTensors":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
