@@ -110,7 +110,8 @@ def verify(
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)
+        sys.exit(rc if isinstance(rc, int) else 0)
     except QuantcliError as exc:
         if os.environ.get("QUANTCLI_DEBUG"):
             raise
@@ -133,6 +134,3 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
-
-def _json(obj: object) -> str:
-    return json.dumps(obj, indent=2, sort_keys=False, default=str)

@@ -238,6 +238,7 @@ class Converter:
             self.write_shard(shard, tensors, out_path, group_amax)
             progress.record(shard, out_path, {m: v for m, v in self.globals.items() if m not in self.globals_before})
             written += 1
+            _fault_injection(written)
         self.write_side_files(stage, fp)
         (stage / PROGRESS_NAME).unlink()
         manifest = self.manifest(fp)
@@ -307,6 +308,15 @@ def module_entry(t: TensorPlan, recipe, disk: tuple[DiskEntry, ...]) -> ModuleEn
         packing="e2m1x2" if fp4 else None, nibble_order="low_first" if fp4 else None, scale_rule=rule,
         element_rounding="rne_sat", zero_block_policy=zero, scale_layout="linear",
         transposed_from_source=t.transpose, fused_group=t.fused_group, tensors=disk)
+
+
+def _fault_injection(shards_written: int) -> None:
+    """Crash-safety tests kill the process here (SIGKILL, no cleanup) after N shards."""
+    limit = os.environ.get("QUANTCLI_KILL_AFTER_SHARDS")
+    if limit and int(limit) == shards_written:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _local_header(plan: Plan, shard: str):

@@ -1,0 +1,37 @@
+import os
+
+# The Triton kernels run on the CPU through the interpreter; this must be set before triton loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from quantcli.testing import make_llama, make_moe  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("src") / "llama", hidden=128, layers=2, shards=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> Path:
+    return make_moe(tmp_path_factory.mktemp("src") / "moe", hidden=64, layers=2, shards=2)
+
+
+@pytest.fixture
+def run_cli(capsys, monkeypatch):
+    """Run `quantcli ARGS` through main() (so errors print as one line) -> (exit code, stdout, stderr)."""
+    from quantcli.cli import main
+
+    def run(*args: str):
+        monkeypatch.setattr(sys, "argv", ["quantcli", *map(str, args)])
+        with pytest.raises(SystemExit) as exc:
+            main()
+        out = capsys.readouterr()
+        return exc.value.code or 0, out.out, out.err
+
+    return run
