@@ -1,0 +1,220 @@
+"""`quantcli convert` end to end on tiny transformers checkpoints made in the session."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantcli.layouts import DEFAULT_LAYOUT
+from quantcli.source import open_source
+
+RECIPES = ["fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4"]
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def linear_modules(src: Path) -> set[str]:
+    s = open_source(str(src))
+    return {n[:-7] for h in s.headers.values() for n, i in h.tensors.items()
+            if n.endswith(".weight") and len(i.shape) == 2 and "embed" not in n and "norm" not in n}
+
+
+def check_output(src: Path, out: Path, recipe: str, layout: str):
+    manifest = json.loads((out / "quantcli_manifest.json").read_text())
+    assert manifest["layout"] == layout
+    quantized = {m["module"] for m in manifest["modules"]}
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    excluded = set(json.loads((out / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]) \
+        if layout == "modelopt" else set(qc.get("ignore") or qc.get("ignored_layers") or qc.get("modules_to_not_convert"))
+    assert linear_modules(src) <= quantized | excluded  # every Linear is quantized or listed
+    assert "lm_head" in excluded and excluded
+    assert not any(".gate" in m and m.endswith("gate") for m in quantized)  # routers stay dense
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    s = open_source(str(out))
+    assert set(index["weight_map"]) == {n for h in s.headers.values() for n in h.tensors}
+    assert index["metadata"]["total_size"] == sum(i.nbytes for h in s.headers.values() for i in h.tensors.values())
+    assert (out / "tokenizer_config.json").exists() or not (src / "tokenizer_config.json").exists()
+    assert "Quantization (quantcli)" in (out / "README.md").read_text()
+    # Unquantized tensors pass through bit-identical (no dtype casts).
+    src_s = open_source(str(src))
+    from quantcli.tensors import CheckpointTensors
+
+    with CheckpointTensors(src_s) as a, CheckpointTensors(s) as b:
+        for name in a.where:
+            if name.endswith(".weight") and name[:-7] in quantized:
+                continue
+            assert a.info(name).dtype == b.info(name).dtype and a.raw(name) == b.raw(name), name
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("which", ["default", "compressed-tensors"])
+def test_every_recipe_converts_llama_and_moe(recipe, which, tiny_llama, tiny_moe, tmp_path, run_cli):
+    layout = DEFAULT_LAYOUT[recipe] if which == "default" else which
+    for src in (tiny_llama, tiny_moe):
+        out = tmp_path / f"{src.name}-{recipe}"
+        code, _, err = run_cli("convert", src, out, "--recipe", recipe, "--layout", layout, "--quiet")
+        assert code == 0, err
+        check_output(src, out, recipe, layout)
+
+
+def test_moe_experts_quantized_fused_groups_share_global(tiny_moe, tmp_path, run_cli):
+    out = tmp_path / "moe-nvfp4"
+    assert run_cli("convert", tiny_moe, out, "--recipe", "nvfp4", "--quiet")[0] == 0
+    m = json.loads((out / "quantcli_manifest.json").read_text())
+    mods = {x["module"]: x for x in m["modules"]}
+    assert "model.layers.0.block_sparse_moe.experts.3.w2" in mods
+    assert "model.layers.0.block_sparse_moe.gate" in m["excluded"]
+
+    def g(name):
+        return next(t["value"] for t in mods[name]["tensors"] if t["role"] == "global_scale")
+
+    e = "model.layers.1.block_sparse_moe.experts.2"
+    assert g(f"{e}.w1") == g(f"{e}.w3") != g(f"{e}.w2")
+    a = "model.layers.0.self_attn"
+    assert g(f"{a}.q_proj") == g(f"{a}.k_proj") == g(f"{a}.v_proj")
+
+
+def test_ct_outputs_load_in_transformers_with_close_logits(tiny_llama, tmp_path, run_cli):
+    transformers = pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = ref(ids).logits.flatten()
+    floors = {"fp8-block": 0.995, "fp8-channel": 0.995, "mxfp8": 0.99, "nvfp4": 0.95, "mxfp4": 0.93, "fp8": 0.99}
+    for recipe, floor in floors.items():
+        out = tmp_path / recipe
+        assert run_cli("convert", tiny_llama, out, "--recipe", recipe, "--layout", "compressed-tensors", "--quiet")[0] == 0
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                     quantization_config=CompressedTensorsConfig(run_compressed=False))
+        with torch.no_grad():
+            got = model(ids).logits.flatten()
+        cos = float(torch.nn.functional.cosine_similarity(got, base, dim=0))
+        assert floor < cos < 1.0, (recipe, cos)  # close, and really quantized
+    del transformers
+
+
+def test_two_runs_byte_identical_and_triton_backend_matches(tiny_llama, tmp_path, run_cli):
+    for name, backend in (("a", "torch"), ("b", "torch"), ("c", "triton")):
+        assert run_cli("convert", tiny_llama, tmp_path / name, "--recipe", "nvfp4", "--backend", backend, "--quiet")[0] == 0
+    a, b, c = (tree_digest(tmp_path / n) for n in "abc")
+    assert a == b == c
+
+
+def test_kill_after_first_shard_then_resume_is_byte_identical(tiny_llama, tmp_path, run_cli):
+    assert run_cli("convert", tiny_llama, tmp_path / "clean", "--recipe", "mxfp4", "--quiet")[0] == 0
+    env = {**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}
+    cmd = [sys.executable, "-m", "quantcli.cli", "convert", str(tiny_llama), str(tmp_path / "out"), "--recipe", "mxfp4",
+           "--quiet"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert proc.returncode == -9
+    assert not (tmp_path / "out").exists() and (tmp_path / "out.partial").exists()
+    code, _, err = run_cli("convert", tiny_llama, tmp_path / "out", "--recipe", "mxfp4", "--quiet")
+    assert code == 2 and "--resume" in err  # an interrupted run is never silently redone
+    code, out, _ = run_cli("convert", tiny_llama, tmp_path / "out", "--recipe", "mxfp4", "--resume", "--json")
+    assert code == 0 and json.loads(out)["shards_resumed"] == 1
+    assert tree_digest(tmp_path / "out") == tree_digest(tmp_path / "clean")
+    assert not (tmp_path / "out.partial").exists()
+
+
+def test_resume_with_other_recipe_refused(tiny_llama, tmp_path):
+    env = {**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}
+    base = [sys.executable, "-m", "quantcli.cli", "convert", str(tiny_llama), str(tmp_path / "o"), "--quiet"]
+    assert subprocess.run(base + ["--recipe", "nvfp4"], env=env, capture_output=True).returncode == -9
+    before = tree_digest(tmp_path / "o.partial")
+    proc = subprocess.run(base + ["--recipe", "fp8-block", "--resume"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "different source, recipe or options" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert tree_digest(tmp_path / "o.partial") == before
+
+
+def test_refusals_write_nothing(tiny_llama, tmp_path, run_cli):
+    src_before = tree_digest(tiny_llama)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    cases = [
+        (["convert", tiny_llama, tmp_path / "full", "--recipe", "nvfp4"], "exists and is not empty"),
+        (["convert", tiny_llama, tiny_llama / "sub", "--recipe", "nvfp4"], "inside it"),
+        (["convert", tiny_llama, tmp_path / "a", "--recipe", "nvfp5"], "unknown recipe 'nvfp5'"),
+        (["convert", tiny_llama, tmp_path / "a", "--recipe", "mxfp4", "--layout", "modelopt"], "layouts that do"),
+        (["convert", tiny_llama, tmp_path / "a", "--recipe", "nvfp4", "--ignore", "re:(("], "not a valid regex"),
+        (["convert", tmp_path / "nope", tmp_path / "a", "--recipe", "nvfp4"], "no such file or folder"),
+        (["convert", tiny_llama, tmp_path / "a", "--recipe", "nvfp4", "--device", "cuda:7"], "cuda"),
+        (["convert", tiny_llama, tmp_path / "a", "--recipe", "fp8", "--scale-rule", "even"], "only MX recipes"),
+    ]
+    for args, message in cases:
+        code, _, err = run_cli(*args)
+        assert code == 2 and message in err and err.count("\n") == 1, (args, err)
+    assert (tmp_path / "full" / "keep.txt").read_text() == "x" and len(list((tmp_path / "full").iterdir())) == 1
+    assert not (tmp_path / "a").exists() and not (tmp_path / "a.partial").exists()
+    assert tree_digest(tiny_llama) == src_before
+
+
+def test_pickle_only_and_escaping_index_refused(tmp_path, run_cli):
+    p = tmp_path / "pkl"
+    p.mkdir()
+    (p / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    code, _, err = run_cli("convert", p, tmp_path / "o", "--recipe", "nvfp4")
+    assert code == 2 and "never unpickles" in err
+    e = tmp_path / "esc"
+    e.mkdir()
+    (e / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a.weight": "../secret.safetensors"}}))
+    code, _, err = run_cli("convert", e, tmp_path / "o2", "--recipe", "nvfp4")
+    assert code == 2 and "outside the checkpoint folder" in err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
+
+
+def test_dry_run_plan_and_toml_overrides(tiny_moe, tmp_path, run_cli):
+    cfg = tmp_path / "mixed.toml"
+    cfg.write_text('recipe = "nvfp4"\nlayout = "compressed-tensors"\nignore = ["re:.*layers\\\\.1\\\\.self_attn.*"]\n'
+                   '[[override]]\npattern = "re:.*self_attn.*"\nrecipe = "fp8-block"\n')
+    code, out, _ = run_cli("convert", tiny_moe, tmp_path / "o", "--config", cfg, "--dry-run", "--json")
+    assert code == 0 and not (tmp_path / "o").exists()
+    plan = json.loads(out)
+    recipes = {t["name"]: t["recipe"] for t in plan["tensors"]}
+    assert recipes["model.layers.0.self_attn.q_proj.weight"] == "fp8-block"
+    assert recipes["model.layers.0.block_sparse_moe.experts.0.w1.weight"] == "nvfp4"
+    assert recipes["model.layers.1.self_attn.q_proj.weight"] is None
+    assert "model.layers.1.self_attn.q_proj" in plan["exclusion_list"]
+    assert plan["bytes_out"] < plan["bytes_in"] and plan["estimated_peak_memory_bytes"] > 0
+    code, out, _ = run_cli("convert", tiny_moe, tmp_path / "o", "--config", cfg, "--quiet")
+    qc = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision" and len(qc["config_groups"]) == 2
+
+
+def test_hub_repo_id_from_offline_cache(tiny_llama, tmp_path, monkeypatch, run_cli):
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in tiny_llama.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    code, _, err = run_cli("convert", "acme/tiny-llama", tmp_path / "o", "--recipe", "fp8-block", "--quiet")
+    assert code == 0, err
+    assert run_cli("convert", tiny_llama, tmp_path / "local", "--recipe", "fp8-block", "--quiet")[0] == 0
+    a, b = tree_digest(tmp_path / "o"), tree_digest(tmp_path / "local")
+    assert {k: v for k, v in a.items() if k not in ("README.md", "quantcli_manifest.json")} == \
+           {k: v for k, v in b.items() if k not in ("README.md", "quantcli_manifest.json")}
+    manifest = json.loads((tmp_path / "o" / "quantcli_manifest.json").read_text())
+    assert manifest["source"]["repo_id"] == "acme/tiny-llama"
+    code, _, err = run_cli("convert", "acme/missing", tmp_path / "o3", "--recipe", "fp8-block")
+    assert code == 2 and "acme/missing" in err
