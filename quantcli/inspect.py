@@ -84,11 +84,13 @@ def infer_recipe(layout: Layout, module: str, tensors: CheckpointTensors) -> str
     if codes.dtype == "F8_E4M3":
         if scale.dtype == "U8":
             return "mxfp8"
-        if len(scale.shape) == 0 or scale.numel == 1:
-            return "fp8"
-        if len(scale.shape) == 4 or (len(scale.shape) == 2 and scale.shape[-1] != 1 and
-                                     scale.shape[0] == math.ceil(codes.shape[0] / 128)):
+        n, k = codes.shape[-2], codes.shape[-1]
+        blocks = (math.ceil(n / 128), math.ceil(k / 128))
+        if scale_name.endswith("_inv") or len(scale.shape) == 4 or (
+                len(scale.shape) == 2 and tuple(scale.shape) == blocks and (scale.shape[-1] != 1 or k <= 128)):
             return "fp8-block"
+        if len(scale.shape) <= 1 and scale.numel == 1:
+            return "fp8"
         return "fp8-channel"
     return None
 
