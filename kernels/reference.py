@@ -190,23 +190,62 @@ def _nvfp4(x: torch.Tensor, global_amax: torch.Tensor | None) -> QuantResult:
     return QuantResult(pack_nibbles(codes), sb, s2)
 
 
+# Rows are quantized in chunks of about this many elements: the FP32 temporaries of one chunk
+# stay in cache and peak memory stays near the size of the source tensor. Every block lies
+# inside one chunk (chunks hold whole rows, and whole 128-row bands for fp8-block), so chunking
+# never changes a byte.
+CHUNK_ELEMENTS = 1 << 18
+
+
+def _chunked(x: torch.Tensor, band: int, fn) -> QuantResult:
+    """Apply `fn` to bands of whole rows (`band` rows at a time, e.g. 128 for fp8-block) and join.
+
+    Row-wise kinds (band 1) see `[rows, K]` with leading dims flattened; fp8-block sees one
+    expert matrix at a time."""
+    *lead, n, k = x.shape
+    if band > 1 and lead:
+        parts = [_chunked(m, band, fn) for m in x.reshape(-1, n, k)]
+        if not parts:
+            return fn(x)
+        r = _join(parts, torch.stack)
+        return QuantResult(r.codes.reshape(x.shape), r.scale.reshape(*lead, *r.scale.shape[1:]), r.global_scale)
+    rows = x.reshape(-1, k) if band == 1 else x
+    step = max(band, (CHUNK_ELEMENTS // max(band * k, 1)) * band)
+    if rows.shape[0] <= step:
+        r = fn(rows)
+    else:
+        r = _join([fn(rows[i:i + step]) for i in range(0, rows.shape[0], step)], torch.cat)
+    if band == 1:
+        scale = r.scale if r.scale.dim() == 0 else r.scale.reshape(*lead, n, *r.scale.shape[1:])
+        r = QuantResult(r.codes.reshape(*lead, n, r.codes.shape[-1]), scale, r.global_scale)
+    return r
+
+
+def _join(parts: list[QuantResult], join) -> QuantResult:
+    scales = [p.scale for p in parts]
+    scale = scales[0] if scales[0].dim() == 0 else join(scales)
+    return QuantResult(join([p.codes for p in parts]), scale, parts[0].global_scale)
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None) -> QuantResult:
-    """Quantize `x [..., N, K]` (any float dtype; upcast to FP32 here) per `spec`.
+    """Quantize `x [..., N, K]` (any float dtype; upcast to FP32 chunk by chunk) per `spec`.
 
     `global_amax` (NVFP4 only) overrides the tensor's own amax, so that fused groups share one
     `weight_scale_2`."""
-    x = x.to(torch.float32)
     _check_finite(x)
+    f32 = lambda t: t.to(torch.float32)  # noqa: E731
     if spec.kind == FP8_TENSOR:
-        return _fp8_tensor(x)
+        scale = _fp8_scale(tensor_amax(x))
+        return _chunked(x, 1, lambda c: QuantResult(encode_e4m3(f32(c) / scale), scale))
     if spec.kind == FP8_CHANNEL:
-        return _fp8_channel(x)
+        return _chunked(x, 1, lambda c: _fp8_channel(f32(c)))
     if spec.kind == FP8_BLOCK_KIND:
-        return _fp8_block(x)
+        return _chunked(x, FP8_BLOCK, lambda c: _fp8_block(f32(c)))
     if spec.kind == MX:
-        return _mx(x, spec)
+        return _chunked(x, 1, lambda c: _mx(f32(c), spec))
     if spec.kind == NVFP4:
-        return _nvfp4(x, global_amax)
+        amax = tensor_amax(x) if global_amax is None else global_amax
+        return _chunked(x, 1, lambda c: _nvfp4(f32(c), amax))
     raise ValueError(f"unknown quantizer kind {spec.kind!r}")
 
 

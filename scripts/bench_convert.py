@@ -1,0 +1,112 @@
+"""Benchmark `quantcli convert` against the floor of plain safetensors read+write of the same files.
+
+    python scripts/bench_convert.py                 # ~2 GB BF16 in 4 shards
+    python scripts/bench_convert.py --size-gb 0.5 --recipes nvfp4 fp8-block
+
+Builds a synthetic Llama-shaped checkpoint, then in one run times (each in a fresh process, so
+peak memory is measured per job): the floor (safetensors load_file + save_file of every shard)
+and `quantcli convert` for each recipe. Prints GB/s of source bytes, the ratio to the floor and
+the peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+RECIPES = ["fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4"]
+FLOOR = """
+import sys, glob, os
+from safetensors.torch import load_file, save_file
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
+    save_file(load_file(f), os.path.join(dst, os.path.basename(f)), metadata={"format": "pt"})
+"""
+
+
+def make_checkpoint(root: Path, size_gb: float, shards: int, hidden: int = 4096) -> int:
+    """Llama-like layers (q/k/v/o + gate/up/down) until the size is reached."""
+    root.mkdir(parents=True, exist_ok=True)
+    inter = hidden * 11 // 4
+    inter -= inter % 128
+    layer = [("self_attn.q_proj", hidden, hidden), ("self_attn.k_proj", hidden // 4, hidden),
+             ("self_attn.v_proj", hidden // 4, hidden), ("self_attn.o_proj", hidden, hidden),
+             ("mlp.gate_proj", inter, hidden), ("mlp.up_proj", inter, hidden), ("mlp.down_proj", hidden, inter)]
+    per_layer = sum(n * k for _, n, k in layer) * 2
+    layers = max(shards, round(size_gb * 1e9 / per_layer))
+    g = torch.Generator().manual_seed(0)
+    weight_map, total = {}, 0
+    per_shard = -(-layers // shards)
+    for s in range(shards):
+        tensors = {}
+        for i in range(s * per_shard, min(layers, (s + 1) * per_shard)):
+            for name, n, k in layer:
+                w = torch.randn(n, k, generator=g, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+                tensors[f"model.layers.{i}.{name}.weight"] = w
+            tensors[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(tensors, root / fname, metadata={"format": "pt"})
+        total += sum(t.numel() * 2 for t in tensors.values())
+        weight_map.update({n: fname for n in tensors})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}))
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": hidden,
+                                                  "num_hidden_layers": layers}))
+    return total
+
+
+def timed(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--recipes", nargs="+", default=RECIPES)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="quantcli-bench-"))
+    src = work / "src"
+    total = make_checkpoint(src, args.size_gb, args.shards)
+    print(f"checkpoint: {total / 1e9:.2f} GB BF16 in {args.shards} shards at {src}; torch threads "
+          f"{torch.get_num_threads()}")
+    timed([sys.executable, "-c", FLOOR, str(src), str(work / "floor")])  # warm the page cache
+    shutil.rmtree(work / "floor")
+    floor_s, floor_rss = timed([sys.executable, "-c", FLOOR, str(src), str(work / "floor")])
+    shutil.rmtree(work / "floor")
+    floor_rate = total / floor_s / 1e9
+    print(f"{'job':<14}{'seconds':>9}{'GB/s':>8}{'x floor':>9}{'peak RSS':>11}")
+    print(f"{'floor':<14}{floor_s:>9.2f}{floor_rate:>8.2f}{1.0:>9.2f}{floor_rss / 2**30:>9.2f} GiB")
+    for recipe in args.recipes:
+        out = work / recipe
+        s, rss = timed([sys.executable, "-m", "quantcli.cli", "convert", str(src), str(out), "--recipe", recipe,
+                        "--device", args.device, "--quiet", "--overwrite"])
+        rate = total / s / 1e9
+        print(f"{recipe:<14}{s:>9.2f}{rate:>8.2f}{rate / floor_rate:>9.2f}{rss / 2**30:>9.2f} GiB")
+        shutil.rmtree(out)
+    if args.workdir is None:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
