@@ -115,17 +115,22 @@ def e8m0_to_float(byte: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- quantizers
 
 
-def _check_finite(x: torch.Tensor) -> None:
-    if not bool(torch.isfinite(x).all()):
+def _check_finite(amax: torch.Tensor) -> torch.Tensor:
+    """amax propagates NaN and Inf, so a finite amax proves its whole block finite: the check
+    costs nothing beyond the amax every quantizer computes anyway."""
+    if not bool(torch.isfinite(amax).all()):
         raise NonFiniteInput("holds NaN or Inf values")
+    return amax
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """Max |x| as an FP32 0-d tensor (0 for an empty tensor)."""
+    """Max |x| as an FP32 0-d tensor (0 for an empty tensor), in FP32 row bands."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    _check_finite(x)
-    return x.abs().amax().to(torch.float32)
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
+    step = max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1))
+    amax = torch.stack([rows[i:i + step].to(torch.float32).abs().amax() for i in range(0, rows.shape[0], step)]).amax()
+    return _check_finite(amax)
 
 
 def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -139,7 +144,7 @@ def _fp8_tensor(x: torch.Tensor) -> QuantResult:
 
 
 def _fp8_channel(x: torch.Tensor) -> QuantResult:
-    amax = x.abs().amax(dim=-1) if x.shape[-1] else x.new_zeros(x.shape[:-1])
+    amax = _check_finite(x.abs().amax(dim=-1) if x.shape[-1] else x.new_zeros(x.shape[:-1]))
     scale = _fp8_scale(amax)
     return QuantResult(encode_e4m3(x / scale.unsqueeze(-1)), scale)
 
@@ -150,7 +155,7 @@ def _fp8_block(x: torch.Tensor) -> QuantResult:
     # Zero padding affects only the amax of edge blocks; the output is cropped back.
     padded = F.pad(x, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
     tiles = padded.reshape(*lead, nb, FP8_BLOCK, kb, FP8_BLOCK)
-    amax = tiles.abs().amax(dim=(-3, -1)) if tiles.numel() else tiles.new_zeros(*lead, nb, kb)
+    amax = _check_finite(tiles.abs().amax(dim=(-3, -1)) if tiles.numel() else tiles.new_zeros(*lead, nb, kb))
     scale = _fp8_scale(amax)
     expanded = scale.repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)
     codes = encode_e4m3(x / expanded[..., :n, :k])
@@ -163,7 +168,7 @@ def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def _mx(x: torch.Tensor, spec: QuantSpec) -> QuantResult:
     g = _groups(x, spec.group)
-    amax = g.abs().amax(dim=-1) if g.numel() else g.new_zeros(g.shape[:-1])
+    amax = _check_finite(g.abs().amax(dim=-1) if g.numel() else g.new_zeros(g.shape[:-1]))
     byte = e8m0_byte(amax, spec.element, spec.scale_rule)
     scaled = (g / e8m0_to_float(byte).unsqueeze(-1)).reshape(x.shape)
     if spec.element == "e4m3":
@@ -181,7 +186,7 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
 def _nvfp4(x: torch.Tensor, global_amax: torch.Tensor | None) -> QuantResult:
     s2 = nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax)
     g = _groups(x, 16)
-    amax_b = g.abs().amax(dim=-1) if g.numel() else g.new_zeros(g.shape[:-1])
+    amax_b = _check_finite(g.abs().amax(dim=-1) if g.numel() else g.new_zeros(g.shape[:-1]))
     block = amax_b / (E2M1_MAX * s2)  # ModelOpt: 6 * s2 first, then the division
     block = torch.where(block == 0, torch.ones_like(block), block)
     sb = encode_e4m3(block.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX))
@@ -232,7 +237,6 @@ def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None 
 
     `global_amax` (NVFP4 only) overrides the tensor's own amax, so that fused groups share one
     `weight_scale_2`."""
-    _check_finite(x)
     f32 = lambda t: t.to(torch.float32)  # noqa: E731
     if spec.kind == FP8_TENSOR:
         scale = _fp8_scale(tensor_amax(x))
