@@ -218,3 +218,30 @@ def test_hub_repo_id_from_offline_cache(tiny_llama, tmp_path, monkeypatch, run_c
     assert manifest["source"]["repo_id"] == "acme/tiny-llama"
     code, _, err = run_cli("convert", "acme/missing", tmp_path / "o3", "--recipe", "fp8-block")
     assert code == 2 and "acme/missing" in err
+
+
+def test_gpt_oss_expert_stacks_transposed_and_verified(tmp_path, run_cli):
+    from quantcli.safetensors_io import write_file
+
+    src = tmp_path / "goss"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    write_file(src / "model.safetensors", {  # HF gpt-oss BF16 stores experts as [E, in, out]
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 64, 128, generator=g).bfloat16(),
+        "model.layers.0.mlp.experts.down_proj": torch.randn(4, 64, 64, generator=g).bfloat16(),
+        "model.layers.0.mlp.router.weight": torch.randn(4, 64, generator=g).bfloat16(),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g).bfloat16()})
+    (src / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "num_hidden_layers": 1}))
+    out = tmp_path / "q"
+    assert run_cli("convert", src, out, "--config", "recipes/examples/mxfp4-gpt-oss-experts.toml", "--quiet")[0] == 0
+    s = open_source(str(out))
+    h = s.headers["model.safetensors"].tensors
+    assert h["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (4, 128, 2, 16)  # [E, N, K/32, 16]
+    assert h["model.layers.0.mlp.experts.gate_up_proj_scales"].shape == (4, 128, 2)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "mxfp4"
+    assert {"model.layers.0.mlp.router", "model.layers.0.self_attn.q_proj"} <= set(qc["modules_to_not_convert"])
+    code, o, _ = run_cli("verify", out, "--reference", src, "--exact", "--json")
+    doc = json.loads(o)
+    assert code == 0 and all(t["exact_identical_fraction"] == 1.0 for t in doc["tensors"])
+    assert doc["tensors"][0]["scale_rule_matches"] == "rceil"
