@@ -87,8 +87,13 @@ def main() -> None:
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="quantcli-bench-"))
     src = work / "src"
-    total = make_checkpoint(src, args.size_gb, args.shards)
-    print(f"checkpoint: {total / 1e9:.2f} GB BF16 in {args.shards} shards at {src}; torch threads "
+    # Built in a child process: ru_maxrss survives fork+exec, so a big parent would inflate every
+    # child's measured peak.
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from bench_convert import make_checkpoint;"
+            f"from pathlib import Path; make_checkpoint(Path({str(src)!r}), {args.size_gb}, {args.shards})")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    total = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    print(f"checkpoint: {total / 1e9:.2f} GB (files) BF16 in {args.shards} shards at {src}; torch threads "
           f"{torch.get_num_threads()}")
     timed([sys.executable, "-c", FLOOR, str(src), str(work / "floor")])  # warm the page cache
     shutil.rmtree(work / "floor")
