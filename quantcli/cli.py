@@ -3,7 +3,6 @@ into text and exit codes; the work lives in convert.py, inspect.py and verify.py
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path

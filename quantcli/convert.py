@@ -24,10 +24,9 @@ import torch
 
 from . import __version__
 from .errors import CheckpointError, QuantcliError
-from .layouts import DiskTensor
 from .manifest import MANIFEST_NAME, DiskEntry, Manifest, ModuleEntry
 from .plan import Plan, TensorPlan
-from .safetensors_io import DTYPES, ShardWriter, TensorReader, tensor_bytes
+from .safetensors_io import ShardWriter, TensorReader, tensor_bytes
 from .source import INDEX
 
 PROGRESS_NAME = ".quantcli-progress.json"
@@ -234,9 +233,9 @@ class Converter:
                 self.progress(sum(t.bytes_in for t in tensors), shard)
                 resumed += 1
                 continue
-            self.globals_before = dict(self.globals)
+            before = set(self.globals)
             self.write_shard(shard, tensors, out_path, group_amax)
-            progress.record(shard, out_path, {m: v for m, v in self.globals.items() if m not in self.globals_before})
+            progress.record(shard, out_path, {m: v for m, v in self.globals.items() if m not in before})
             written += 1
             _fault_injection(written)
         self.write_side_files(stage, fp)
@@ -342,8 +341,4 @@ def model_card(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def dtype_of(name: str) -> torch.dtype:
-    return DTYPES[name]
-
-
-__all__ = ["ConvertResult", "Converter", "RunOptions", "check_destination", "fingerprint", "DiskTensor"]
+__all__ = ["ConvertResult", "Converter", "RunOptions", "check_destination", "fingerprint"]

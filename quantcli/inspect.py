@@ -15,9 +15,7 @@ import torch
 from .detect import Detected, all_names, config_with_extras, detect
 from .errors import QuantcliError
 from .layouts import Layout
-from .plan import DEFAULT_EXCLUDES, fused_group_of, matches, output_specs
-from .recipes import get_recipe
-from .safetensors_io import ITEMSIZE
+from .plan import fused_group_of, matches, output_specs
 from .source import Source, open_source
 from .tensors import CheckpointTensors
 
@@ -329,5 +327,4 @@ def render_inspect(report: dict, con) -> None:
         con.print(t)
 
 
-__all__ = ["inspect_checkpoint", "inspect_source", "kv_cache_account", "parse_size", "render_inspect",
-           "DEFAULT_EXCLUDES", "ITEMSIZE"]
+__all__ = ["inspect_checkpoint", "inspect_source", "kv_cache_account", "parse_size", "render_inspect"]

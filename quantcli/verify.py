@@ -20,7 +20,6 @@ from .decode import decode_module
 from .detect import all_names, config_with_extras, detect
 from .errors import QuantcliError
 from .inspect import exclusion_list, fused_mismatches, is_excluded, linear_modules, describe_module
-from .layouts import get_layout
 from .plan import TRANSPOSED_EXPERTS, fused_group_of, matches
 from .source import open_source
 from .tensors import CheckpointTensors
@@ -349,4 +348,4 @@ def render_verify(report: dict, con, top: int) -> None:
     con.print("[green]PASS[/green]" if report["passed"] else f"[red]FAIL[/red]: {len(report['faults'])} fault(s)")
 
 
-__all__ = ["Limits", "parse_thresholds", "render_verify", "verify_checkpoint", "get_layout"]
+__all__ = ["Limits", "parse_thresholds", "render_verify", "verify_checkpoint"]

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from quantcli.kernels import reference as ref
-from quantcli.kernels.spec import MX, QuantSpec
 from quantcli.recipes import RECIPES, get_recipe
 from quantcli.errors import RecipeError
 
