@@ -94,8 +94,8 @@ def infer_recipe(layout: Layout, module: str, tensors: CheckpointTensors) -> str
 
 
 def describe_module(layout: Layout, module: str, recipe_name: str, tensors: CheckpointTensors,
-                    config: dict) -> dict:
-    recipe = layout.recipe_for(recipe_name)
+                    config: dict, scale_rule: str | None = None) -> dict:
+    recipe = layout.recipe_for(recipe_name, scale_rule if scale_rule in ("floor", "even", "rceil") else None)
     disk = layout.describe(module, recipe)
     entries, nbytes, problems = [], 0, []
     for d in disk:
@@ -195,11 +195,12 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
     with CheckpointTensors(source) as tensors:
         modules, consumed = [], set()
         if det is not None:
+            rules = {m.module: m.scale_rule for m in det.manifest.modules} if det.manifest else {}
             for module, recipe_name in sorted(det.modules.items()):
                 if pattern and not matches(pattern, module):
                     continue
                 try:
-                    m = describe_module(det.layout, module, recipe_name, tensors, config)
+                    m = describe_module(det.layout, module, recipe_name, tensors, config, rules.get(module))
                 except Exception as exc:  # a malformed module is reported, not fatal
                     m = {"module": module, "recipe": recipe_name, "problems": [f"cannot read: {exc}"],
                          "tensors": [], "bytes": 0, "params": 0}

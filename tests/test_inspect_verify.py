@@ -234,3 +234,11 @@ def test_verify_tp_divisibility_and_usage_errors(converted, tiny_llama, run_cli)
     assert code == 2 and "no quantized modules" in err
     code, _, err = run_cli("verify", path, "--threshold", "bogus=1")
     assert code == 2 and "METRIC=VALUE" in err
+
+
+def test_inspect_reports_the_manifest_scale_rule(tiny_llama, tmp_path, run_cli):
+    out = tmp_path / "floor"
+    assert run_cli("convert", tiny_llama, out, "--recipe", "mxfp4", "--scale-rule", "floor", "--quiet")[0] == 0
+    assert {m["scale_rule"] for m in inspect_checkpoint(str(out))["modules"]} == {"floor"}
+    code, o, _ = run_cli("verify", out, "--reference", tiny_llama, "--exact", "--json")
+    assert code == 0 and json.loads(o)["tensors"][0]["scale_rule_matches"] == "floor"
