@@ -133,19 +133,15 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return _check_finite(amax)
 
 
-def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """`amax / 448`, and 1.0 for an all-zero block (never a zero scale)."""
     scale = amax / E4M3_MAX
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 
 
-def _fp8_tensor(x: torch.Tensor) -> QuantResult:
-    scale = _fp8_scale(tensor_amax(x))
-    return QuantResult(encode_e4m3(x / scale), scale)
-
-
 def _fp8_channel(x: torch.Tensor) -> QuantResult:
     amax = _check_finite(x.abs().amax(dim=-1) if x.shape[-1] else x.new_zeros(x.shape[:-1]))
-    scale = _fp8_scale(amax)
+    scale = fp8_scale(amax)
     return QuantResult(encode_e4m3(x / scale.unsqueeze(-1)), scale)
 
 
@@ -156,7 +152,7 @@ def _fp8_block(x: torch.Tensor) -> QuantResult:
     padded = F.pad(x, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
     tiles = padded.reshape(*lead, nb, FP8_BLOCK, kb, FP8_BLOCK)
     amax = _check_finite(tiles.abs().amax(dim=(-3, -1)) if tiles.numel() else tiles.new_zeros(*lead, nb, kb))
-    scale = _fp8_scale(amax)
+    scale = fp8_scale(amax)
     expanded = scale.repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)
     codes = encode_e4m3(x / expanded[..., :n, :k])
     return QuantResult(codes, scale)
@@ -239,7 +235,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None 
     `weight_scale_2`."""
     f32 = lambda t: t.to(torch.float32)  # noqa: E731
     if spec.kind == FP8_TENSOR:
-        scale = _fp8_scale(tensor_amax(x))
+        scale = fp8_scale(tensor_amax(x))
         return _chunked(x, 1, lambda c: QuantResult(encode_e4m3(f32(c) / scale), scale))
     if spec.kind == FP8_CHANNEL:
         return _chunked(x, 1, lambda c: _fp8_channel(f32(c)))

@@ -303,7 +303,7 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 def _fp8_tensor(x: torch.Tensor) -> QuantResult:
     amax = tensor_amax(x)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448.0)
+    scale = reference.fp8_scale(amax)
     x2 = _rows(x)
     m, k = x2.shape
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)

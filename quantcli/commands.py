@@ -78,7 +78,6 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
         "bytes_in": result.bytes_in, "bytes_out": result.bytes_out, "seconds": round(result.seconds, 3),
         "shards_written": result.shards_written, "shards_resumed": result.shards_resumed,
         "excluded": plan.excluded_names(), "warnings": result.warnings,
-        "lossless": getattr(plan, "lossless", False), "notes": list(getattr(plan, "notes", [])),
     }
     if json_out:
         emit_json(summary)
@@ -86,8 +85,6 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     con = _console()
     for w in result.warnings:
         _console(stderr=True).print(f"warning: {w}")
-    for n in summary["notes"]:
-        con.print(f"note: {n}")
     rate = result.bytes_in / max(result.seconds, 1e-9) / 1e9
     con.print(f"wrote {result.dst}: {result.quantized} of {len(plan.tensors)} tensors quantized "
               f"({', '.join(sorted(plan.recipes)) or 'none'} -> {plan.layout.name}), "
@@ -119,11 +116,11 @@ def _print_plan(plan, json_out: bool) -> int:
     for t in plan.tensors:
         rows.append({"name": t.name, "shard": t.shard, "dtype": t.dtype, "shape": list(t.shape),
                      "recipe": t.recipe, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,
-                     "bits_per_param": round(8 * t.bytes_out / max(1, t.bytes_in // _itemsize(t.dtype)), 3),
+                     "bits_per_param": round(8 * t.bytes_out / max(1, t.numel), 3),
                      "fused_group": t.fused_group, "outputs": [o.name for o in t.outputs]})
     largest = max((t.bytes_in + t.bytes_out for t in plan.tensors), default=0)
     # One source tensor, its FP32 upcast and its outputs are alive at once (plus the transposed view).
-    peak = max((t.bytes_in + 4 * _numel(t.shape) * 2 + t.bytes_out for t in plan.tensors if t.quantized),
+    peak = max((t.bytes_in + 4 * t.numel * 2 + t.bytes_out for t in plan.tensors if t.quantized),
                default=largest)
     params_q = plan.params(quantized=True)
     total_params = plan.params()
@@ -153,19 +150,6 @@ def _print_plan(plan, json_out: bool) -> int:
               f"bits/param over {total_params:,} params ({params_q:,} quantized); estimated peak memory "
               f"{human_bytes(peak)}; nothing written (--dry-run)")
     return 0
-
-
-def _itemsize(dtype: str) -> int:
-    from .safetensors_io import ITEMSIZE
-
-    return ITEMSIZE.get(dtype, 1)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # ---------------------------------------------------------------- inspect

@@ -28,6 +28,7 @@ from .manifest import MANIFEST_NAME, DiskEntry, Manifest, ModuleEntry
 from .plan import Plan, TensorPlan
 from .safetensors_io import ShardWriter, TensorReader, tensor_bytes
 from .source import INDEX
+from .tensors import CheckpointTensors
 
 PROGRESS_NAME = ".quantcli-progress.json"
 Progress = Callable[[int, str], None]  # (bytes just done, current shard)
@@ -136,8 +137,8 @@ class _Progress:
             return rec
         return None
 
-    def record(self, shard: str, path: Path, globals_: dict[str, float]) -> None:
-        self.state["shards"][shard] = {"size": path.stat().st_size, "sha256": _sha256(path), "globals": globals_}
+    def record(self, shard: str, size: int, sha256: str, globals_: dict[str, float]) -> None:
+        self.state["shards"][shard] = {"size": size, "sha256": sha256, "globals": globals_}
         _write_json_atomic(self.path, self.state)
 
 
@@ -158,17 +159,11 @@ class Converter:
         from .kernels import tensor_amax
 
         out: dict[str, torch.Tensor] = {}
-        by_shard: dict[str, list[TensorPlan]] = {}
-        for members in self.plan.fused_groups().values():
-            for t in members:
-                by_shard.setdefault(t.shard, []).append(t)
-        for shard, members in by_shard.items():
-            with TensorReader(self.plan.source.headers[shard] if self.plan.source.repo_id is None
-                              else _local_header(self.plan, shard)) as reader:
-                for t in members:
-                    amax = tensor_amax(reader.tensor(t.name).to(self.device), backend=self.backend).cpu()
-                    prev = out.get(t.fused_group)
-                    out[t.fused_group] = amax if prev is None else torch.maximum(prev, amax)
+        with CheckpointTensors(self.plan.source) as tensors:
+            for group, members in self.plan.fused_groups().items():
+                amaxes = [tensor_amax(tensors.get(t.name).to(self.device), backend=self.backend).cpu()
+                          for t in members]
+                out[group] = torch.stack(amaxes).amax()
         return out
 
     # --- pass 2
@@ -182,17 +177,15 @@ class Converter:
                             global_amax=group_amax.get(t.fused_group) if t.fused_group else None)
         if q.global_scale is not None:
             self.globals[t.module] = float(q.global_scale)
-        q = type(q)(q.recipe, q.shape, q.codes.cpu(), q.scale.cpu(),
-                    None if q.global_scale is None else q.global_scale.cpu(), q.scale_rule)
-        return self.plan.layout.to_disk(t.module, q)
+        return self.plan.layout.to_disk(t.module, q.to("cpu"))
 
     def write_shard(self, shard: str, tensors: list[TensorPlan], out_path: Path,
-                    group_amax: dict[str, torch.Tensor]) -> None:
+                    group_amax: dict[str, torch.Tensor]) -> tuple[int, str]:
+        """Write one output shard atomically; returns its size and SHA-256."""
         producer = {o.name: t for t in tensors for o in t.outputs}
         specs = [o for t in tensors for o in t.outputs]
         tmp = out_path.with_name(out_path.name + ".tmp")
-        header = _local_header(self.plan, shard)
-        with TensorReader(header) as reader, open(tmp, "wb") as f:
+        with TensorReader(self.plan.source.local_header(shard)) as reader, open(tmp, "wb") as f:
             writer = ShardWriter(f, specs, {"format": "pt"})
             pending: dict[str, torch.Tensor | bytearray] = {}
             for spec in writer.order:
@@ -210,6 +203,7 @@ class Converter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out_path)
+        return writer.size, writer.sha256
 
     # --- the job
 
@@ -234,8 +228,8 @@ class Converter:
                 resumed += 1
                 continue
             before = set(self.globals)
-            self.write_shard(shard, tensors, out_path, group_amax)
-            progress.record(shard, out_path, {m: v for m, v in self.globals.items() if m not in before})
+            size, sha256 = self.write_shard(shard, tensors, out_path, group_amax)
+            progress.record(shard, size, sha256, {m: v for m, v in self.globals.items() if m not in before})
             written += 1
             _fault_injection(written)
         self.write_side_files(stage, fp)
@@ -253,7 +247,6 @@ class Converter:
         source = plan.source
         groups = plan.modules_by_recipe()
         excluded = plan.excluded_names()
-        scale_rule = next((r.scale_rule for r in plan.recipes.values() if r.scale_rule), None)
         if source.weight_map or len(source.shards) > 1:
             weight_map = {o.name: t.shard for t in plan.tensors for o in t.outputs}
             index = {"metadata": {"total_size": plan.bytes_out},
@@ -266,7 +259,7 @@ class Converter:
         config = dict(source.config)
         config.pop("quantization_config", None)
         if any(t.quantized for t in plan.tensors):
-            config["quantization_config"] = plan.layout.quantization_config(groups, excluded, scale_rule)
+            config["quantization_config"] = plan.layout.quantization_config(groups, excluded)
             for name, obj in plan.layout.extra_files(groups, excluded).items():
                 _write_json_atomic(stage / name, obj)
         _write_json_atomic(stage / "config.json", config)
@@ -316,16 +309,6 @@ def _fault_injection(shards_written: int) -> None:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _local_header(plan: Plan, shard: str):
-    """The header of a shard's local file (downloads a Hub shard on first use)."""
-    source = plan.source
-    if source.repo_id is None:
-        return source.headers[shard]
-    from .safetensors_io import read_header
-
-    return read_header(source.shard_path(shard))
 
 
 def model_card(plan: Plan) -> str:

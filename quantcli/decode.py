@@ -12,7 +12,6 @@ def decode_module(layout: Layout, module: str, recipe: Recipe, q: QuantizedTenso
                   transpose: bool = False, backend: str = "auto", device: torch.device | None = None) -> torch.Tensor:
     """FP32 weight of `module`; `transpose` returns a [E, N, K] expert stack as [E, K, N]."""
     if device is not None:
-        q = QuantizedTensor(q.recipe, q.shape, q.codes.to(device), q.scale.to(device),
-                            None if q.global_scale is None else q.global_scale.to(device), q.scale_rule)
+        q = q.to(device)
     w = recipe.dequantize(q, backend=backend)
     return w.transpose(-1, -2) if transpose else w

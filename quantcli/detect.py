@@ -52,9 +52,7 @@ def all_names(source: Source) -> dict[str, str]:
 def detect_layout(source: Source, manifest: Manifest | None, extras: dict[str, dict]) -> Layout | None:
     if manifest is not None:
         return LAYOUTS.get(manifest.layout)
-    config = dict(source.config)
-    if extras.get("hf_quant_config.json"):
-        config["hf_quant_config"] = extras["hf_quant_config.json"]
+    config = config_with_extras(source, extras)
     for layout in LAYOUTS.values():
         if layout.detect(config, extras):
             return layout

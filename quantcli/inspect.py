@@ -15,7 +15,7 @@ import torch
 from .detect import Detected, all_names, config_with_extras, detect
 from .errors import QuantcliError
 from .layouts import Layout
-from .plan import fused_group_of, matches, output_specs
+from .plan import fused_group_of, is_dense_linear, matches, output_specs
 from .source import Source, open_source
 from .tensors import CheckpointTensors
 
@@ -57,7 +57,7 @@ def linear_modules(names: dict[str, str], tensors: CheckpointTensors) -> list[st
     for name in names:
         if name.endswith(".weight") and len(tensors.info(name).shape) == 2:
             module = name[: -len(".weight")]
-            if not re.search(r"embed|norm|(^|\.)wte$|(^|\.)wpe$", module, re.IGNORECASE):
+            if is_dense_linear(module):
                 out.append(module)
     return out
 

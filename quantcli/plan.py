@@ -8,9 +8,10 @@ read, and reported all at once.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -60,11 +61,12 @@ class TensorPlan:
         return self.shape
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def bytes_in(self) -> int:
-        n = ITEMSIZE.get(self.dtype, 1)
-        for d in self.shape:
-            n *= d
-        return n
+        return self.numel * ITEMSIZE.get(self.dtype, 1)
 
     @property
     def bytes_out(self) -> int:
@@ -133,14 +135,7 @@ class Plan:
         return sum(t.bytes_out for t in self.tensors)
 
     def params(self, quantized: bool | None = None) -> int:
-        total = 0
-        for t in self.tensors:
-            if quantized is None or t.quantized == quantized:
-                n = 1
-                for d in t.shape:
-                    n *= d
-                total += n
-        return total
+        return sum(t.numel for t in self.tensors if quantized is None or t.quantized == quantized)
 
 
 def load_recipe_file(path: Path) -> dict:
@@ -187,6 +182,12 @@ def default_exclusion(module: str, config: dict) -> str | None:
         if m and int(m.group(1)) >= n_layers:
             return "MTP head"
     return None
+
+
+def is_dense_linear(module: str) -> bool:
+    """A 2-D `.weight` module that is a Linear layer, not an embedding or a norm: the modules
+    that must be quantized or named in the exclusion list."""
+    return default_exclusion(module, {}) not in ("embedding", "norm")
 
 
 def fused_group_of(module: str) -> str | None:
@@ -270,7 +271,7 @@ def make_plan(source: Source, opts: Options) -> Plan:
                     warnings.append(f"{name}: left unquantized: {reason}")
                     recipe = None
             if recipe is None:
-                if is_linear and reason not in ("embedding", "norm"):
+                if is_linear and is_dense_linear(module):
                     exclusions.append(Exclusion(module, reason))
                 tensors.append(plain)
                 continue
@@ -282,19 +283,13 @@ def make_plan(source: Source, opts: Options) -> Plan:
     for t in tensors:
         if t.fused_group:
             counts[t.fused_group] = counts.get(t.fused_group, 0) + 1
-    tensors = [t if not t.fused_group or counts[t.fused_group] > 1 else _replace_group(t) for t in tensors]
+    tensors = [t if not t.fused_group or counts[t.fused_group] > 1 else replace(t, fused_group=None) for t in tensors]
     _check_collisions(tensors, errors)
     if errors:
         raise QuantcliError(f"{len(errors)} problem(s) in the plan: " + "; ".join(errors))
     if not any(t.quantized for t in tensors):
         warnings.append("no tensor matched the recipe: the output will be an unquantized copy")
     return Plan(source, layout, opts, tensors, exclusions, warnings, recipes)
-
-
-def _replace_group(t: TensorPlan) -> TensorPlan:
-    from dataclasses import replace
-
-    return replace(t, fused_group=None)
 
 
 def _check_collisions(tensors: list[TensorPlan], errors: list[str]) -> None:

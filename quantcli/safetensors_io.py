@@ -9,6 +9,7 @@ holds a whole shard.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -176,20 +177,32 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 class ShardWriter:
-    """Writes one safetensors file: the header first, then tensors in header order."""
+    """Writes one safetensors file: the header first, then tensors in header order. It hashes
+    what it writes (`sha256`, `size`), so nobody has to read the file back to checksum it."""
 
     def __init__(self, f: BinaryIO, specs: Iterable[OutSpec], metadata: dict[str, str] | None = None):
         header, self.order = build_header(specs, metadata)
         self._f = f
-        self._f.write(header)
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self._emit(header)
         self._next = 0
+
+    def _emit(self, data: memoryview | bytes) -> None:
+        self._f.write(data)
+        self._hash.update(data)
+        self.size += len(data)
 
     def write(self, name: str, data: memoryview | bytes) -> None:
         spec = self.order[self._next]
         if spec.name != name or len(data) != spec.nbytes:
             raise RuntimeError(f"internal: expected {spec.name} ({spec.nbytes} bytes), got {name} ({len(data)})")
-        self._f.write(data)
+        self._emit(data)
         self._next += 1
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
 
     def finish(self) -> None:
         if self._next != len(self.order):

@@ -45,6 +45,14 @@ class Source:
 
         return Path(hf_hub_download(self.repo_id, shard, revision=self.revision))
 
+    def local_header(self, shard: str) -> Header:
+        """The shard's header with file offsets: a Hub header read remotely (no offsets) is
+        replaced by the downloaded shard's own on first use."""
+        header = self.headers[shard]
+        if header.data_offset < 0:
+            header = self.headers[shard] = read_header(self.shard_path(shard))
+        return header
+
     def other_files(self) -> list[str]:
         """Small files to copy to the output (tokenizer, generation config, chat template...)."""
         if self.single_file:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .safetensors_io import Header, TensorInfo, TensorReader, read_header
+from .safetensors_io import TensorInfo, TensorReader
 from .source import Source
 
 
@@ -24,10 +24,7 @@ class CheckpointTensors:
 
     def _reader(self, shard: str) -> TensorReader:
         if shard not in self._readers:
-            header: Header = self.source.headers[shard]
-            if header.data_offset < 0:  # a Hub header read remotely: fetch the shard now
-                header = read_header(self.source.shard_path(shard))
-            self._readers[shard] = TensorReader(header)
+            self._readers[shard] = TensorReader(self.source.local_header(shard))
         return self._readers[shard]
 
     def get(self, name: str):

@@ -159,7 +159,7 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
         if reference is not None:
             ref_source = open_source(reference, revision)
             with CheckpointTensors(ref_source) as rt:
-                group_amax = _reference_group_amax(decoded_cache, rt, manifest_transposed, dev)
+                group_amax = _reference_group_amax(decoded_cache, rt, dev)
                 consumed = set()
                 for module, (recipe, q) in decoded_cache.items():
                     src_name = _source_name(module, rt)
@@ -177,7 +177,10 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
                                       f"a different model or a transposed tensor")
                         continue
                     m = metrics(decoded, ref)
-                    base = _baseline(recipe, ref, transpose, group_amax.get(fused_group_of(module)), dev)
+                    # quantcli's own quantization of the reference: the yardstick, and --exact's bytes
+                    w = ref.to(dev).transpose(-1, -2) if transpose else ref.to(dev)
+                    ours = recipe.quantize(module, w, global_amax=group_amax.get(fused_group_of(module)))
+                    base = metrics(decode_module(layout, module, recipe, ours, transpose=transpose).cpu(), ref)
                     m.update(tensor=module, recipe=recipe.name, baseline_rel_err=base["rel_err"])
                     limit = base["rel_err"] * (1 + limits.margin) + ABS_FLOOR
                     reasons = []
@@ -194,8 +197,7 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
                     for r in reasons:
                         fault(module, r)
                     if exact:
-                        m.update(_exact(layout, module, recipe, ref, transpose, group_amax.get(fused_group_of(module)),
-                                        qt, dev))
+                        m.update(_exact(layout, module, recipe, w, ours.to("cpu"), q, qt))
                     rows.append(m)
                 # Unquantized tensors: present and bit-identical.
                 for name in sorted(rt.where):
@@ -233,7 +235,7 @@ def _source_name(module: str, rt: CheckpointTensors) -> str | None:
     return None
 
 
-def _reference_group_amax(decoded_cache: dict, rt: CheckpointTensors, transposed: dict, dev) -> dict:
+def _reference_group_amax(decoded_cache: dict, rt: CheckpointTensors, dev) -> dict:
     from .kernels import tensor_amax
 
     out: dict[str, torch.Tensor] = {}
@@ -250,39 +252,24 @@ def _reference_group_amax(decoded_cache: dict, rt: CheckpointTensors, transposed
     return out
 
 
-def _baseline(recipe, ref: torch.Tensor, transpose: bool, group_amax, dev) -> dict:
-    w = ref.to(dev)
-    if transpose:
-        w = w.transpose(-1, -2)
-    q = recipe.quantize("reference", w, global_amax=group_amax)
-    d = recipe.dequantize(q)
-    if transpose:
-        d = d.transpose(-1, -2)
-    return metrics(d.cpu(), ref)
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor as uint8 (a view, never a value cast)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _exact(layout, module, recipe, ref, transpose, group_amax, qt: CheckpointTensors, dev) -> dict:
-    w = ref.to(dev)
-    if transpose:
-        w = w.transpose(-1, -2)
-    q = recipe.quantize(module, w, global_amax=group_amax)
-    q = type(q)(q.recipe, q.shape, q.codes.cpu(), q.scale.cpu(),
-                None if q.global_scale is None else q.global_scale.cpu(), q.scale_rule)
-    ours = layout.to_disk(module, q)
+def _exact(layout, module, recipe, w, ours, on_disk, qt: CheckpointTensors) -> dict:
+    """Byte identity of quantcli's quantization `ours` of the reference `w` with what is on disk;
+    for MX recipes, which scale rule reproduces the stored scales."""
     same = total = 0
-    for name, t in ours.items():
-        a = t.contiguous().view(torch.uint8).reshape(-1) if t.element_size() == 1 else t.contiguous().reshape(-1).view(torch.uint8)
-        b = qt.get(name).contiguous()
-        b = b.view(torch.uint8).reshape(-1) if b.element_size() == 1 else b.reshape(-1).view(torch.uint8)
+    for name, t in layout.to_disk(module, ours).items():
+        a, b = _raw_bytes(t), _raw_bytes(qt.get(name))
         if a.numel() == b.numel():
             same += int((a == b).sum())
         total += a.numel()
     result = {"exact_identical_fraction": same / total if total else 1.0}
-    if recipe.scale_rules:  # which MX rule did the producer use?
-        stored = layout.from_disk(module, recipe, qt.get, qt.where).scale
+    if recipe.scale_rules:
         for rule in recipe.scale_rules:
-            alt = recipe.with_scale_rule(rule).quantize(module, w).scale.cpu()
-            if torch.equal(alt, stored):
+            if torch.equal(recipe.with_scale_rule(rule).quantize(module, w).scale.cpu(), on_disk.scale):
                 result["scale_rule_matches"] = rule
                 break
     return result

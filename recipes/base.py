@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -31,11 +32,9 @@ class QuantizedTensor:
     def result(self) -> QuantResult:
         return QuantResult(self.codes, self.scale, self.global_scale)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"codes": self.codes, "scale": self.scale}
-        if self.global_scale is not None:
-            out["global_scale"] = self.global_scale
-        return out
+    def to(self, device: torch.device | str) -> "QuantizedTensor":
+        g = None if self.global_scale is None else self.global_scale.to(device)
+        return replace(self, codes=self.codes.to(device), scale=self.scale.to(device), global_scale=g)
 
 
 @dataclass(frozen=True)
@@ -61,15 +60,6 @@ class Recipe:
             raise RecipeError(f"recipe {self.name}: --scale-rule {rule!r} is not valid (choose: {allowed})")
         return replace(self, spec=replace(self.spec, scale_rule=rule))
 
-    def bits_per_param(self, shape: tuple[int, ...]) -> float:
-        """Element bits plus scale overhead (global scale counted once per tensor)."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        if numel == 0:
-            return 0.0
-        return 8.0 * self.storage_bytes(shape) / numel
-
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, n, k = shape
         br, bc = self.block
@@ -83,14 +73,10 @@ class Recipe:
         return (*shape[:-1], shape[-1] * self.element_bits // 8)
 
     def storage_bytes(self, shape: tuple[int, ...]) -> int:
-        numel = 1
-        for d in self.codes_shape(shape):
-            numel *= d
-        snumel = 1
-        for d in self.scale_shape(shape):
-            snumel *= d
+        """Bytes on disk: codes, block scales and the global scale (counted once per tensor)."""
         scale_bytes = 4 if self.scale_encoding == "f32" else 1
-        return numel + snumel * scale_bytes + (4 if self.has_global_scale else 0)
+        return (math.prod(self.codes_shape(shape)) + math.prod(self.scale_shape(shape)) * scale_bytes
+                + (4 if self.has_global_scale else 0))
 
     def check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Raise RecipeError naming the tensor and the fix if this recipe cannot take it."""

@@ -119,7 +119,7 @@ def test_inspect_reads_compressed_tensors_package_output(tmp_path):
     d = tmp_path / "ct"
     d.mkdir()
     write_file(d / "model.safetensors", tensors)
-    qc = get_layout("compressed-tensors").quantization_config({"nvfp4": ["x"]}, ["lm_head"], None)
+    qc = get_layout("compressed-tensors").quantization_config({"nvfp4": ["x"]}, ["lm_head"])
     (d / "config.json").write_text(json.dumps({"quantization_config": qc}))
     r = inspect_checkpoint(str(d))
     assert r["layout"] == "compressed-tensors"

@@ -88,10 +88,10 @@ def test_configs_have_the_keys_loaders_need():
     hq = lay.extra_files({"nvfp4": ["a"]}, ["lm_head"])["hf_quant_config.json"]["quantization"]
     assert hq["quant_algo"] == "W4A16_NVFP4" and hq["group_size"] == 16 and hq["exclude_modules"] == ["lm_head"]
     assert "kv_cache_quant_algo" in hq
-    ct = get_layout("compressed-tensors").quantization_config({"nvfp4": ["a"]}, ["lm_head"], None)
+    ct = get_layout("compressed-tensors").quantization_config({"nvfp4": ["a"]}, ["lm_head"])
     assert ct["format"] == "nvfp4-pack-quantized" and ct["ignore"] == ["lm_head"]
     assert ct["config_groups"]["group_0"]["weights"]["group_size"] == 16
-    fp8 = get_layout("fp8").quantization_config({"fp8-block": ["a"]}, ["lm_head"], None)
+    fp8 = get_layout("fp8").quantization_config({"fp8-block": ["a"]}, ["lm_head"])
     assert fp8 == {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
                    "ignored_layers": ["lm_head"], "modules_to_not_convert": ["lm_head"]}
 
@@ -116,7 +116,7 @@ def test_compressed_tensors_package_decompresses_our_layout(recipe_name):
     scheme: QuantizationScheme = preset_name_to_scheme(CT_PRESET[recipe_name], ["Linear"])
     if recipe_name == "fp8":
         scheme.weights.strategy = "tensor"
-    fmt = layout.quantization_config({recipe_name: ["m"]}, ["lm_head"], None)["format"]
+    fmt = layout.quantization_config({recipe_name: ["m"]}, ["lm_head"])["format"]
     compressor = BaseCompressor.get_value_from_registry(fmt)
     out = compressor.decompress(local, scheme)["weight"].float()
     ours = recipe.dequantize(q)

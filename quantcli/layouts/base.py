@@ -15,7 +15,7 @@ import torch
 from quantcli.errors import LayoutError
 from quantcli.recipes import QuantizedTensor, Recipe, get_recipe
 
-# Per recipe: which scale rule a layout's producer uses for MX recipes.
+# Reads one on-disk tensor by name (from a checkpoint, or a dict in tests).
 GetTensor = Callable[[str], torch.Tensor]
 
 
@@ -83,8 +83,7 @@ class Layout:
 
     # --- config
 
-    def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str],
-                            scale_rule: str | None) -> dict:
+    def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str]) -> dict:
         raise NotImplementedError
 
     def extra_files(self, groups: Mapping[str, list[str]], excluded: list[str]) -> dict[str, dict]:
@@ -106,13 +105,6 @@ def codes_dtype(recipe: Recipe) -> torch.dtype:
 
 def as_codes(codes: torch.Tensor, recipe: Recipe) -> torch.Tensor:
     return codes.contiguous().view(codes_dtype(recipe))
-
-
-def bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of an 8-bit tensor (F8_E4M3 or U8) as uint8, never a value cast."""
-    if t.element_size() != 1:
-        raise LayoutError(f"expected an 8-bit tensor, got {t.dtype}")
-    return t.view(torch.uint8)
 
 
 def require_8bit(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -129,8 +129,7 @@ class CompressedTensorsLayout(Layout):
                     return group
         return None
 
-    def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str],
-                            scale_rule: str | None) -> dict:
+    def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str]) -> dict:
         used = [r for r, mods in groups.items() if mods]
         config_groups = {}
         for i, recipe in enumerate(used):

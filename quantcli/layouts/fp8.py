@@ -15,6 +15,7 @@ from typing import Mapping
 
 import torch
 
+from quantcli.errors import LayoutError
 from quantcli.recipes import QuantizedTensor, Recipe, get_recipe
 
 from .base import DiskTensor, GetTensor, Layout, as_codes, require_8bit
@@ -63,12 +64,9 @@ class Fp8Layout(Layout):
             return "fp8"
         return None
 
-    def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str],
-                            scale_rule: str | None) -> dict:
+    def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str]) -> dict:
         used = [r for r, mods in groups.items() if mods]
         if len(used) > 1:
-            from quantcli.errors import LayoutError
-
             raise LayoutError(f"--layout fp8 holds one recipe per checkpoint, got {', '.join(used)}; "
                               f"use --layout compressed-tensors for mixed precision")
         recipe = used[0] if used else "fp8-block"

@@ -55,6 +55,5 @@ class GptOssLayout(Layout):
     def module_recipe(self, module: str, names: Mapping[str, object], config: Mapping) -> str | None:
         return "mxfp4" if f"{module}_blocks" in names and f"{module}_scales" in names else None
 
-    def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str],
-                            scale_rule: str | None) -> dict:
+    def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str]) -> dict:
         return {"quant_method": "mxfp4", "modules_to_not_convert": excluded}

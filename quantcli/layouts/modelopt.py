@@ -112,8 +112,7 @@ class ModelOptLayout(Layout):
     def extra_files(self, groups: Mapping[str, list[str]], excluded: list[str]) -> dict[str, dict]:
         return {"hf_quant_config.json": {"producer": _producer(), "quantization": self._section(groups, excluded)}}
 
-    def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str],
-                            scale_rule: str | None) -> dict:
+    def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str]) -> dict:
         section = self._section(groups, excluded)
         cfg = {"quant_method": "modelopt", "quant_algo": section["quant_algo"],
                "kv_cache_scheme": None, "ignore": excluded, "producer": _producer()}
