@@ -73,11 +73,13 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     else:
         result = converter.execute()
     summary = {
-        "destination": str(result.dst), "layout": plan.layout.name, "recipes": sorted(plan.recipes),
+        "destination": str(result.dst), "layout": plan.target, "recipes": sorted(plan.recipes),
         "tensors_quantized": result.quantized, "tensors_total": len(plan.tensors),
         "bytes_in": result.bytes_in, "bytes_out": result.bytes_out, "seconds": round(result.seconds, 3),
         "shards_written": result.shards_written, "shards_resumed": result.shards_resumed,
         "excluded": plan.excluded_names(), "warnings": result.warnings,
+        "lossless": plan.lossless, "notes": result.notes,
+        "requantize_rel_err_vs_decoded_source": result.requantize_errors,
     }
     if json_out:
         emit_json(summary)
@@ -85,9 +87,18 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     con = _console()
     for w in result.warnings:
         _console(stderr=True).print(f"warning: {w}")
+    if plan.lossless:
+        con.print("lossless re-layout: every code and block-scale byte carried over unchanged")
+    for n in result.notes:
+        con.print(f"note: {n}")
+    if result.requantize_errors:
+        errs = result.requantize_errors
+        worst = max(errs, key=errs.get)
+        con.print(f"re-quantized {len(errs)} modules; relative error vs the decoded source: mean "
+                  f"{sum(errs.values()) / len(errs):.4g}, worst {errs[worst]:.4g} ({worst})")
     rate = result.bytes_in / max(result.seconds, 1e-9) / 1e9
     con.print(f"wrote {result.dst}: {result.quantized} of {len(plan.tensors)} tensors quantized "
-              f"({', '.join(sorted(plan.recipes)) or 'none'} -> {plan.layout.name}), "
+              f"({', '.join(sorted(plan.recipes)) or 'none'} -> {plan.target}), "
               f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)} in {result.seconds:.1f} s "
               f"({rate:.2f} GB/s)" + (f", {result.shards_resumed} shard(s) resumed" if result.shards_resumed else ""))
     return 0
@@ -115,7 +126,7 @@ def _print_plan(plan, json_out: bool) -> int:
     rows = []
     for t in plan.tensors:
         rows.append({"name": t.name, "shard": t.shard, "dtype": t.dtype, "shape": list(t.shape),
-                     "recipe": t.recipe, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,
+                     "recipe": t.recipe, "action": t.action, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,
                      "bits_per_param": round(8 * t.bytes_out / max(1, t.numel), 3),
                      "fused_group": t.fused_group, "outputs": [o.name for o in t.outputs]})
     largest = max((t.bytes_in + t.bytes_out for t in plan.tensors), default=0)
@@ -124,9 +135,10 @@ def _print_plan(plan, json_out: bool) -> int:
                default=largest)
     params_q = plan.params(quantized=True)
     total_params = plan.params()
-    doc = {"source": plan.source.label, "layout": plan.layout.name, "recipes": sorted(plan.recipes),
+    doc = {"source": plan.source.label, "layout": plan.target, "recipes": sorted(plan.recipes),
            "tensors": rows, "excluded": [{"module": e.module, "reason": e.reason} for e in plan.exclusions],
-           "exclusion_key": plan.layout.exclusion_key, "exclusion_list": plan.excluded_names(),
+           "exclusion_key": plan.layout.exclusion_key if plan.layout else None,
+           "exclusion_list": plan.excluded_names() if plan.layout else [],
            "warnings": plan.warnings, "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
            "params": total_params, "params_quantized": params_q,
            "bits_per_param": round(8 * plan.bytes_out / max(1, total_params), 3),
@@ -135,7 +147,7 @@ def _print_plan(plan, json_out: bool) -> int:
         emit_json(doc)
         return 0
     con = _console()
-    table = Table(title=f"plan: {plan.source.label} -> {plan.layout.name}", show_lines=False)
+    table = Table(title=f"plan: {plan.source.label} -> {plan.target}", show_lines=False)
     for col in ("tensor", "dtype", "shape", "recipe", "in", "out", "bits/param"):
         table.add_column(col, justify="right" if col in ("in", "out", "bits/param") else "left")
     for r in rows:

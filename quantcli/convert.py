@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +26,9 @@ from . import __version__
 from .errors import CheckpointError, QuantcliError
 from .manifest import MANIFEST_NAME, DiskEntry, Manifest, ModuleEntry
 from .plan import Plan, TensorPlan
-from .safetensors_io import ShardWriter, TensorReader, tensor_bytes
+from .decode import decode_module
+from .recipes import QuantizedTensor
+from .safetensors_io import DTYPES, ShardWriter, tensor_bytes
 from .source import INDEX
 from .tensors import CheckpointTensors
 
@@ -52,6 +54,8 @@ class ConvertResult:
     shards_resumed: int
     quantized: int
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    requantize_errors: dict[str, float] = field(default_factory=dict)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -72,9 +76,10 @@ def fingerprint(plan: Plan) -> str:
     """Identifies (source headers and sizes, recipe choices, layout, quantcli version)."""
     h = hashlib.sha256()
     h.update(__version__.encode())
-    h.update(plan.layout.name.encode())
+    h.update(plan.target.encode())
     for t in plan.tensors:
-        h.update(f"{t.name}|{t.shard}|{t.dtype}|{t.shape}|{t.recipe}|{t.transpose}|{t.fused_group}".encode())
+        h.update(f"{t.name}|{t.shard}|{t.dtype}|{t.shape}|{t.recipe}|{t.transpose}|{t.fused_group}|{t.action}|"
+                 f"{t.source_recipe}".encode())
     for name, r in sorted(plan.recipes.items()):
         h.update(f"{name}:{r.scale_rule}".encode())
     for shard in plan.source.shards:
@@ -137,8 +142,9 @@ class _Progress:
             return rec
         return None
 
-    def record(self, shard: str, size: int, sha256: str, globals_: dict[str, float]) -> None:
-        self.state["shards"][shard] = {"size": size, "sha256": sha256, "globals": globals_}
+    def record(self, shard: str, size: int, sha256: str, found: dict[str, dict]) -> None:
+        """`found`: what the shard's conversion learned per module (globals, notes, errors)."""
+        self.state["shards"][shard] = {"size": size, "sha256": sha256, **found}
         _write_json_atomic(self.path, self.state)
 
 
@@ -150,52 +156,99 @@ class Converter:
         self.device = resolve_device(run.device)
         self.backend = run.backend
         self.progress = progress or (lambda n, s: None)
-        self.globals: dict[str, float] = {}
+        self.globals: dict[str, float] = {}  # module -> weight_scale_2 (multiplier), for the manifest
+        self.notes: dict[str, str] = {}  # module -> what the user must know (inexact reciprocals)
+        self.errors: dict[str, float] = {}  # module -> re-quantized vs decoded source, relative L2 error
+
+    def _found(self) -> dict[str, dict]:
+        return {"globals": self.globals, "notes": self.notes, "errors": self.errors}
+
+    # --- reading a module
+
+    def source_quantized(self, t: TensorPlan, tensors: CheckpointTensors) -> QuantizedTensor:
+        """A module of a quantized source, read through the source layout."""
+        layout = self.plan.source_layout
+        return layout.from_disk(t.module, layout.recipe_for(t.source_recipe), tensors.get, tensors.where)
+
+    def weight(self, t: TensorPlan, tensors: CheckpointTensors) -> torch.Tensor:
+        """The weight to quantize, on the device, as [..., N, K]: the source tensor, or the
+        decoded module of a quantized source."""
+        if t.source_recipe is None:
+            w = tensors.get(t.name).to(self.device)
+            return w.transpose(-1, -2) if t.transpose else w
+        layout = self.plan.source_layout
+        q = self.source_quantized(t, tensors)
+        return decode_module(layout, t.module, layout.recipe_for(t.source_recipe), q, backend=self.backend,
+                             device=self.device)
 
     # --- pass 1
 
-    def fused_amax(self) -> dict[str, torch.Tensor]:
+    def fused_amax(self, tensors: CheckpointTensors) -> dict[str, torch.Tensor]:
         """The max |w| over each fused group's members, streaming (one tensor at a time)."""
         from .kernels import tensor_amax
 
-        out: dict[str, torch.Tensor] = {}
-        with CheckpointTensors(self.plan.source) as tensors:
-            for group, members in self.plan.fused_groups().items():
-                amaxes = [tensor_amax(tensors.get(t.name).to(self.device), backend=self.backend).cpu()
-                          for t in members]
-                out[group] = torch.stack(amaxes).amax()
-        return out
+        return {group: torch.stack([tensor_amax(self.weight(t, tensors), backend=self.backend).cpu()
+                                    for t in members]).amax()
+                for group, members in self.plan.fused_groups().items()}
 
     # --- pass 2
 
-    def quantize_tensor(self, t: TensorPlan, w: torch.Tensor, group_amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def produce(self, t: TensorPlan, tensors: CheckpointTensors,
+                group_amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | bytearray]:
+        """The output tensors of one planned tensor, by its action."""
+        if t.action == "copy":
+            return {t.name: tensors.raw(t.name)}  # bit-identical pass-through
+        if t.action == "relayout":  # codes and block scales carried over byte for byte
+            q = self.source_quantized(t, tensors)
+            self._note_global(t, q)
+            out = self.plan.layout.to_disk(t.module, q)
+            self._check_inversion(t, out, tensors)
+            return out
+        w = self.weight(t, tensors)
+        if t.action == "dequantize":
+            w = w.transpose(-1, -2) if t.transpose else w
+            (out,) = t.outputs
+            return {out.name: w.to(DTYPES[out.dtype]).cpu()}
         recipe = self.plan.recipes[t.recipe]
-        w = w.to(self.device)
-        if t.transpose:
-            w = w.transpose(-1, -2)
         q = recipe.quantize(t.name, w, backend=self.backend,
                             global_amax=group_amax.get(t.fused_group) if t.fused_group else None)
-        if q.global_scale is not None:
-            self.globals[t.module] = float(q.global_scale)
+        self._note_global(t, q)
+        if t.action == "requantize":  # the combined error, against the decoded source
+            d = recipe.dequantize(q, backend=self.backend)
+            self.errors[t.module] = float((d - w).float().norm() / w.float().norm().clamp_min(1e-30))
         return self.plan.layout.to_disk(t.module, q.to("cpu"))
 
-    def write_shard(self, shard: str, tensors: list[TensorPlan], out_path: Path,
+    def _note_global(self, t: TensorPlan, q: QuantizedTensor) -> None:
+        if q.global_scale is not None:
+            self.globals[t.module] = float(q.global_scale)
+
+    def _check_inversion(self, t: TensorPlan, out: dict[str, torch.Tensor], tensors: CheckpointTensors) -> None:
+        """A re-layout between multiply (`weight_scale_2`) and divide (`weight_global_scale`) globals
+        is exact only if the reciprocal written inverts back to the source's value in FP32."""
+        src, dst = self.plan.source_layout, self.plan.layout
+        before = _global_scale(src, t.module, src.recipe_for(t.source_recipe), tensors.get)
+        after = _global_scale(dst, t.module, self.plan.recipes[t.recipe], out.__getitem__)
+        if before is None or after is None:
+            return
+        (b, b_dir), (a, a_dir) = before, after
+        back = a if a_dir == b_dir else 1.0 / a
+        if not torch.equal(back, b):
+            self.notes[t.module] = (f"{t.module}: global scale {float(b)!r} ({b_dir}) has no exact FP32 reciprocal; "
+                                    f"wrote {float(a)!r} ({a_dir}), which inverts to {float(back)!r}")
+
+    def write_shard(self, shard: str, planned: list[TensorPlan], out_path: Path, tensors: CheckpointTensors,
                     group_amax: dict[str, torch.Tensor]) -> tuple[int, str]:
         """Write one output shard atomically; returns its size and SHA-256."""
-        producer = {o.name: t for t in tensors for o in t.outputs}
-        specs = [o for t in tensors for o in t.outputs]
+        producer = {o.name: t for t in planned for o in t.outputs}
+        specs = [o for t in planned for o in t.outputs]
         tmp = out_path.with_name(out_path.name + ".tmp")
-        with TensorReader(self.plan.source.local_header(shard)) as reader, open(tmp, "wb") as f:
+        with open(tmp, "wb") as f:
             writer = ShardWriter(f, specs, {"format": "pt"})
             pending: dict[str, torch.Tensor | bytearray] = {}
             for spec in writer.order:
                 if spec.name not in pending:
                     t = producer[spec.name]
-                    if t.quantized:
-                        outs = self.quantize_tensor(t, reader.tensor(t.name), group_amax)
-                        pending.update(outs)
-                    else:
-                        pending[t.name] = reader.raw(t.name)  # bit-identical pass-through
+                    pending.update(self.produce(t, tensors, group_amax))
                     self.progress(t.bytes_in, shard)
                 data = pending.pop(spec.name)
                 writer.write(spec.name, data if isinstance(data, bytearray) else tensor_bytes(data))
@@ -216,22 +269,25 @@ class Converter:
             shutil.rmtree(stage)
         stage.mkdir(parents=True, exist_ok=True)
         progress = _Progress(stage / PROGRESS_NAME, fp, self.run.resume)
-        group_amax = self.fused_amax() if plan.fused_groups() else {}
         written = resumed = 0
-        for shard, tensors in plan.by_shard().items():
-            out_path = stage / shard
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            rec = progress.done(shard, out_path) if self.run.resume else None
-            if rec is not None:
-                self.globals.update(rec.get("globals", {}))
-                self.progress(sum(t.bytes_in for t in tensors), shard)
-                resumed += 1
-                continue
-            before = set(self.globals)
-            size, sha256 = self.write_shard(shard, tensors, out_path, group_amax)
-            progress.record(shard, size, sha256, {m: v for m, v in self.globals.items() if m not in before})
-            written += 1
-            _fault_injection(written)
+        with CheckpointTensors(plan.source) as tensors:
+            group_amax = self.fused_amax(tensors) if plan.fused_groups() else {}
+            for shard, planned in plan.by_shard().items():
+                out_path = stage / shard
+                out_path.parent.mkdir(parents=True, exist_ok=True)
+                rec = progress.done(shard, out_path) if self.run.resume else None
+                if rec is not None:
+                    for key, found in self._found().items():
+                        found.update(rec[key])
+                    self.progress(sum(t.bytes_in for t in planned), shard)
+                    resumed += 1
+                    continue
+                before = {key: set(found) for key, found in self._found().items()}
+                size, sha256 = self.write_shard(shard, planned, out_path, tensors, group_amax)
+                progress.record(shard, size, sha256, {key: {m: v for m, v in found.items() if m not in before[key]}
+                                                      for key, found in self._found().items()})
+                written += 1
+                _fault_injection(written)
         self.write_side_files(stage, fp)
         (stage / PROGRESS_NAME).unlink()
         manifest = self.manifest(fp)
@@ -240,7 +296,10 @@ class Converter:
             shutil.rmtree(dst)
         os.replace(stage, dst)
         return ConvertResult(dst, time.time() - start, plan.bytes_in, plan.bytes_out, written, resumed,
-                             sum(t.quantized for t in plan.tensors), list(plan.warnings))
+                             sum(t.quantized for t in plan.tensors), list(plan.warnings), self.note_list(), dict(sorted(self.errors.items())))
+
+    def note_list(self) -> list[str]:
+        return [self.notes[m] for m in sorted(self.notes)]
 
     def write_side_files(self, stage: Path, fp: str) -> None:
         plan = self.plan
@@ -258,7 +317,7 @@ class Converter:
             shutil.copyfile(source.root / rel, target)
         config = dict(source.config)
         config.pop("quantization_config", None)
-        if any(t.quantized for t in plan.tensors):
+        if plan.layout is not None and any(t.quantized for t in plan.tensors):
             config["quantization_config"] = plan.layout.quantization_config(groups, excluded)
             for name, obj in plan.layout.extra_files(groups, excluded).items():
                 _write_json_atomic(stage / name, obj)
@@ -284,10 +343,13 @@ class Converter:
                     s2 = self.globals[t.module]
                     value = s2 if d.direction == "multiply" else float(1.0 / torch.tensor(s2, dtype=torch.float32))
                 disk.append(DiskEntry(d.name, d.role, o.dtype, o.shape, d.encoding, d.direction, value))
-            modules.append(module_entry(t, recipe, tuple(disk)))
-        primary = plan.options.recipe
-        return Manifest(__version__, plan.layout.name, primary, plan.source.describe(), fp, tuple(modules),
-                        tuple(plan.excluded_names()))
+            entry = module_entry(t, recipe, tuple(disk))
+            if t.action == "relayout" and recipe.scale_rules:  # the bytes are the source producer's
+                entry = replace(entry, scale_rule=f"as in the {plan.source_layout.name} source")
+            modules.append(entry)
+        excluded = tuple(plan.excluded_names()) if plan.layout is not None else ()
+        return Manifest(__version__, plan.target, plan.options.recipe, plan.source.describe(), fp, tuple(modules),
+                        excluded, lossless=plan.lossless, notes=tuple(self.note_list()))
 
 
 def module_entry(t: TensorPlan, recipe, disk: tuple[DiskEntry, ...]) -> ModuleEntry:
@@ -302,6 +364,14 @@ def module_entry(t: TensorPlan, recipe, disk: tuple[DiskEntry, ...]) -> ModuleEn
         transposed_from_source=t.transpose, fused_group=t.fused_group, tensors=disk)
 
 
+def _global_scale(layout, module: str, recipe, get) -> tuple[torch.Tensor, str] | None:
+    """The stored global scale of a module and its direction, or None."""
+    for d in layout.describe(module, recipe):
+        if d.role == "global_scale":
+            return get(d.name).to(torch.float32).reshape(()), d.direction
+    return None
+
+
 def _fault_injection(shards_written: int) -> None:
     """Crash-safety tests kill the process here (SIGKILL, no cleanup) after N shards."""
     limit = os.environ.get("QUANTCLI_KILL_AFTER_SHARDS")
@@ -312,12 +382,19 @@ def _fault_injection(shards_written: int) -> None:
 
 
 def model_card(plan: Plan) -> str:
-    lines = ["", "## Quantization (quantcli)", "",
-             f"Converted from `{plan.source.label}` with quantcli {__version__}, layout `{plan.layout.name}` "
-             f"(loads in {plan.layout.consumers}).", "",
-             "| recipe | modules | scale rule |", "|---|---|---|"]
+    lines = ["", "## Quantization (quantcli)", ""]
+    if plan.layout is None:
+        lines += [f"Dequantized to {plan.dense_dtype} from the {plan.source_layout.name} checkpoint "
+                  f"`{plan.source.label}` with quantcli {__version__}: a plain checkpoint, no quantization_config.", ""]
+        return "\n".join(lines)
+    what = {"relayout": "carried over byte for byte", "requantize": "decoded and re-quantized",
+            "quantize": "quantized"}
+    lines += [f"Converted from `{plan.source.label}` with quantcli {__version__}, layout `{plan.layout.name}` "
+              f"(loads in {plan.layout.consumers}).", "",
+              "| recipe | modules | scale rule | how |", "|---|---|---|---|"]
     for name, mods in sorted(plan.modules_by_recipe().items()):
-        lines.append(f"| {name} | {len(mods)} | {plan.recipes[name].scale_rule or '-'} |")
+        actions = sorted({what[t.action] for t in plan.tensors if t.recipe == name})
+        lines.append(f"| {name} | {len(mods)} | {plan.recipes[name].scale_rule or '-'} | {', '.join(actions)} |")
     lines += ["", f"Left unquantized ({plan.layout.exclusion_key}): "
               + ", ".join(f"`{n}`" for n in plan.excluded_names()), "",
               f"Every quantized tensor, its scales and their direction are listed in `{MANIFEST_NAME}`.", ""]

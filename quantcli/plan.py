@@ -49,6 +49,11 @@ class TensorPlan:
     transpose: bool = False  # [E, K, N] source stacks are quantized as [E, N, K]
     fused_group: str | None = None
     outputs: tuple[OutSpec, ...] = ()
+    # Quantized sources (convert from an already quantized checkpoint): how this module is read
+    # and what happens to it. `shape` is then the logical shape and `source_bytes` what is read.
+    action: str = "quantize"  # copy | quantize | relayout | requantize | dequantize
+    source_recipe: str | None = None
+    source_bytes: int | None = None
 
     @property
     def quantized(self) -> bool:
@@ -66,6 +71,8 @@ class TensorPlan:
 
     @property
     def bytes_in(self) -> int:
+        if self.source_bytes is not None:
+            return self.source_bytes
         return self.numel * ITEMSIZE.get(self.dtype, 1)
 
     @property
@@ -92,12 +99,25 @@ class Options:
 @dataclass
 class Plan:
     source: Source
-    layout: Layout
+    layout: Layout | None  # None: a dense checkpoint (dequantize to `dense_dtype`)
     options: Options
     tensors: list[TensorPlan]
     exclusions: list[Exclusion]
     warnings: list[str]
     recipes: dict[str, Recipe]
+    source_layout: Layout | None = None  # set when the source is quantized
+    dense_dtype: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return self.layout.name if self.layout is not None else self.dense_dtype
+
+    @property
+    def lossless(self) -> bool:
+        """No value changes: every quantized module is carried over byte for byte."""
+        acts = {t.action for t in self.tensors if t.action != "copy"}
+        return bool(acts) and acts <= {"relayout"}
 
     def by_shard(self) -> dict[str, list[TensorPlan]]:
         out: dict[str, list[TensorPlan]] = {s: [] for s in self.source.shards}
@@ -242,7 +262,7 @@ def make_plan(source: Source, opts: Options) -> Plan:
         for name, info in sorted(source.headers[shard].tensors.items()):
             if source.weight_map and source.weight_map.get(name) != shard:
                 continue  # a tensor the index assigns elsewhere (duplicate) is not ours to copy
-            plain = TensorPlan(name, shard, info.dtype, info.shape,
+            plain = TensorPlan(name, shard, info.dtype, info.shape, action="copy",
                                outputs=(OutSpec(name, info.dtype, info.shape),))
             is_linear = name.endswith(".weight") and len(info.shape) == 2
             is_experts = len(info.shape) == 3 and "experts" in name
@@ -278,18 +298,22 @@ def make_plan(source: Source, opts: Options) -> Plan:
             group = fused_group_of(module) if recipe.has_global_scale else None
             tensors.append(TensorPlan(name, shard, info.dtype, info.shape, recipe.name, module, transpose, group,
                                       output_specs(layout, module, recipe, shape)))
-    # Fused groups only matter when they have two or more quantized members.
-    counts: dict[str, int] = {}
-    for t in tensors:
-        if t.fused_group:
-            counts[t.fused_group] = counts.get(t.fused_group, 0) + 1
-    tensors = [t if not t.fused_group or counts[t.fused_group] > 1 else replace(t, fused_group=None) for t in tensors]
+    tensors = drop_single_member_groups(tensors)
     _check_collisions(tensors, errors)
     if errors:
         raise QuantcliError(f"{len(errors)} problem(s) in the plan: " + "; ".join(errors))
     if not any(t.quantized for t in tensors):
         warnings.append("no tensor matched the recipe: the output will be an unquantized copy")
     return Plan(source, layout, opts, tensors, exclusions, warnings, recipes)
+
+
+def drop_single_member_groups(tensors: list[TensorPlan]) -> list[TensorPlan]:
+    """Fused groups only matter when they have two or more quantized members."""
+    counts: dict[str, int] = {}
+    for t in tensors:
+        if t.fused_group:
+            counts[t.fused_group] = counts.get(t.fused_group, 0) + 1
+    return [t if not t.fused_group or counts[t.fused_group] > 1 else replace(t, fused_group=None) for t in tensors]
 
 
 def _check_collisions(tensors: list[TensorPlan], errors: list[str]) -> None:

@@ -1,11 +1,33 @@
-"""Convert from quantized sources: lossless re-layout, dequantize to a dense dtype, re-quantize."""
+"""Plans for converting from quantized sources: lossless re-layout, dequantize, re-quantize.
+
+The source's layout and per-module recipes come from `detect` (shared with inspect and verify).
+Per quantized module:
+- relayout   (same recipe, another layout): codes and block scales are carried over byte for
+             byte; names, scalar shapes, global-scale direction and config are the target's;
+- requantize (another recipe): decode to FP32, then quantize (error compounds: said so);
+- dequantize (`--recipe bf16|fp16|fp32`): decode and write a plain weight; no quantization_config.
+Modules that are dense in the source stay dense (and are listed as excluded).
+"""
 
 from __future__ import annotations
 
-from .detect import Detected, detect
-from .errors import QuantcliError
-from .plan import Options, Plan, make_plan
+import torch
+
+from .detect import Detected, all_names, config_with_extras, detect
+from .errors import LayoutError, QuantcliError, RecipeError
+from .inspect import describe_module
+from .layouts import DEFAULT_LAYOUT, get_layout, layouts_for
+from .plan import (Exclusion, Options, Plan, TensorPlan, fused_group_of, is_dense_linear, make_plan,
+                   drop_single_member_groups, output_specs)
+from .recipes import DENSE_RECIPES, get_recipe
+from .safetensors_io import OutSpec
 from .source import Source
+from .tensors import CheckpointTensors
+
+DENSE_DTYPES = {"bf16": ("BF16", torch.bfloat16), "fp16": ("F16", torch.float16), "fp32": ("F32", torch.float32)}
+# Layouts whose codes tensor is `<module>.weight[_packed]`; the others (gpt-oss) name the stack
+# itself, stored [E, in, out] when dense.
+LINEAR_CODES_SUFFIXES = (".weight", ".weight_packed")
 
 
 def detect_quantized(source: Source) -> Detected | None:
@@ -15,9 +37,76 @@ def detect_quantized(source: Source) -> Detected | None:
 
 def plan_for(source: Source, opts: Options, detected: Detected | None) -> Plan:
     if detected is None:
-        if opts.recipe in ("bf16", "fp16", "fp32"):
+        if opts.recipe in DENSE_RECIPES:
             raise QuantcliError(f"--recipe {opts.recipe}: the source {source.label} is not quantized; "
                                 f"nothing to dequantize")
         return make_plan(source, opts)
-    raise QuantcliError(f"{source.label}: is already quantized ({detected.layout.name}); converting quantized "
-                        f"sources is not supported yet")
+    return make_reformat_plan(source, opts, detected)
+
+
+def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
+    if opts.overrides or opts.targets or opts.ignore:
+        raise QuantcliError(f"{source.label}: is already quantized ({det.layout.name}); --ignore, targets and "
+                            f"overrides apply to unquantized sources (modules dense in the source stay dense)")
+    dense = opts.recipe in DENSE_RECIPES
+    layout = recipe = None
+    if not dense:
+        get_recipe(opts.recipe)  # unknown names fail here with the list
+        layout = get_layout(opts.layout or DEFAULT_LAYOUT[opts.recipe])
+        layout.require(opts.recipe, layouts_for(opts.recipe))
+        recipe = layout.recipe_for(opts.recipe, opts.scale_rule)
+    elif opts.layout:
+        raise QuantcliError(f"--layout {opts.layout}: --recipe {opts.recipe} writes a plain checkpoint; drop --layout")
+    src_layout = det.layout
+    names = all_names(source)
+    config = config_with_extras(source, det.extra_files)
+    errors: list[str] = []
+    tensors: list[TensorPlan] = []
+    consumed: set[str] = set()
+    with CheckpointTensors(source) as ct:
+        for module, src_recipe in sorted(det.modules.items()):
+            desc = describe_module(src_layout, module, src_recipe, ct, config)
+            if desc["problems"]:
+                errors.extend(f"{module}: {p}" for p in desc["problems"])
+                continue
+            disk = [d.name for d in src_layout.describe(module, src_layout.recipe_for(src_recipe))]
+            consumed.update(disk)
+            codes = disk[0]
+            shape = tuple(desc["logical_shape"])
+            base = dict(name=codes, shard=names[codes], dtype=ct.info(codes).dtype, shape=shape, module=module,
+                        source_recipe=src_recipe, source_bytes=sum(ct.info(n).nbytes for n in disk))
+            if dense:
+                stack = not codes.endswith(LINEAR_CODES_SUFFIXES)  # gpt-oss: dense stacks are [E, in, out]
+                out_name = module if stack else f"{module}.weight"
+                out_shape = (*shape[:-2], shape[-1], shape[-2]) if stack else shape
+                tensors.append(TensorPlan(**base, transpose=stack, action="dequantize",
+                                          outputs=(OutSpec(out_name, DENSE_DTYPES[opts.recipe][0], out_shape),)))
+                continue
+            try:
+                recipe.check(module, shape, torch.float32)
+                layout.check_shape(module, recipe, shape)
+            except (RecipeError, LayoutError) as exc:
+                errors.append(str(exc))
+                continue
+            action = "relayout" if src_recipe == recipe.name else "requantize"
+            group = fused_group_of(module) if recipe.has_global_scale and action == "requantize" else None
+            tensors.append(TensorPlan(**base, recipe=recipe.name, fused_group=group, action=action,
+                                      outputs=output_specs(layout, module, recipe, shape)))
+        exclusions = []
+        for name, shard in names.items():
+            if name in consumed:
+                continue
+            info = ct.info(name)
+            tensors.append(TensorPlan(name, shard, info.dtype, info.shape, action="copy",
+                                      outputs=(OutSpec(name, info.dtype, info.shape),)))
+            if name.endswith(".weight") and len(info.shape) == 2 and is_dense_linear(name[:-7]):
+                exclusions.append(Exclusion(name[:-7], "dense in the source"))
+    if errors:
+        raise QuantcliError(f"{len(errors)} problem(s) converting {source.label}: " + "; ".join(errors))
+    warnings = []
+    if any(t.action == "requantize" for t in tensors):
+        warnings.append(f"re-quantizing {src_layout.name} weights to {opts.recipe}: the errors of both "
+                        f"quantizations add up; check the result with quantcli verify --reference")
+    return Plan(source, layout, opts, drop_single_member_groups(tensors), exclusions, warnings,
+                {recipe.name: recipe} if recipe else {}, source_layout=src_layout,
+                dense_dtype=opts.recipe if dense else None)

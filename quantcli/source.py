@@ -21,6 +21,8 @@ INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Files never copied to the output: weights (rewritten or pickled) and code (no remote code).
 SKIP_COPY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".py", ".msgpack", ".h5")
+# Written anew by convert (from the plan), never copied from a source.
+REWRITTEN_FILES = (INDEX, "config.json", "hf_quant_config.json", "quantcli_manifest.json")
 SMALL_FILE_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.md", "tokenizer*", "vocab*",
                        "merges*"]
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -60,8 +62,8 @@ class Source:
         out = []
         for p in sorted(self.root.rglob("*")):
             rel = p.relative_to(self.root).as_posix()
-            if (p.is_file() and not rel.startswith(".") and "/." not in rel and rel != INDEX
-                    and rel != "config.json" and not rel.endswith(SKIP_COPY_SUFFIXES)):
+            if (p.is_file() and not rel.startswith(".") and "/." not in rel and rel not in REWRITTEN_FILES
+                    and not rel.endswith(SKIP_COPY_SUFFIXES)):
                 out.append(rel)
         return out
 
