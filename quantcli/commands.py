@@ -65,6 +65,8 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     plan = plan_for(source, opts, detected)
     if dry_run:
         return _print_plan(plan, json_out)
+    for w in plan.warnings:  # before the work starts, on stderr (stdout stays JSON with --json)
+        _console(stderr=True).print(f"warning: {w}")
     from .convert import Converter
 
     converter = Converter(plan, dst, run)
@@ -85,8 +87,6 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
         emit_json(summary)
         return 0
     con = _console()
-    for w in result.warnings:
-        _console(stderr=True).print(f"warning: {w}")
     if plan.lossless:
         con.print("lossless re-layout: every code and block-scale byte carried over unchanged")
     for n in result.notes:
@@ -97,8 +97,11 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
         con.print(f"re-quantized {len(errs)} modules; relative error vs the decoded source: mean "
                   f"{sum(errs.values()) / len(errs):.4g}, worst {errs[worst]:.4g} ({worst})")
     rate = result.bytes_in / max(result.seconds, 1e-9) / 1e9
-    con.print(f"wrote {result.dst}: {result.quantized} of {len(plan.tensors)} tensors quantized "
-              f"({', '.join(sorted(plan.recipes)) or 'none'} -> {plan.target}), "
+    what = (f"{sum(t.action == 'dequantize' for t in plan.tensors)} modules dequantized to {plan.dense_dtype}"
+            if plan.layout is None else
+            f"{result.quantized} of {len(plan.tensors)} tensors quantized "
+            f"({', '.join(sorted(plan.recipes)) or 'none'} -> {plan.target})")
+    con.print(f"wrote {result.dst}: {what}, "
               f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)} in {result.seconds:.1f} s "
               f"({rate:.2f} GB/s)" + (f", {result.shards_resumed} shard(s) resumed" if result.shards_resumed else ""))
     return 0

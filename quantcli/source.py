@@ -168,8 +168,8 @@ def open_hub(repo_id: str, revision: str | None) -> Source:
         root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=SMALL_FILE_PATTERNS))
     except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{label}: cannot fetch from the Hub or the local cache ({first}); check the repo id "
-                              f"and --revision, or download it first") from None
+        raise CheckpointError(f"{label}: no such local folder, and no such repo in the Hub or the local cache "
+                              f"({first}); check the path, or the repo id and --revision") from None
     if (root / INDEX).exists():
         shards, weight_map = _shards_from_folder(root, label)
     else:
