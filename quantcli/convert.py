@@ -16,6 +16,8 @@ import json
 import os
 import shutil
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -33,6 +35,7 @@ from .source import INDEX
 from .tensors import CheckpointTensors
 
 PROGRESS_NAME = ".quantcli-progress.json"
+WRITE_QUEUE = 2
 Progress = Callable[[int, str], None]  # (bytes just done, current shard)
 
 
@@ -194,7 +197,7 @@ class Converter:
     # --- pass 2
 
     def produce(self, t: TensorPlan, tensors: CheckpointTensors,
-                group_amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | bytearray]:
+                group_amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | memoryview]:
         """The output tensors of one planned tensor, by its action."""
         if t.action == "copy":
             return {t.name: tensors.raw(t.name)}  # bit-identical pass-through
@@ -242,16 +245,24 @@ class Converter:
         producer = {o.name: t for t in planned for o in t.outputs}
         specs = [o for t in planned for o in t.outputs]
         tmp = out_path.with_name(out_path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        # One background thread writes (and hashes) while the next tensor is read and quantized;
+        # at most WRITE_QUEUE outputs wait, so memory stays a few tensors whatever the shard size.
+        with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=1) as io:
             writer = ShardWriter(f, specs, {"format": "pt"})
-            pending: dict[str, torch.Tensor | bytearray] = {}
+            pending: dict[str, torch.Tensor | memoryview] = {}
+            queued: deque[Future] = deque()
             for spec in writer.order:
                 if spec.name not in pending:
                     t = producer[spec.name]
                     pending.update(self.produce(t, tensors, group_amax))
                     self.progress(t.bytes_in, shard)
                 data = pending.pop(spec.name)
-                writer.write(spec.name, data if isinstance(data, bytearray) else tensor_bytes(data))
+                queued.append(io.submit(writer.write, spec.name,
+                                        data if isinstance(data, memoryview) else tensor_bytes(data)))
+                while len(queued) > WRITE_QUEUE or (queued and queued[0].done()):
+                    queued.popleft().result()  # re-raises a write error here
+            while queued:
+                queued.popleft().result()
             writer.finish()
             f.flush()
             os.fsync(f.fileno())

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable
@@ -103,37 +105,38 @@ def read_header(path: str | os.PathLike) -> Header:
 
 
 class TensorReader:
-    """Reads single tensors from one safetensors file with positioned reads (no mmap, so no
-    views outlive the file): `raw` gives the exact bytes, `tensor` a torch tensor over them."""
+    """Reads single tensors from one safetensors file through a read-only memory map, as
+    safetensors does: `raw` is a zero-copy view of the exact bytes, `tensor` a read-only torch
+    tensor over them (no copy until a kernel upcasts it chunk by chunk)."""
 
     def __init__(self, header: Header):
         self.header = header
-        self._fd = os.open(header.path, os.O_RDONLY)
+        with open(header.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            # The map outlives the file object; views into it may outlive close() (they keep it alive).
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
 
-    def raw(self, name: str) -> bytearray:
+    def raw(self, name: str) -> memoryview:
         info = self.header.tensors[name]
-        buf = bytearray(info.nbytes)
-        view = memoryview(buf)
-        pos, offset = 0, self.header.data_offset + info.start
-        while pos < info.nbytes:
-            n = os.preadv(self._fd, [view[pos:]], offset + pos)
-            if n <= 0:
-                raise CheckpointError(f"{self.header.path}: tensor {name!r} is cut short; the file is truncated")
-            pos += n
-        view.release()
-        return buf
+        start = self.header.data_offset + info.start
+        view = memoryview(self._map)[start: start + info.nbytes]
+        if len(view) != info.nbytes:
+            raise CheckpointError(f"{self.header.path}: tensor {name!r} is cut short; the file is truncated")
+        return view
 
     def tensor(self, name: str) -> torch.Tensor:
         info = self.header.tensors[name]
         if info.dtype not in DTYPES:
             raise CheckpointError(f"{self.header.path}: tensor {name!r} has dtype {info.dtype}, which torch cannot read")
-        buf = self.raw(name)
-        if not buf:
+        if info.nbytes == 0:
             return torch.empty(info.shape, dtype=DTYPES[info.dtype])
-        return torch.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(info.shape)
+        with warnings.catch_warnings():  # read-only on purpose: nothing writes into a source
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(self.raw(name), dtype=DTYPES[info.dtype])
+        return t.reshape(info.shape)
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._map = b""  # dropped, not closed: tensors still viewing it keep the mapping alive
 
     def __enter__(self) -> "TensorReader":
         return self

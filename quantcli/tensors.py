@@ -30,7 +30,7 @@ class CheckpointTensors:
     def get(self, name: str):
         return self._reader(self.where[name]).tensor(name)
 
-    def raw(self, name: str) -> bytearray:
+    def raw(self, name: str) -> memoryview:
         return self._reader(self.where[name]).raw(name)
 
     def close(self) -> None:

@@ -245,3 +245,17 @@ def test_gpt_oss_expert_stacks_transposed_and_verified(tmp_path, run_cli):
     doc = json.loads(o)
     assert code == 0 and all(t["exact_identical_fraction"] == 1.0 for t in doc["tensors"])
     assert doc["tensors"][0]["scale_rule_matches"] == "rceil"
+
+
+def test_fp8_block_layout_loads_through_transformers_finegrained_fp8(tiny_llama, tmp_path, run_cli):
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    out = tmp_path / "fp8b"
+    assert run_cli("convert", tiny_llama, out, "--recipe", "fp8-block", "--quiet")[0] == 0
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                 quantization_config=FineGrainedFP8Config(dequantize=True))
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cos = float(torch.nn.functional.cosine_similarity(model(ids).logits.flatten(), ref(ids).logits.flatten(), dim=0))
+    assert 0.99 < cos < 1.0  # weight_scale_inv applied (multiply), and really quantized
