@@ -124,13 +124,12 @@ def _check_finite(amax: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """Max |x| as an FP32 0-d tensor (0 for an empty tensor), in FP32 row bands."""
+    """Max |x| as an FP32 0-d tensor (0 for an empty tensor). One aminmax pass in the source
+    dtype: a max is exact in any float format, and NaN/Inf propagate into it."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
-    step = max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1))
-    amax = torch.stack([rows[i:i + step].to(torch.float32).abs().amax() for i in range(0, rows.shape[0], step)]).amax()
-    return _check_finite(amax)
+    lo, hi = torch.aminmax(x)
+    return _check_finite(torch.maximum(-lo, hi).to(torch.float32))
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:

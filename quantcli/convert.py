@@ -184,6 +184,13 @@ class Converter:
         return decode_module(layout, t.module, layout.recipe_for(t.source_recipe), q, backend=self.backend,
                              device=self.device)
 
+    def inputs(self, t: TensorPlan) -> list[str]:
+        """The source tensors a planned tensor reads."""
+        if t.source_recipe is None:
+            return [t.name]
+        layout = self.plan.source_layout
+        return [d.name for d in layout.describe(t.module, layout.recipe_for(t.source_recipe))]
+
     # --- pass 1
 
     def fused_amax(self, tensors: CheckpointTensors) -> dict[str, torch.Tensor]:
@@ -255,6 +262,8 @@ class Converter:
                 if spec.name not in pending:
                     t = producer[spec.name]
                     pending.update(self.produce(t, tensors, group_amax))
+                    for name in self.inputs(t):
+                        tensors.release(name)
                     self.progress(t.bytes_in, shard)
                 data = pending.pop(spec.name)
                 queued.append(io.submit(writer.write, spec.name,

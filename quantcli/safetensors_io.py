@@ -135,6 +135,17 @@ class TensorReader:
             t = torch.frombuffer(self.raw(name), dtype=DTYPES[info.dtype])
         return t.reshape(info.shape)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process (they stay in the page cache and fault back
+        in if read again): memory then tracks the tensor in flight, not the file."""
+        if not isinstance(self._map, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        info = self.header.tensors[name]
+        start = (self.header.data_offset + info.start) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = self.header.data_offset + info.end
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         self._map = b""  # dropped, not closed: tensors still viewing it keep the mapping alive
 

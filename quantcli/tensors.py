@@ -33,6 +33,9 @@ class CheckpointTensors:
     def raw(self, name: str) -> memoryview:
         return self._reader(self.where[name]).raw(name)
 
+    def release(self, name: str) -> None:
+        self._reader(self.where[name]).release(name)
+
     def close(self) -> None:
         for r in self._readers.values():
             r.close()
