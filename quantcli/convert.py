@@ -197,9 +197,15 @@ class Converter:
         """The max |w| over each fused group's members, streaming (one tensor at a time)."""
         from .kernels import tensor_amax
 
-        return {group: torch.stack([tensor_amax(self.weight(t, tensors), backend=self.backend).cpu()
-                                    for t in members]).amax()
-                for group, members in self.plan.fused_groups().items()}
+        out = {}
+        for group, members in self.plan.fused_groups().items():
+            amaxes = []
+            for t in members:
+                amaxes.append(tensor_amax(self.weight(t, tensors), backend=self.backend).cpu())
+                for name in self.inputs(t):
+                    tensors.release(name)
+            out[group] = torch.stack(amaxes).amax()
+        return out
 
     # --- pass 2
 

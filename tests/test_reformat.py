@@ -212,3 +212,24 @@ def test_gpt_oss_to_bf16_restores_expert_orientation(tmp_path, run_cli):
     rel = float((d.float() - w.float()).norm() / w.float().norm())
     assert rel < 0.2
     shutil.rmtree(tmp_path / "d")
+
+
+def test_reformat_dry_run_and_resume_after_kill(quantized, tmp_path, run_cli):
+    import os
+    import subprocess
+    import sys
+
+    src = quantized[("nvfp4", "compressed-tensors")]
+    code, out, _ = run_cli("convert", src, tmp_path / "d", "--recipe", "nvfp4", "--layout", "modelopt", "--dry-run",
+                           "--json")
+    plan = json.loads(out)
+    assert code == 0 and not (tmp_path / "d").exists()
+    assert {t["action"] for t in plan["tensors"]} == {"relayout", "copy"}
+    convert(run_cli, src, tmp_path / "clean", "--recipe", "nvfp4", "--layout", "modelopt")
+    cmd = [sys.executable, "-m", "quantcli.cli", "convert", str(src), str(tmp_path / "o"), "--recipe", "nvfp4",
+           "--layout", "modelopt", "--quiet"]
+    assert subprocess.run(cmd, env={**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}).returncode == -9
+    s = convert(run_cli, src, tmp_path / "o", "--recipe", "nvfp4", "--layout", "modelopt", "--resume")
+    assert s["shards_resumed"] == 1
+    assert tensors_of(tmp_path / "o") == tensors_of(tmp_path / "clean")
+    assert (tmp_path / "o" / "quantcli_manifest.json").read_text() == (tmp_path / "clean" / "quantcli_manifest.json").read_text()
