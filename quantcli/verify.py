@@ -199,6 +199,9 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
                     if exact:
                         m.update(_exact(layout, module, recipe, w, ours.to("cpu"), q, qt))
                     rows.append(m)
+                    rt.release(src_name)  # memory tracks the tensor in flight, not the model
+                    for d in layout.describe(module, recipe):
+                        qt.release(d.name)
                 # Unquantized tensors: present and bit-identical.
                 for name in sorted(rt.where):
                     if name in consumed or (pattern and not matches(pattern, name)):
@@ -213,6 +216,8 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
                                     f"(a lossy cast or a different model)")
                     elif rt.raw(name) != qt.raw(name):
                         fault(name, "unquantized tensor differs from the reference (not bit-identical)")
+                    rt.release(name)
+                    qt.release(name)
                 checks.append("every reference tensor present; unquantized tensors bit-identical")
     rows.sort(key=lambda r: -r["rel_err"])
     layers: dict[str, float] = {}
@@ -247,6 +252,7 @@ def _reference_group_amax(decoded_cache: dict, rt: CheckpointTensors, dev) -> di
         if name is None:
             continue
         amax = tensor_amax(rt.get(name).to(dev)).cpu()
+        rt.release(name)
         out[group] = amax if group not in out else torch.maximum(out[group], amax)
     # A "group" with one member behaves like a plain tensor: its own amax, as convert does.
     return out
