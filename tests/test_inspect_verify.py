@@ -242,3 +242,15 @@ def test_inspect_reports_the_manifest_scale_rule(tiny_llama, tmp_path, run_cli):
     assert {m["scale_rule"] for m in inspect_checkpoint(str(out))["modules"]} == {"floor"}
     code, o, _ = run_cli("verify", out, "--reference", tiny_llama, "--exact", "--json")
     assert code == 0 and json.loads(o)["tensors"][0]["scale_rule_matches"] == "floor"
+
+
+def test_tensors_pattern_limits_inspect_and_verify(converted, tiny_llama, run_cli):
+    path = converted[("nvfp4", "modelopt")]
+    code, out, _ = run_cli("inspect", path, "--tensors", "re:.*layers\\.1\\.mlp\\..*", "--json")
+    mods = [m["module"] for m in json.loads(out)["modules"]]
+    assert code == 0 and mods == ["model.layers.1.mlp.down_proj", "model.layers.1.mlp.gate_proj",
+                                  "model.layers.1.mlp.up_proj"]
+    code, out, _ = run_cli("verify", path, "--reference", tiny_llama, "--tensors", "*.self_attn.q_proj", "--json")
+    doc = json.loads(out)
+    assert code == 0 and sorted(t["tensor"] for t in doc["tensors"]) == [
+        "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
