@@ -136,6 +136,14 @@ def _pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
     return lo | (hi << 4)
 
 
+@triton.jit
+def _load_tile(x_ptr, rows, cols, M, K, sxm, sxk):
+    """A [rows, cols] tile of a strided [M, K] input as FP32 (zeros outside), and its mask."""
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    return x, mask
+
+
 # ---------------------------------------------------------------- kernels
 
 
@@ -145,8 +153,7 @@ def _amax_kernel(x_ptr, out_ptr, flag_ptr, M, K, sxm, sxk, TM: tl.constexpr, TK:
     pk = tl.program_id(1)
     rows = pm * TM + tl.arange(0, TM)
     cols = pk * TK + tl.arange(0, TK)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    x, _ = _load_tile(x_ptr, rows, cols, M, K, sxm, sxk)
     pid = pm * tl.num_programs(1) + pk
     tl.store(out_ptr + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
     tl.store(flag_ptr + pid, _nonfinite(x))
@@ -157,8 +164,7 @@ def _fp8_scaled_kernel(x_ptr, scale_ptr, codes_ptr, M, K, sxm, sxk, TM: tl.const
     """Elementwise e4m3(x / scale) with one FP32 scale for the whole tensor."""
     rows = tl.program_id(0) * TM + tl.arange(0, TM)
     cols = tl.program_id(1) * TK + tl.arange(0, TK)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    x, mask = _load_tile(x_ptr, rows, cols, M, K, sxm, sxk)
     scale = tl.load(scale_ptr)
     y = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
     tl.store(codes_ptr + rows[:, None] * K + cols[None, :], _encode_e4m3(y), mask=mask)
@@ -174,8 +180,7 @@ def _fp8_channel_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, M, K, sxm, sxk,
     bad = 0
     for k0 in range(0, K, TK):
         cols = k0 + tl.arange(0, TK)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+        x, _ = _load_tile(x_ptr, rows, cols, M, K, sxm, sxk)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         bad += _nonfinite(x)
     scale = _fp8_scale(amax)
@@ -183,8 +188,7 @@ def _fp8_channel_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, M, K, sxm, sxk,
     tl.store(flag_ptr + pm, bad)
     for k0 in range(0, K, TK):
         cols = k0 + tl.arange(0, TK)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+        x, mask = _load_tile(x_ptr, rows, cols, M, K, sxm, sxk)
         y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
         tl.store(codes_ptr + rows[:, None] * K + cols[None, :], _encode_e4m3(y), mask=mask)
 
@@ -218,8 +222,7 @@ def _grouped_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, M, K, sxm, sx
     pk = tl.program_id(1)
     rows = pm * TM + tl.arange(0, TM)
     cols = pk * TK + tl.arange(0, TK)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    x, mask = _load_tile(x_ptr, rows, cols, M, K, sxm, sxk)
     tl.store(flag_ptr + pm * tl.num_programs(1) + pk, _nonfinite(x))
     g = tl.reshape(x, [TM, TK // G, G])
     amax = tl.max(tl.abs(g), axis=2)
