@@ -6,14 +6,14 @@ Headers only by default; global scales (scalars) are read because they are a few
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import re
 
 import torch
 
+from . import patterns
 from .detect import Detected, all_names, config_with_extras, detect
-from .errors import QuantcliError
+from .errors import CheckpointError, LayoutError, QuantcliError, RecipeError
 from .layouts import Layout
 from .plan import fused_group_of, is_dense_linear, matches, output_specs
 from .source import Source, open_source
@@ -25,30 +25,39 @@ SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 100
 
 
 def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    """`80GiB`, `40 GB`, `1.5TiB`, `1024` (bytes) -> bytes; anything else is a usage error."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in SIZE_UNITS:
         raise QuantcliError(f"--kv-budget {text!r}: not a size; write e.g. 80GiB, 40GB or 1024MiB")
-    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+    size = int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise QuantcliError(f"--kv-budget {text!r}: must be more than 0 bytes; write e.g. 80GiB")
+    return size
+
+
+EXCLUSION_KEYS = ("exclude_modules", "ignore", "ignored_layers", "modules_to_not_convert")
 
 
 def exclusion_list(layout: Layout | None, config: dict) -> list[str]:
+    """The checkpoint's list of modules left unquantized (the first non-empty consumer key)."""
     qc = config.get("quantization_config") or {}
     hq = (config.get("hf_quant_config") or {}).get("quantization") or {}
-    for key in ("exclude_modules", "ignore", "ignored_layers", "modules_to_not_convert"):
-        for section in (hq, qc):
-            if section.get(key):
-                return list(section[key])
+    for key in EXCLUSION_KEYS:
+        for where, section in (("hf_quant_config.json quantization", hq), ("config.json quantization_config", qc)):
+            value = section.get(key) if isinstance(section, dict) else None
+            if not value:
+                continue
+            # a bare string would be read character by character; say so instead of guessing
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise CheckpointError(f"{where}.{key}: must be a list of module names or patterns, "
+                                      f"got {type(value).__name__} {value!r:.60}")
+            return list(value)
     return []
 
 
-def is_excluded(module: str, patterns: list[str]) -> bool:
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.match(p[3:], module):
-                return True
-        elif module == p or fnmatch.fnmatchcase(module, p) or module.startswith(p + ".") or p in module.split("."):
-            return True
-    return False
+def is_excluded(module: str, excluded: list[str]) -> bool:
+    """Whether the exclusion list covers `module` by the consumers' rules (quantcli/patterns.py)."""
+    return patterns.matches_any(excluded, module)
 
 
 def linear_modules(names: dict[str, str], tensors: CheckpointTensors) -> list[str]:
@@ -189,6 +198,8 @@ def inspect_checkpoint(path: str, revision: str | None = None, pattern: str | No
 
 
 def inspect_source(source: Source, pattern: str | None = None, stats: bool = False) -> dict:
+    if pattern is not None:
+        patterns.validate(pattern, "--tensors")
     det: Detected | None = detect(source)
     names = all_names(source)
     config = config_with_extras(source, det.extra_files if det else {})
@@ -201,9 +212,11 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
                     continue
                 try:
                     m = describe_module(det.layout, module, recipe_name, tensors, config, rules.get(module))
-                except Exception as exc:  # a malformed module is reported, not fatal
-                    m = {"module": module, "recipe": recipe_name, "problems": [f"cannot read: {exc}"],
-                         "tensors": [], "bytes": 0, "params": 0}
+                except (RecipeError, LayoutError) as exc:
+                    # tensors that do not fit the recipe or layout the config names are a finding
+                    # about this module; a broken file (CheckpointError) or a bug still stops here
+                    m = {"module": module, "recipe": recipe_name, "tensors": [], "bytes": 0, "params": 0,
+                         "problems": [f"cannot be described as {det.layout.name} {recipe_name}: {exc}"]}
                 if stats and not m["problems"]:
                     m["stats"] = module_stats(det.layout, module, recipe_name, tensors)
                 modules.append(m)
@@ -219,6 +232,10 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
             d["tensors"] += 1
             d["params"] += info.numel
             d["bytes"] += info.nbytes
+        if pattern and not modules and not dense:
+            raise QuantcliError(f"--tensors {pattern!r}: matches no tensor or module in {source.label}; try a "
+                                f"module name or prefix (model.layers.0), a glob ('*q_proj') or re:REGEX, and "
+                                f"`quantcli inspect {source.label} --json` to list the names")
         excluded = exclusion_list(det.layout if det else None, config)
         quantized = set(det.modules) if det else set()
         unlisted = []
@@ -251,18 +268,33 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
     }
 
 
+def _config_int(text: dict, key: str, default: int | None = None, minimum: int = 1) -> int:
+    """An integer from config.json for the KV-cache account, or one line naming the key."""
+    value = text.get(key)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise QuantcliError(f"--kv-cache: config.json {key} is {value!r}, not an integer >= {minimum}; cannot size "
+                            f"the KV cache")
+    return value
+
+
 def kv_cache_account(config: dict, budget: int) -> dict:
     text = config.get("text_config") or config
-    layers = text.get("num_hidden_layers")
-    if not layers:
-        raise QuantcliError("--kv-cache: config.json has no num_hidden_layers; cannot size the KV cache")
+    if not isinstance(text, dict):
+        raise QuantcliError("--kv-cache: config.json text_config is not an object; cannot size the KV cache")
+    layers = _config_int(text, "num_hidden_layers")
     if text.get("kv_lora_rank"):  # MLA caches one latent plus the rope key per token and layer
-        per_layer = text["kv_lora_rank"] + text.get("qk_rope_head_dim", 0)
-        shape = f"MLA latent {text['kv_lora_rank']} + rope {text.get('qk_rope_head_dim', 0)}"
+        rank, rope = _config_int(text, "kv_lora_rank"), _config_int(text, "qk_rope_head_dim", 0, minimum=0)
+        per_layer = rank + rope
+        shape = f"MLA latent {rank} + rope {rope}"
     else:
-        heads = text.get("num_attention_heads")
-        kv_heads = text.get("num_key_value_heads") or heads
-        head_dim = text.get("head_dim") or (text["hidden_size"] // heads)
+        heads = _config_int(text, "num_attention_heads")
+        kv_heads = _config_int(text, "num_key_value_heads", heads)
+        if text.get("head_dim") is not None:
+            head_dim = _config_int(text, "head_dim")
+        else:
+            head_dim = _config_int(text, "hidden_size") // heads
         per_layer = 2 * kv_heads * head_dim
         shape = f"2 x {kv_heads} kv heads x {head_dim} head_dim"
     rows = []

@@ -7,7 +7,6 @@ read, and reported all at once.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import re
 import tomllib
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import patterns
 from .errors import LayoutError, QuantcliError, RecipeError
 from .layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
 from .recipes import RECIPES, QuantizedTensor, Recipe, get_recipe
@@ -177,18 +177,13 @@ def load_recipe_file(path: Path) -> dict:
 
 
 def matches(pattern: str, module: str) -> bool:
-    """`re:REGEX` (re.match on the module name) or a glob on the module name."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], module) is not None
-    return fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(module + ".weight", pattern)
+    """The consumers' module-name rules (quantcli/patterns.py: regex, exact, glob, parent module,
+    dotted segment, fused name); a pattern written on the tensor (`*q_proj.weight`) also counts."""
+    return patterns.matches(pattern, module) or patterns.matches(pattern, module + ".weight")
 
 
 def _validate_pattern(pattern: str, option: str) -> None:
-    if pattern.startswith("re:"):
-        try:
-            re.compile(pattern[3:])
-        except re.error as exc:
-            raise QuantcliError(f"{option} {pattern!r}: not a valid regex ({exc})") from None
+    patterns.validate(pattern, option)
 
 
 def default_exclusion(module: str, config: dict) -> str | None:

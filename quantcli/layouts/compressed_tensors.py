@@ -119,13 +119,12 @@ class CompressedTensorsLayout(Layout):
 
     @staticmethod
     def scheme_of(module: str, config: Mapping) -> dict | None:
-        import re
+        from quantcli.patterns import matches_target
 
         groups = (config.get("quantization_config") or {}).get("config_groups") or {}
         for group in groups.values():
             for target in group.get("targets", []):
-                if target == "Linear" or target == module or (
-                        target.startswith("re:") and re.match(target[3:], module)):
+                if matches_target(target, module):
                     return group
         return None
 
