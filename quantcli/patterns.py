@@ -56,10 +56,17 @@ FUSED_SHARDS: dict[str, tuple[str, ...]] = {
     "in_proj_ba": ("in_proj_b", "in_proj_a"),
     "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
 }
-_FUSED_OF_SHARD: dict[str, tuple[str, ...]] = {}
-for _fused, _shards in FUSED_SHARDS.items():
-    for _shard in _shards:
-        _FUSED_OF_SHARD[_shard] = (*_FUSED_OF_SHARD.get(_shard, ()), _fused)
+
+
+def _fused_names_by_shard() -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for fused, shards in FUSED_SHARDS.items():
+        for shard in shards:
+            out[shard] = (*out.get(shard, ()), fused)
+    return out
+
+
+_FUSED_OF_SHARD = _fused_names_by_shard()
 
 
 REGEX_HINT = "write re:REGEX with a Python regular expression, or a glob such as '*q_proj'"
