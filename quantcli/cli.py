@@ -1,27 +1,127 @@
 """The command line: one Typer app, one function per command. Commands only turn result objects
-into text and exit codes; the work lives in convert.py, inspect.py and verify.py."""
+into text and exit codes; the work lives in convert.py, inspect.py and verify.py.
+
+Every way a run can end goes through `main()`, which prints at most one line on stderr:
+usage mistakes and bad input exit 2, bugs exit 3, Ctrl-C 130 and SIGTERM 143; tracebacks only
+with QUANTCLI_DEBUG=1.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import signal
 import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
+import typer.core
 
 from . import __version__
-from .errors import QuantcliError
+from .errors import QuantcliError, UsageError, did_you_mean, pick
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True, rich_markup_mode=None,
-                  help="Quantize and convert Hugging Face safetensors checkpoints (FP8, MXFP8, MXFP4, NVFP4).")
+try:  # newer typer carries its own copy of click and raises that copy's exception classes
+    from typer._click import exceptions as click_errors
+except ImportError:  # older typer raises click's own
+    from click import exceptions as click_errors
 
-RECIPE_NAMES = ["fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4", "bf16", "fp16", "fp32"]
-LAYOUT_NAMES = ["modelopt", "compressed-tensors", "fp8", "gpt-oss"]
+# Names shown in --help. They are written out here because the registries they come from import
+# torch (1-2 s), which --help and --version should not wait for; values are checked against the
+# registries themselves, and tests/test_faults_cli.py checks that these lists equal them.
+RECIPE_NAMES = ("fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4", "bf16", "fp16", "fp32")
+LAYOUT_NAMES = ("modelopt", "compressed-tensors", "fp8", "gpt-oss")
+BACKEND_NAMES = ("auto", "torch", "triton")
+SCALE_RULE_NAMES = ("floor", "even", "rceil")
+
+EXIT_CODES = ("Exit codes: 0 done (verify: passed), 1 verify found a problem, 2 bad input or usage, "
+              "3 internal error (a bug: please report it), 130 interrupted (143 on SIGTERM).")
+
+# Key in the click context's meta (shared by every nested context): the line printed when the
+# run is interrupted or runs out of disk. `convert` sets it, because its staging folder is kept.
+INTERRUPT_LINE = "quantcli.interrupt_line"
+RESUME_LINE = "interrupted; rerun with --resume to continue"
+
+
+class _Commands(typer.core.TyperGroup):
+    """The top-level group, with one-line messages for a missing or misspelled command."""
+
+    def _visible(self, ctx) -> list[str]:
+        return [name for name in self.list_commands(ctx) if not self.get_command(ctx, name).hidden]
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        if not args:
+            raise UsageError(f"missing command; choose one of: {', '.join(self._visible(ctx))} "
+                             f"(see '{ctx.command_path} --help')")
+        return super().parse_args(ctx, args)
+
+    def resolve_command(self, ctx, args: list[str]):
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            commands = self._visible(ctx)
+            raise UsageError(f"no such command {name!r}{did_you_mean(name, commands)} "
+                             f"(commands: {', '.join(commands)}; see '{ctx.command_path} --help')")
+        return super().resolve_command(ctx, args)
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, pretty_exceptions_enable=False, no_args_is_help=False,
+                  rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
+                  help="Quantize and convert Hugging Face safetensors checkpoints (FP8, MXFP8, MXFP4, NVFP4). "
+                       "Run 'quantcli help COMMAND' (or 'quantcli COMMAND --help') for a command's options.",
+                  epilog=EXIT_CODES)
+
+
+# ---------------------------------------------------------------- option values
+
+
+def _recipe_names() -> list[str]:
+    from .recipes import DENSE_RECIPES, RECIPES
+
+    return [*RECIPES, *DENSE_RECIPES]
+
+
+def _layout_names() -> list[str]:
+    from .layouts import LAYOUTS
+
+    return list(LAYOUTS)
+
+
+def _backend_names() -> list[str]:
+    from quantcli.kernels import BACKENDS
+
+    return list(BACKENDS)
+
+
+def _scale_rule_names() -> list[str]:
+    from quantcli.kernels.spec import SCALE_RULES
+
+    return list(SCALE_RULES)
+
+
+def _one_of(option: str, kind: str, names: Callable[[], list[str]]) -> Callable[[Optional[str]], Optional[str]]:
+    """A parse callback: the value matched case-insensitively against the registry's names."""
+
+    def check(value: Optional[str]) -> Optional[str]:
+        return None if value is None else pick(option, kind, value, names())
+
+    return check
+
+
+def _device(value: str) -> str:
+    """auto, cpu, cuda or cuda:N (whether CUDA is there is checked when the device is opened)."""
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value.lower()):
+        return value.lower()
+    raise UsageError(f"--device {value!r}: not a device{did_you_mean(value, ['auto', 'cpu', 'cuda'])} "
+                     "(use auto, cpu, cuda or cuda:N)")
+
 
 Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of a repo id.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON document instead of tables.")]
 Tensors = Annotated[Optional[str], typer.Option(help="Only tensors/modules matching this glob or re:REGEX.")]
+Device = Annotated[str, typer.Option(callback=_device, help="auto, cpu, cuda or cuda:N.")]
 
 
 def _version(value: bool) -> None:
@@ -36,34 +136,38 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """quantcli: convert, inspect and verify quantized checkpoints."""
 
 
-def _choice(value: str | None, allowed: list[str], option: str) -> None:
-    if value is not None and value not in allowed:
-        raise QuantcliError(f"{option} {value!r}: not one of {', '.join(allowed)}")
-
-
 @app.command()
 def convert(
-    src: Annotated[str, typer.Argument(help="Source: checkpoint folder, .safetensors file or Hub repo id.")],
-    dst: Annotated[Path, typer.Argument(help="Destination folder (created; written atomically).")],
-    recipe: Annotated[Optional[str], typer.Option(help=f"One of: {', '.join(RECIPE_NAMES)}.")] = None,
-    layout: Annotated[Optional[str], typer.Option(help=f"One of: {', '.join(LAYOUT_NAMES)} (default per recipe).")] = None,
+    ctx: typer.Context,
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Source: checkpoint folder, .safetensors file or Hub repo id.")],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Destination folder (created; written atomically).")],
+    recipe: Annotated[Optional[str], typer.Option(
+        callback=_one_of("--recipe", "recipe", _recipe_names),
+        help=f"One of: {', '.join(RECIPE_NAMES)} (bf16/fp16/fp32 dequantize a quantized source).")] = None,
+    layout: Annotated[Optional[str], typer.Option(
+        callback=_one_of("--layout", "layout", _layout_names),
+        help=f"One of: {', '.join(LAYOUT_NAMES)} (default per recipe).")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(help="Leave modules matching this glob or re:REGEX unquantized (repeatable).")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="TOML recipe file: recipe, layout, targets, ignore, [[override]].")] = None,
-    scale_rule: Annotated[Optional[str], typer.Option(help="MX scale exponent rule: floor, even or rceil (default: the layout's producer).")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="TOML recipe file: recipe, layout, scale_rule, targets, ignore, [[override]].")] = None,
+    scale_rule: Annotated[Optional[str], typer.Option(
+        callback=_one_of("--scale-rule", "MX scale rule", _scale_rule_names),
+        help=f"MX scale exponent rule: {', '.join(SCALE_RULE_NAMES)} (default: the layout's producer).")] = None,
     revision: Revision = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    backend: Annotated[str, typer.Option(help="auto (Triton on CUDA), torch or triton.")] = "auto",
+    device: Device = "auto",
+    backend: Annotated[str, typer.Option(
+        callback=_one_of("--backend", "backend", _backend_names),
+        help=f"One of: {', '.join(BACKEND_NAMES)} (auto: Triton on CUDA).")] = "auto",
     dry_run: Annotated[bool, typer.Option(help="Print the plan and write nothing.")] = False,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run with the same inputs.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
     json_out: JsonOut = False,
 ) -> None:
-    """Quantize (or re-layout, or dequantize) a checkpoint."""
+    """Quantize (or re-layout, or dequantize) a checkpoint. Values are case-insensitive."""
     from .commands import run_convert
 
-    _choice(layout, LAYOUT_NAMES, "--layout")
-    _choice(backend, ["auto", "torch", "triton"], "--backend")
+    if not dry_run:
+        ctx.meta[INTERRUPT_LINE] = RESUME_LINE
     code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
                        scale_rule=scale_rule, revision=revision, device=device, backend=backend,
                        dry_run=dry_run, resume=resume, overwrite=overwrite, quiet=quiet, json_out=json_out)
@@ -72,7 +176,7 @@ def convert(
 
 @app.command()
 def inspect(
-    path: Annotated[str, typer.Argument(help="Checkpoint folder, .safetensors file or Hub repo id.")],
+    path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint folder, .safetensors file or Hub repo id.")],
     revision: Revision = None,
     tensors: Tensors = None,
     stats: Annotated[bool, typer.Option(help="Read the data: scale ranges, zero blocks, saturation, NaN/Inf.")] = False,
@@ -89,15 +193,15 @@ def inspect(
 
 @app.command()
 def verify(
-    quant: Annotated[str, typer.Argument(help="The quantized checkpoint.")],
+    quant: Annotated[str, typer.Argument(metavar="QUANT", help="The quantized checkpoint.")],
     reference: Annotated[Optional[str], typer.Option(help="The source checkpoint to compare against.")] = None,
     revision: Revision = None,
     tensors: Tensors = None,
-    top: Annotated[int, typer.Option(help="How many worst tensors to list.")] = 10,
+    top: Annotated[int, typer.Option(min=0, help="How many worst tensors to list.")] = 10,
     exact: Annotated[bool, typer.Option(help="Re-quantize the reference and compare codes and scales byte for byte.")] = False,
     tp: Annotated[Optional[int], typer.Option(help="Check that quantized dims split into whole blocks across N ranks.")] = None,
     threshold: Annotated[Optional[list[str]], typer.Option(help="Override a limit: METRIC=VALUE (rel_err, sqnr_db, cosine, margin).")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    device: Device = "auto",
     json_out: JsonOut = False,
 ) -> None:
     """Decode a quantized checkpoint and prove it is what it should be. Exit 0 pass, 1 fail, 2 usage."""
@@ -107,29 +211,124 @@ def verify(
                                 exact=exact, tp=tp, thresholds=threshold or [], device=device, json_out=json_out))
 
 
-def main() -> None:
-    try:
-        rc = app(standalone_mode=False)
-        sys.exit(rc if isinstance(rc, int) else 0)
-    except QuantcliError as exc:
-        if os.environ.get("QUANTCLI_DEBUG"):
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
-        print("aborted", file=sys.stderr)
-        sys.exit(130)
-    except Exception as exc:  # click usage errors carry their own exit code
-        import click
+# ---------------------------------------------------------------- the one error path
 
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Run the command line and exit with its code (see EXIT_CODES)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["help"]:  # `quantcli help [COMMAND]` is `quantcli [COMMAND] --help`
+        args = [*args[1:], "--help"]
+    with _sigterm_raises_terminated():
+        code = _run(args)
+    sys.exit(code)
+
+
+def _run(args: list[str]) -> int:
+    command = typer.main.get_command(app)
+    ctx = None
+    try:
+        ctx = command.make_context("quantcli", args)
+        with ctx:
+            result = command.invoke(ctx)
+        sys.stdout.flush()  # a closed pipe shows up here, not in interpreter shutdown
+        return result if isinstance(result, int) else 0
+    except typer.Exit as exc:  # --help, --version and every command's own exit code
+        sys.stdout.flush()
+        return exc.exit_code
+    except click_errors.UsageError as exc:  # unknown option, missing argument, --top abc
+        return _fail(_usage_message(exc), 2)
+    except QuantcliError as exc:
+        if _debug():
+            raise
+        return _fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (errors.Terminated)
+        line = ctx.meta.get(INTERRUPT_LINE, "interrupted") if ctx is not None else "interrupted"
+        return _fail(line, getattr(exc, "exit_code", 130), prefix="")
+    except BrokenPipeError:  # stdout piped into `head` that has stopped reading: end quietly
+        _discard_stdout()
+        return 128 + signal.SIGPIPE
+    except OSError as exc:  # the file system said no where no check turned it into a QuantcliError
+        if _debug():
+            raise
+        return _fail(_os_error_message(exc, resumable=ctx is not None and INTERRUPT_LINE in ctx.meta), 2)
+    except typer.Abort:
+        return _fail("aborted", 130, prefix="")
+    except Exception as exc:  # a bug: say so in one line, the traceback only on request
+        if _debug():
+            raise
+        return _fail(f"internal error: {type(exc).__name__}: {exc} "
+                     "(rerun with QUANTCLI_DEBUG=1 for the traceback and report it)", 3)
+
+
+def _debug() -> bool:
+    return bool(os.environ.get("QUANTCLI_DEBUG"))
+
+
+def _fail(message: str, code: int, prefix: str = "error: ") -> int:
+    print(prefix + " ".join(message.split()), file=sys.stderr)
+    return code
+
+
+def _usage_message(exc: click_errors.UsageError) -> str:
+    command = exc.ctx.command_path if exc.ctx is not None else "quantcli"
+    if isinstance(exc, click_errors.NoSuchOption):
+        near = sorted(exc.possibilities or [])  # click's own difflib matches among the options
+        text = f"no such option {exc.option_name} for '{command}'"
+        text += f"; did you mean {' or '.join(near)}?" if near else ""
+    else:
+        text = exc.format_message().rstrip(".")
+        text = text[:1].lower() + text[1:]
+    return f"{text} (see '{command} --help')"
+
+
+# errno -> what to add to the OS's own text, where that text leaves the cause unclear.
+_ERRNO_HINTS = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "over the file-size limit, see ulimit -f",
+}
+
+
+def _os_error_message(exc: OSError, resumable: bool) -> str:
+    where = exc.filename if exc.filename is not None else "(file not named by the OS)"
+    if exc.filename2 is not None:
+        where = f"{where} -> {exc.filename2}"
+    text = f"{where}: {exc.strerror or exc}"
+    if exc.errno in _ERRNO_HINTS:
+        text += f" ({_ERRNO_HINTS[exc.errno]})"
+        if resumable:
+            text += "; once fixed, rerun with --resume to continue"
+    return text
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced by a test harness: nothing to do
+        pass
+
+
+@contextmanager
+def _sigterm_raises_terminated() -> Iterator[None]:
+    """SIGTERM raises errors.Terminated (a KeyboardInterrupt) so that it runs the Ctrl-C path."""
+    from .errors import Terminated
+
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread (an embedding caller): leave signals alone
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
     main()
-

@@ -51,8 +51,10 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     opts.scale_rule = scale_rule or opts.scale_rule
     opts.ignore += ignore
     if not opts.recipe:
-        raise QuantcliError("--recipe is required (or 'recipe' in --config): fp8, fp8-channel, fp8-block, mxfp8, "
-                            "mxfp4, nvfp4, or bf16/fp16/fp32 to dequantize")
+        from .recipes import DENSE_RECIPES, RECIPES
+
+        raise QuantcliError(f"--recipe is required (or 'recipe' in --config): {', '.join(RECIPES)}, "
+                            f"or {'/'.join(DENSE_RECIPES)} to dequantize")
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
     if not dry_run:

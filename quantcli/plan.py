@@ -159,21 +159,75 @@ class Plan:
 
 
 def load_recipe_file(path: Path) -> dict:
-    """Read a TOML recipe file: recipe, layout, scale_rule, targets, ignore, [[override]]."""
+    """Read a TOML recipe file: recipe, layout, scale_rule, targets, ignore, [[override]]. Every
+    value is checked here, once, so that a wrong type is refused instead of misread (a string
+    `targets` would otherwise be iterated character by character); names come back canonical."""
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise QuantcliError(f"--config {path}: no such file") from None
-    except (tomllib.TOMLDecodeError, OSError) as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
         raise QuantcliError(f"--config {path}: not valid TOML ({exc})") from None
-    known = {"recipe", "layout", "scale_rule", "targets", "ignore", "override"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise QuantcliError(f"--config {path}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
-    for i, o in enumerate(data.get("override", [])):
-        if set(o) != {"pattern", "recipe"}:
-            raise QuantcliError(f"--config {path}: [[override]] #{i + 1} needs exactly 'pattern' and 'recipe'")
-    return data
+    return _check_recipe_file(data, f"--config {path}")
+
+
+_TOML_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a float", list: "an array",
+               dict: "a table"}
+
+
+def _toml_type(value: object) -> str:
+    return _TOML_TYPES.get(type(value), "a date/time")
+
+
+def _check_recipe_file(data: dict, where: str) -> dict:
+    from quantcli.kernels.spec import SCALE_RULES
+
+    from .errors import did_you_mean, pick
+    from .layouts import LAYOUTS
+    from .recipes import DENSE_RECIPES
+
+    known = ("recipe", "layout", "scale_rule", "targets", "ignore", "override")
+    for key in data:
+        if key not in known:
+            raise QuantcliError(f"{where}: unknown key {key!r}{did_you_mean(key, known)} (allowed: {', '.join(known)})")
+
+    def string(key: str, value: object, example: str) -> str:
+        if not isinstance(value, str):
+            raise QuantcliError(f"{where}: {key} is {_toml_type(value)}; expected a string, e.g. {example}")
+        return value
+
+    def strings(key: str, example: str) -> list[str]:
+        value = data[key]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            got = _toml_type(value) if not isinstance(value, list) else "an array holding a non-string"
+            raise QuantcliError(f"{where}: {key} is {got}; expected an array of strings, e.g. {example}")
+        return list(value)
+
+    out: dict = {}
+    names = {"recipe": [*RECIPES, *DENSE_RECIPES], "layout": list(LAYOUTS), "scale_rule": list(SCALE_RULES)}
+    for key, choices in names.items():
+        if key in data:
+            value = string(key, data[key], f'{key} = "{choices[0]}"')
+            out[key] = pick(f"{where}: {key}", key.replace("_", " "), value, choices)
+    for key in ("targets", "ignore"):
+        if key in data:
+            out[key] = strings(key, f'{key} = ["*q_proj"]')
+    if "override" in data:
+        overrides = data["override"]
+        if not isinstance(overrides, list):
+            raise QuantcliError(f"{where}: override is {_toml_type(overrides)}; expected [[override]] tables "
+                                'with pattern = "GLOB" and recipe = "NAME"')
+        out["override"] = []
+        for i, o in enumerate(overrides, 1):
+            label = f"[[override]] #{i}"
+            if not isinstance(o, dict) or set(o) != {"pattern", "recipe"}:
+                raise QuantcliError(f"{where}: {label} needs exactly 'pattern' and 'recipe' "
+                                    f'(got {sorted(o) if isinstance(o, dict) else _toml_type(o)})')
+            pattern = string(f"{label} pattern", o["pattern"], 'pattern = "*mlp*"')
+            recipe = pick(f"{where}: {label} recipe", "recipe",
+                          string(f"{label} recipe", o["recipe"], 'recipe = "fp8"'), list(RECIPES))
+            out["override"].append({"pattern": pattern, "recipe": recipe})
+    return out
 
 
 def matches(pattern: str, module: str) -> bool:
