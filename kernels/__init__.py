@@ -69,5 +69,12 @@ def dequantize(q: QuantResult, spec: QuantSpec, shape: tuple[int, ...], backend:
     return _impl(backend, q.codes.device).dequantize(q, spec, tuple(shape))
 
 
-def tensor_amax(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    return _impl(backend, x.device).tensor_amax(x)
+def tensor_amax(x: torch.Tensor, backend: str = "auto", *, name: str | None = None) -> torch.Tensor:
+    """Max |x| as FP32 0-d. NaN/Inf raise NonFiniteInput (a RecipeError) naming `name`, the
+    tensor's checkpoint name, when given (callers such as the fused-group pass should give it)."""
+    try:
+        return _impl(backend, x.device).tensor_amax(x)
+    except NonFiniteInput:
+        if name is None:
+            raise
+        raise NonFiniteInput(name) from None

@@ -8,6 +8,8 @@ Inputs are `[..., N, K]`; blocks always run along the last (input) dimension.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -15,11 +17,13 @@ from .spec import (
     E2M1_MAX,
     E4M3_MAX,
     E4M3_MIN_SUBNORMAL,
+    E8M0_MAX_FINITE_BYTE,
     EMAX_ELEM,
     FP8_BLOCK,
     FP8_BLOCK_KIND,
     FP8_CHANNEL,
     FP8_TENSOR,
+    FP32_MIN_NORMAL,
     MAX_ELEM,
     MX,
     NVFP4,
@@ -113,7 +117,7 @@ def _check_finite(amax: torch.Tensor) -> torch.Tensor:
     """amax propagates NaN and Inf, so a finite amax proves its whole block finite: the check
     costs nothing beyond the amax every quantizer computes anyway."""
     if not bool(torch.isfinite(amax).all()):
-        raise NonFiniteInput("holds NaN or Inf values")
+        raise NonFiniteInput()
     return amax
 
 
@@ -127,8 +131,9 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """`amax / 448`, and 1.0 for an all-zero block (never a zero scale)."""
-    scale = amax / E4M3_MAX
+    """`amax / 448`, and 1.0 for an all-zero block (never a zero scale); at least the smallest
+    normal FP32, so that an FP32-subnormal amax cannot give a zero scale (x / 0: NaN codes)."""
+    scale = (amax / E4M3_MAX).clamp_min(FP32_MIN_NORMAL)
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 
 
@@ -158,7 +163,8 @@ def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
 def _mx(x: torch.Tensor, spec: QuantSpec) -> QuantResult:
     g = _groups(x, spec.group)
     amax = _check_finite(g.abs().amax(dim=-1) if g.numel() else g.new_zeros(g.shape[:-1]))
-    byte = e8m0_byte(amax, spec.element, spec.scale_rule)
+    # Saturate: no byte whose largest code would decode to Inf (see E8M0_MAX_FINITE_BYTE).
+    byte = e8m0_byte(amax, spec.element, spec.scale_rule).clamp_max(E8M0_MAX_FINITE_BYTE[spec.element])
     scaled = (g / e8m0_to_float(byte).unsqueeze(-1)).reshape(x.shape)
     if spec.element == "e4m3":
         return QuantResult(encode_e4m3(scaled), byte)
@@ -166,10 +172,15 @@ def _mx(x: torch.Tensor, spec: QuantSpec) -> QuantResult:
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """`weight_scale_2 = amax / 2688` in FP32; an all-zero tensor counts as amax 1.0."""
-    amax = amax.to(torch.float32)
+    """`weight_scale_2 = amax / 2688` in FP32; an all-zero tensor counts as amax 1.0.
+
+    At least the smallest normal FP32: an amax below 2688 * 2^-126 (an all-subnormal tensor)
+    would give a zero or subnormal s2, hence NaN block scales (0 / 0) or an Inf 1 / s2. At the
+    top no bound is needed: e2m1 <= 6 and sb <= 448, so a decode is at most 2688 * s2, which
+    stays finite for every finite amax (FP32 rounding of amax / 2688 never overshoots enough)."""
+    amax = _check_finite(amax.to(torch.float32))
     amax = torch.where(amax == 0, torch.ones_like(amax), amax)
-    return amax / NVFP4_GLOBAL_DIVISOR
+    return (amax / NVFP4_GLOBAL_DIVISOR).clamp_min(FP32_MIN_NORMAL)
 
 
 def _nvfp4(x: torch.Tensor, global_amax: torch.Tensor | None) -> QuantResult:
@@ -222,11 +233,36 @@ def _join(parts: list[QuantResult], join) -> QuantResult:
     return QuantResult(join([p.codes for p in parts]), scale, parts[0].global_scale)
 
 
+def empty_result(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None) -> QuantResult:
+    """A tensor with a zero-size dimension: empty codes of the right shape, and every scale (a
+    row of K = 0 still has one) set as for an all-zero block. Both backends use this."""
+    *lead, n, k = x.shape
+    dev = x.device
+    codes = torch.empty(*lead, n, k // 2 if spec.element == "e2m1" and spec.kind in (MX, NVFP4) else k,
+                        dtype=torch.uint8, device=dev)
+    ones = lambda *shape: torch.ones(shape, dtype=torch.float32, device=dev)  # noqa: E731
+    if spec.kind == FP8_TENSOR:
+        return QuantResult(codes, ones())
+    if spec.kind == FP8_CHANNEL:
+        return QuantResult(codes, ones(*lead, n))
+    if spec.kind == FP8_BLOCK_KIND:
+        return QuantResult(codes, ones(*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)))
+    if spec.kind == MX:
+        return QuantResult(codes, torch.zeros(*lead, n, k // spec.group, dtype=torch.uint8, device=dev))
+    if spec.kind == NVFP4:
+        amax = torch.zeros((), device=dev) if global_amax is None else global_amax.to(dev)
+        sb = torch.full((*lead, n, k // spec.group), 0x38, dtype=torch.uint8, device=dev)  # 1.0
+        return QuantResult(codes, sb, nvfp4_global_scale(amax).reshape(()))
+    raise ValueError(f"unknown quantizer kind {spec.kind!r}")
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None) -> QuantResult:
     """Quantize `x [..., N, K]` (any float dtype; upcast to FP32 chunk by chunk) per `spec`.
 
     `global_amax` (NVFP4 only) overrides the tensor's own amax, so that fused groups share one
     `weight_scale_2`."""
+    if x.numel() == 0:
+        return empty_result(x, spec, global_amax)
     f32 = lambda t: t.to(torch.float32)  # noqa: E731
     if spec.kind == FP8_TENSOR:
         scale = fp8_scale(tensor_amax(x))
@@ -248,6 +284,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None 
 
 def dequantize(q: QuantResult, spec: QuantSpec, shape: tuple[int, ...]) -> torch.Tensor:
     """Decode to FP32 `[..., N, K]` = `shape`."""
+    if math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=torch.float32, device=q.codes.device)
     if spec.kind in (FP8_TENSOR, FP8_CHANNEL, FP8_BLOCK_KIND):
         values = decode_e4m3(q.codes)
         scale = q.scale.to(torch.float32)

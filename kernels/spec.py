@@ -16,10 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
+from quantcli.errors import RecipeError
+
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 NVFP4_GLOBAL_DIVISOR = E4M3_MAX * E2M1_MAX  # 2688
 E4M3_MIN_SUBNORMAL = 2.0**-9
+# Smallest normal FP32. FP8 scales and the NVFP4 global scale never go below it: a tensor whose
+# amax is FP32-subnormal would otherwise get a zero scale (0/0 = NaN codes) or a subnormal one
+# whose reciprocal (compressed-tensors' `weight_global_scale`) is Inf. Real weights never reach it.
+FP32_MIN_NORMAL = 2.0**-126
 FP8_BLOCK = 128
 
 # Quantizer kinds. A recipe maps onto exactly one kind plus its parameters.
@@ -33,6 +39,11 @@ SCALE_RULES = ("floor", "even", "rceil")
 # Largest power-of-two exponent of the element format (OCP emax_elem): E2M1 2, E4M3 8.
 EMAX_ELEM = {"e2m1": 2, "e4m3": 8}
 MAX_ELEM = {"e2m1": E2M1_MAX, "e4m3": E4M3_MAX}
+# Largest E8M0 byte whose every code decodes finitely: max_elem * 2^(byte - 127) < 2^128 needs
+# byte <= 254 - emax_elem (E2M1 6 * 2^125 = 2.6e38, E4M3 448 * 2^119 = 3.0e38; one more and
+# 6 * 2^126 or 448 * 2^120 is Inf). The `even` and `rceil` rules ask for more only when the block
+# amax is above that, and then the block saturates, as `floor` saturates every block up to 8 / 6.
+E8M0_MAX_FINITE_BYTE = {e: 254 - emax for e, emax in EMAX_ELEM.items()}
 
 
 @dataclass(frozen=True)
@@ -54,5 +65,12 @@ class QuantResult:
     global_scale: torch.Tensor | None = None
 
 
-class NonFiniteInput(ValueError):
-    """The tensor to quantize holds NaN or Inf; callers add the tensor's name."""
+class NonFiniteInput(RecipeError, ValueError):
+    """The tensor to quantize holds NaN or Inf. The kernels raise it unnamed (they do not know
+    the name); every caller that knows the tensor's name re-raises `NonFiniteInput(name)`, so the
+    one-line error says which tensor. Unnamed it still exits 2 with one line (a RecipeError)."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name
+        super().__init__(f"{name or 'a tensor to quantize'}: holds NaN or Inf values; quantizing would "
+                         f"corrupt it. Fix the source weight or add it to --ignore")

@@ -22,10 +22,12 @@ import triton.language as tl
 
 from . import reference
 from .spec import (
+    E8M0_MAX_FINITE_BYTE,
     FP8_BLOCK,
     FP8_BLOCK_KIND,
     FP8_CHANNEL,
     FP8_TENSOR,
+    FP32_MIN_NORMAL,
     MX,
     NVFP4,
     NonFiniteInput,
@@ -34,6 +36,7 @@ from .spec import (
 )
 
 RULE_IDS = {"floor": 0, "even": 1, "rceil": 2}
+MIN_FP8_SCALE = tl.constexpr(FP32_MIN_NORMAL)  # reference.fp8_scale's floor
 BM, BK = 32, 256  # row tile for the grouped kernels (BK is a multiple of every group size)
 
 # ---------------------------------------------------------------- device helpers
@@ -125,9 +128,10 @@ def _e8m0_to_float(byte):
 
 
 @triton.jit
-def _fp8_scale(amax):
+def _fp8_scale(amax, MIN_SCALE: tl.constexpr):
+    """reference.fp8_scale: amax / 448, at least MIN_SCALE (smallest normal FP32), 1.0 for 0."""
     scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    return tl.where(amax == 0.0, 1.0, scale)
+    return tl.where(amax == 0.0, 1.0, tl.maximum(scale, MIN_SCALE))
 
 
 @triton.jit
@@ -183,7 +187,7 @@ def _fp8_channel_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, M, K, sxm, sxk,
         x, _ = _load_tile(x_ptr, rows, cols, M, K, sxm, sxk)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         bad += _nonfinite(x)
-    scale = _fp8_scale(amax)
+    scale = _fp8_scale(amax, MIN_FP8_SCALE)
     tl.store(scale_ptr + rows, scale, mask=rows < M)
     tl.store(flag_ptr + pm, bad)
     for k0 in range(0, K, TK):
@@ -206,7 +210,7 @@ def _fp8_block_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, N, K, NB, KB, sxb, 
     mask = (rows[:, None] < N) & (cols[None, :] < K)
     x = tl.load(x_ptr + mat * sxb + rows[:, None] * sxn + cols[None, :] * sxk, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    scale = _fp8_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    scale = _fp8_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0), MIN_FP8_SCALE)
     tl.store(scale_ptr + pb * KB + pk, scale)
     tl.store(flag_ptr + pb * KB + pk, _nonfinite(x))
     y = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
@@ -216,7 +220,8 @@ def _fp8_block_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, N, K, NB, KB, sxb, 
 @triton.jit
 def _grouped_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, M, K, sxm, sxk,
                     TM: tl.constexpr, TK: tl.constexpr, G: tl.constexpr, FP4: tl.constexpr,
-                    NVFP4: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr, RULE: tl.constexpr):
+                    NVFP4: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr, RULE: tl.constexpr,
+                    MAXBYTE: tl.constexpr):
     """MXFP8, MXFP4 (E8M0 scale per G) and NVFP4 (E4M3 scale per 16 times the FP32 global)."""
     pm = tl.program_id(0)
     pk = tl.program_id(1)
@@ -234,7 +239,8 @@ def _grouped_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, M, K, sxm, sx
         scale_code = _encode_e4m3(tl.minimum(tl.maximum(block, 0.001953125), 448.0))
         denom = _decode_e4m3(scale_code) * s2
     else:
-        byte = _e8m0_byte(amax, EMAX, MAXV, RULE)
+        # Saturate at the largest byte whose codes all decode finitely (reference._mx).
+        byte = tl.minimum(_e8m0_byte(amax, EMAX, MAXV, RULE), MAXBYTE)
         scale_code = byte.to(tl.uint8)
         denom = _e8m0_to_float(byte)
     y = tl.reshape(tl.math.div_rn(g, tl.broadcast_to(denom[:, :, None], g.shape)), [TM, TK])
@@ -282,7 +288,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, s2_ptr, out_ptr, N, K, SN, SK, BR, BC,
 
 def _check_flags(flags: torch.Tensor) -> None:
     if int(flags.sum()) != 0:
-        raise NonFiniteInput("holds NaN or Inf values")
+        raise NonFiniteInput()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -356,6 +362,7 @@ def _grouped(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None) -> Quant
         x2, codes, scale, dummy if s2 is None else s2, flags, m, k, x2.stride(0), x2.stride(1),
         TM=BM, TK=BK, G=g, FP4=fp4, NVFP4=spec.kind == NVFP4,
         EMAX=2 if fp4 else 8, MAXV=6.0 if fp4 else 448.0, RULE=RULE_IDS.get(spec.scale_rule, 0),
+        MAXBYTE=E8M0_MAX_FINITE_BYTE[spec.element],
     )
     _check_flags(flags)
     lead = x.shape[:-1]
@@ -364,7 +371,7 @@ def _grouped(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None) -> Quant
 
 def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None) -> QuantResult:
     if x.numel() == 0:
-        return reference.quantize(x, spec, global_amax)
+        return reference.empty_result(x, spec, global_amax)
     if spec.kind == FP8_TENSOR:
         return _fp8_tensor(x)
     if spec.kind == FP8_CHANNEL:

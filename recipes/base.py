@@ -98,9 +98,8 @@ class Recipe:
         self.check(name, tuple(w.shape), w.dtype)
         try:
             r = kernel_quantize(w, self.spec, global_amax=global_amax, backend=backend)
-        except NonFiniteInput as exc:
-            raise RecipeError(f"{name}: {exc}; quantizing would corrupt it. Fix the source "
-                              f"weight or add it to --ignore") from None
+        except NonFiniteInput:
+            raise NonFiniteInput(name) from None
         return QuantizedTensor(self.name, tuple(w.shape), r.codes, r.scale, r.global_scale,
                                self.spec.scale_rule)
 

@@ -10,6 +10,10 @@ Format card
                   even   floor(log2 R(amax)) - 2       (compressed-tensors, Quark)
                   rceil  ceil(log2(amax / 6))          (ModelOpt, triton_kernels, gpt-oss)
                 clamped to [0, 254]; all-zero block -> byte 0
+    saturation  byte capped at 252 = 254 - 2, the last byte whose largest code decodes finitely
+                (6 * 2^125 = 2.55e38; 6 * 2^126 is Inf in FP32). even and rceil ask for more only
+                when the block amax exceeds ~2.5e38; such a block then clips to +-2.55e38, as
+                floor clips every block's 6..8 range to 6. Ordinary inputs are unaffected.
     encode      q = e2m1_rne(x / 2^(byte-127))
     decode      x ~ e2m1(q) * 2^(byte - 127)
     bits/param  4.25

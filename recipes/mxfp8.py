@@ -9,6 +9,10 @@ Format card
                   even   floor(log2 R(amax)) - 8, R rounds the mantissa at FP4 width (CT)
                   rceil  ceil(log2(amax / 448))                     (ModelOpt, triton_kernels)
                 clamped to [0, 254] (255 = NaN is never written); all-zero block -> byte 0
+    saturation  byte capped at 246 = 254 - 8, the last byte whose largest code decodes finitely
+                (448 * 2^119 = 2.98e38; 448 * 2^120 is Inf in FP32). even and rceil ask for more
+                only when the block amax exceeds ~2.98e38; such a block then clips to +-2.98e38.
+                Ordinary inputs are unaffected.
     encode      q = e4m3_rne(clamp(x / 2^(byte-127), -448, 448))
     decode      x ~ float(q) * 2^(byte - 127)
     bits/param  8.25

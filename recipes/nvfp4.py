@@ -6,7 +6,10 @@ Format card (ModelOpt's arithmetic, FP32 throughout)
     global      s2 = amax_W / 2688 (2688 = 6 * 448), FP32, multiply (`weight_scale_2`);
                 compressed-tensors stores 1 / s2 as `weight_global_scale` (divide).
                 Fused groups (q/k/v, gate/up, w1/w3) share the group's max amax.
-                All-zero tensor: amax_W treated as 1.0.
+                All-zero tensor: amax_W treated as 1.0. s2 is at least 2^-126 (smallest normal
+                FP32): an all-subnormal tensor would otherwise get s2 = 0 (NaN block scales) or
+                an Inf 1 / s2. No cap at the top: a decode is at most 6 * 448 * s2 ~ amax_W,
+                finite in every op order up to FP32 max (tests/test_faults_numerics.py).
     block scale sb = e4m3_rne(clamp(amax_b / (6 * s2), 2^-9, 448)), the product 6 * s2 first;
                 a zero quotient (all-zero block) -> 1.0 (0x38)
     encode      q = e2m1_rne(x / (float(sb) * s2)), the product float(sb) * s2 formed first
