@@ -40,13 +40,8 @@ def read_manifest(source: Source) -> Manifest | None:
 
 
 def all_names(source: Source) -> dict[str, str]:
-    """tensor name -> shard (the index decides for duplicated names)."""
-    out = {}
-    for shard in source.shards:
-        for name in source.headers[shard].tensors:
-            if not source.weight_map or source.weight_map.get(name) == shard:
-                out[name] = shard
-    return out
+    """tensor name -> shard (the index decides for duplicated names): see source.assign_owners."""
+    return source.owners()
 
 
 def detect_layout(source: Source, manifest: Manifest | None, extras: dict[str, dict]) -> Layout | None:

@@ -109,6 +109,11 @@ class Plan:
     dense_dtype: str | None = None
     notes: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # What opening the source found (duplicate or unindexed tensors) comes first, for every
+        # plan (dense or quantized source), so convert and --dry-run print it.
+        self.warnings = [*self.source.warnings, *self.warnings]
+
     @property
     def target(self) -> str:
         return self.layout.name if self.layout is not None else self.dense_dtype

@@ -1,21 +1,22 @@
 """Resolve a checkpoint source: a local folder, one .safetensors file, or a Hub repo id.
 
-Only safetensors are ever read (no pickle, no remote code). Every file named by an index must
-stay inside the checkpoint folder. Hub sources fetch the small files first, read shard headers
-(remotely when online, from the local cache when offline) and download each shard only when
-it is needed.
+Only safetensors are ever read (no pickle, no remote code). Every file name an index gives must
+stay inside the checkpoint folder as written (the check is on the name, not on where a symlink
+points: the Hub cache links every snapshot file into its blobs/ folder). Which shard each tensor
+is read from is settled here, once, for inspect, verify and convert alike. Hub sources fetch
+the small files first, read shard headers (remotely when online, from the local cache when
+offline) and download each shard only when it is needed.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from .errors import CheckpointError
-from .safetensors_io import Header, parse_header, read_header
+from .safetensors_io import Header, open_regular_file, parse_header, read_header
 
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -37,15 +38,22 @@ class Source:
     config: dict
     repo_id: str | None = None
     revision: str | None = None
+    # tensor name -> the shard it is read from. Empty when there is no index (each tensor is in
+    # exactly one file); with an index, completed by `assign_owners` with tensors the index misses.
     weight_map: dict[str, str] = field(default_factory=dict)
     single_file: bool = False
+    commit: str | None = None  # Hub: the snapshot the small files came from; shards come from it too
+    warnings: list[str] = field(default_factory=list)  # found while opening; shown by convert
 
     def shard_path(self, shard: str) -> Path:
         if self.repo_id is None:
             return self.root / shard
-        from huggingface_hub import hf_hub_download
+        return hub_file(self.repo_id, shard, self.commit or self.revision, self.label)
 
-        return Path(hf_hub_download(self.repo_id, shard, revision=self.revision))
+    def owners(self) -> dict[str, str]:
+        """tensor name -> the shard it is read from, in shard order (see `assign_owners`)."""
+        return {name: shard for shard in self.shards for name in self.headers[shard].tensors
+                if not self.weight_map or self.weight_map.get(name) == shard}
 
     def local_header(self, shard: str) -> Header:
         """The shard's header with file offsets: a Hub header read remotely (no offsets) is
@@ -72,34 +80,67 @@ class Source:
                 "repo_id": self.repo_id, "revision": self.revision}
 
 
-def safe_member(root: Path, name: str, what: str) -> str:
-    """Reject names that would escape the checkpoint folder (absolute, '..', drive letters)."""
-    p = PurePosixPath(name)
-    if not name or p.is_absolute() or ".." in p.parts or "\\" in name or ":" in name:
-        raise CheckpointError(f"{what}: file name {name!r} points outside the checkpoint folder; refusing to read it")
-    resolved = (root / name).resolve()
-    if root.resolve() not in resolved.parents and resolved != root.resolve():
-        raise CheckpointError(f"{what}: file name {name!r} resolves outside the checkpoint folder; refusing to read it")
-    return p.as_posix()
+def hub_file(repo_id: str, filename: str, revision: str | None, label: str) -> Path:
+    """One file of a Hub repo through the local cache (downloaded unless HF_HUB_OFFLINE=1)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo_id, filename, revision=revision))
+    except (EntryNotFoundError, OSError, ValueError) as exc:  # hub errors are OSErrors or EntryNotFound
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{label}: cannot get {filename} ({first}); is it in the local cache? "
+                              f"Set HF_HUB_OFFLINE=0 to download it") from None
+
+
+def safe_member(name: object, what: str) -> str:
+    """An index's file name, checked as written: relative, '/'-separated, no '..', '.' or empty
+    parts, no drive letter or backslash. The name alone decides, so a symlink inside the folder
+    (the Hub cache's snapshot -> blob links) is followed like any file."""
+    if not isinstance(name, str):
+        raise CheckpointError(f"{what}: a weight_map value is {name!r}, not a file name; the index is malformed")
+    parts = name.split("/")
+    if (not name or name.startswith("/") or "\\" in name or ":" in name
+            or any(part in ("", ".", "..") for part in parts)):
+        raise CheckpointError(f"{what}: file name {name!r} points outside the checkpoint folder (only plain "
+                              f"relative names are allowed); refusing to read it")
+    return PurePosixPath(name).as_posix()
 
 
 def _load_json(path: Path) -> dict:
+    """A JSON object file (config.json, the index); {} when absent."""
     try:
-        return json.loads(path.read_text())
+        with open_regular_file(str(path)) as f:
+            text = f.read().decode("utf-8")
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot parse JSON ({exc})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: is not UTF-8 text; the file is corrupt") from None
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: cannot parse JSON ({exc}); the file is corrupt") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(obj).__name__}, but it must be a JSON object; "
+                              f"the file is corrupt")
+    return obj
 
 
 def _shards_from_folder(root: Path, label: str) -> tuple[list[str], dict[str, str]]:
     index_path = root / INDEX
+    if index_path.is_symlink() and not index_path.exists():
+        raise CheckpointError(f"{index_path}: is a symlink to a missing file; re-download the checkpoint")
     if index_path.exists():
         index = _load_json(index_path)
         wm = index.get("weight_map")
         if not isinstance(wm, dict) or not wm:
-            raise CheckpointError(f"{index_path}: has no weight_map; the index is malformed")
-        weight_map = {k: safe_member(root, v, str(index_path)) for k, v in wm.items()}
+            found = ("is missing" if wm is None else "is empty" if isinstance(wm, dict)
+                     else f"is a JSON {type(wm).__name__}")
+            raise CheckpointError(f"{index_path}: 'weight_map' {found}; it must map tensor names to shard "
+                                  f"files. The index is malformed")
+        weight_map = {k: safe_member(v, str(index_path)) for k, v in wm.items()}
         shards = sorted(set(weight_map.values()))
         return shards, weight_map
     singles = sorted(p.name for p in root.glob("*.safetensors"))
@@ -121,7 +162,45 @@ def _check_weight_map(source: Source) -> None:
                                   f"the index is stale or the shard is missing")
 
 
+def assign_owners(source: Source) -> None:
+    """Decide, once, which shard each tensor is read from.
+
+    - The same name in two shards is refused (naming both) unless the index assigns it to one of
+      them: serving engines load every tensor of every shard, so two copies mean the served model
+      depends on load order; the index is the only record of which copy was meant. The output
+      holds that one copy, and a warning names the other.
+    - A tensor in a shard but missing from the index is kept, read from its shard, with a warning:
+      consumers load it (they read whole shards, the index only lists files), so dropping it would
+      change the model; the output's index then lists it.
+    - A tensor the index names but its shard lacks stays an error (`_check_weight_map`)."""
+    holders: dict[str, list[str]] = {}
+    for shard in source.shards:
+        for name in source.headers[shard].tensors:
+            holders.setdefault(name, []).append(shard)
+    _check_weight_map(source)
+    unindexed = []
+    for name, shards in holders.items():
+        chosen = source.weight_map.get(name)
+        if len(shards) > 1 and chosen is None:
+            why = f"and {INDEX} does not list it" if source.weight_map else f"and there is no {INDEX} to say which"
+            raise CheckpointError(f"{source.label}: tensor {name!r} is in both {shards[0]} and {shards[1]}, {why}; "
+                                  f"remove the stale copy (or list the right shard in the index)")
+        if len(shards) > 1:
+            others = ", ".join(s for s in shards if s != chosen)
+            source.warnings.append(f"{name}: also in {others}; using the copy in {chosen}, which the index names")
+        if source.weight_map and chosen is None:
+            source.weight_map[name] = shards[0]
+            unindexed.append(name)
+    if unindexed:
+        shown = ", ".join(unindexed[:3]) + (f" and {len(unindexed) - 3} more" if len(unindexed) > 3 else "")
+        source.warnings.append(f"{len(unindexed)} tensor(s) in the shards are missing from {INDEX} ({shown}); "
+                               f"kept, read from the shard that holds them (the index is stale)")
+
+
 def open_local(path: Path, label: str) -> Source:
+    if not path.is_file() and not path.is_dir():
+        raise CheckpointError(f"{label}: is neither a regular file nor a folder (a FIFO, socket or device?); "
+                              f"point at a checkpoint folder or a .safetensors file")
     if path.is_file():
         if not path.name.endswith(".safetensors"):
             if path.name.endswith(PICKLE_SUFFIXES):
@@ -133,20 +212,21 @@ def open_local(path: Path, label: str) -> Source:
     shards, weight_map = _shards_from_folder(path, label)
     headers = {s: read_header(path / s) for s in shards}
     source = Source(label, path, shards, headers, _load_json(path / "config.json"), weight_map=weight_map)
-    _check_weight_map(source)
+    assign_owners(source)
     return source
 
 
 def _remote_headers(repo_id: str, revision: str | None, shards: list[str]) -> dict[str, Header] | None:
     """Shard headers through HTTP range reads, without downloading weights (online only)."""
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
+    from huggingface_hub import constants, get_safetensors_metadata
+    from huggingface_hub.errors import EntryNotFoundError, NotASafetensorsRepoError, SafetensorsParsingError
+
+    if constants.HF_HUB_OFFLINE:  # what huggingface_hub made of HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE
         return None
     try:
-        from huggingface_hub import get_safetensors_metadata
-
         meta = get_safetensors_metadata(repo_id, revision=revision)
-    except Exception:
-        return None
+    except (OSError, ValueError, EntryNotFoundError, NotASafetensorsRepoError, SafetensorsParsingError):
+        return None  # no remote metadata: the shards' own headers are read once downloaded
     out = {}
     for shard in shards:
         fm = meta.files_metadata.get(shard)
@@ -174,20 +254,14 @@ def open_hub(repo_id: str, revision: str | None) -> Source:
         shards, weight_map = _shards_from_folder(root, label)
     else:
         shards, weight_map = ["model.safetensors"], {}
-    headers = _remote_headers(repo_id, revision, shards)
+    # snapshot_download returns snapshots/<commit>: reading shards at that commit keeps them from
+    # the same revision as the index even if the branch moves meanwhile.
+    commit = root.name if re.fullmatch(r"[0-9a-f]{40}", root.name) else None
+    headers = _remote_headers(repo_id, commit or revision, shards)
     source = Source(label, root, shards, {}, _load_json(root / "config.json"), repo_id=repo_id,
-                    revision=revision, weight_map=weight_map)
-    if headers is None:
-        try:
-            headers = {s: read_header(source.shard_path(s)) for s in shards}
-        except Exception as exc:
-            if isinstance(exc, CheckpointError):
-                raise
-            raise CheckpointError(f"{label}: cannot fetch shard headers ({type(exc).__name__}); is the repo "
-                                  f"in the local cache? Set HF_HUB_OFFLINE=0 to download") from None
-    source.headers = headers
-    if weight_map:
-        _check_weight_map(source)
+                    revision=revision, weight_map=weight_map, commit=commit)
+    source.headers = headers if headers is not None else {s: read_header(source.shard_path(s)) for s in shards}
+    assign_owners(source)
     return source
 
 

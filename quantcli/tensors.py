@@ -9,11 +9,7 @@ from .source import Source
 class CheckpointTensors:
     def __init__(self, source: Source):
         self.source = source
-        self.where: dict[str, str] = {}
-        for shard in source.shards:
-            for name in source.headers[shard].tensors:
-                if not source.weight_map or source.weight_map.get(name) == shard:
-                    self.where[name] = shard
+        self.where: dict[str, str] = source.owners()
         self._readers: dict[str, TensorReader] = {}
 
     def __contains__(self, name: str) -> bool:
