@@ -291,10 +291,10 @@ _ERRNO_HINTS = {
 
 
 def _os_error_message(exc: OSError, resumable: bool) -> str:
-    where = exc.filename if exc.filename is not None else "(file not named by the OS)"
-    if exc.filename2 is not None:
-        where = f"{where} -> {exc.filename2}"
-    text = f"{where}: {exc.strerror or exc}"
+    text = str(exc.strerror or exc)
+    if exc.filename is not None:  # None where the OS call had only a file descriptor
+        where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        text = f"{where}: {text}"
     if exc.errno in _ERRNO_HINTS:
         text += f" ({_ERRNO_HINTS[exc.errno]})"
         if resumable:
