@@ -67,10 +67,12 @@ class QuantResult:
 
 class NonFiniteInput(RecipeError, ValueError):
     """The tensor to quantize holds NaN or Inf. The kernels raise it unnamed (they do not know
-    the name); every caller that knows the tensor's name re-raises `NonFiniteInput(name)`, so the
-    one-line error says which tensor. Unnamed it still exits 2 with one line (a RecipeError)."""
+    the name), as the bare fact "holds NaN or Inf values" that a caller may put in its own
+    sentence; `NonFiniteInput(name)` is the whole one-line error naming the tensor and the fix.
+    Unnamed it still exits 2 with one line (a RecipeError)."""
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name
-        super().__init__(f"{name or 'a tensor to quantize'}: holds NaN or Inf values; quantizing would "
-                         f"corrupt it. Fix the source weight or add it to --ignore")
+        fact = "holds NaN or Inf values"
+        super().__init__(fact if name is None else
+                         f"{name}: {fact}; quantizing would corrupt it. Fix the source weight or add it to --ignore")

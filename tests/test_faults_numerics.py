@@ -292,12 +292,17 @@ def test_convert_huge_linear_writes_finite_blocks(tmp_path, run_cli):
     decoded = _fp4(packed).reshape(*scale.shape, 32) * E8M0[scale.long()].unsqueeze(-1)
     assert torch.isfinite(decoded).all()
     assert decoded.reshape(w.shape)[3, 5] >= 0.74 * float(w[3, 5])
-    code, out, err = run_cli("verify", dst)
-    assert code == 0 and "Traceback" not in err, out + err
+    code, out, err = run_cli("verify", dst, "--reference", src)
+    assert code == 0 and "Traceback" not in err and "PASS" in out, out + err
 
 
-def test_convert_nan_linear_one_line_naming_it(tmp_path, run_cli):
-    """NaN in a Linear: exit 2, one line naming the tensor and the fix."""
+@pytest.mark.parametrize(("recipe", "name"), [
+    ("mxfp8", NAME),  # the block amax inside the quantizer
+    ("fp8", NAME),  # the per-tensor amax
+    ("nvfp4", "model.layers.0.self_attn.k_proj.weight"),  # the fused q/k/v group's global amax
+])
+def test_convert_nonfinite_linear_one_line_naming_it(tmp_path, run_cli, recipe, name):
+    """NaN in a Linear, found by each amax path: exit 2, one line naming the tensor and the fix."""
     import safetensors.torch as st
 
     from quantcli.testing import make_llama
@@ -305,7 +310,7 @@ def test_convert_nan_linear_one_line_naming_it(tmp_path, run_cli):
     src = make_llama(tmp_path / "src", hidden=64, layers=1, shards=1)
     (shard,) = glob.glob(str(src / "*.safetensors"))
     tensors = st.load_file(shard)
-    tensors[NAME][2, 9] = float("nan")
+    tensors[name][2, 9] = float("nan")
     st.save_file(tensors, shard, metadata={"format": "pt"})
-    code, out, err = run_cli("convert", src, tmp_path / "dst", "--recipe", "mxfp8", "--quiet")
-    assert_one_line_error(code, out, err, NAME, "NaN or Inf", "--ignore")
+    code, out, err = run_cli("convert", src, tmp_path / "dst", "--recipe", recipe, "--quiet")
+    assert_one_line_error(code, out, err, name, "NaN or Inf", "--ignore")
