@@ -312,6 +312,7 @@ def make_plan(source: Source, opts: Options) -> Plan:
     warnings: list[str] = []
     exclusions: list[Exclusion] = []
     tensors: list[TensorPlan] = []
+    candidates: list[str] = []  # Linear and expert modules: what the patterns can select
     for shard in source.shards:
         for name, info in sorted(source.headers[shard].tensors.items()):
             if source.weight_map and source.weight_map.get(name) != shard:
@@ -324,7 +325,10 @@ def make_plan(source: Source, opts: Options) -> Plan:
                 tensors.append(plain)
                 continue
             module = module_of(name)
+            candidates.append(module)
             reason = default_exclusion(module, source.config)
+            if reason is None and math.prod(info.shape) == 0:
+                reason = "empty tensor"  # a 0-size dimension: nothing to quantize, passed through as is
             if reason is None and any(matches(p, module) for p in opts.ignore):
                 reason = "--ignore"
             if reason is None and opts.targets and not any(matches(p, module) for p in opts.targets):
@@ -356,9 +360,22 @@ def make_plan(source: Source, opts: Options) -> Plan:
     _check_collisions(tensors, errors)
     if errors:
         raise QuantcliError(f"{len(errors)} problem(s) in the plan: " + "; ".join(errors))
+    warnings += _unmatched_patterns(opts, candidates)
     if not any(t.quantized for t in tensors):
         warnings.append("no tensor matched the recipe: the output will be an unquantized copy")
     return Plan(source, layout, opts, tensors, exclusions, warnings, recipes)
+
+
+def _unmatched_patterns(opts: Options, modules: list[str]) -> list[str]:
+    """A pattern that selects no Linear or expert module is most likely a typo: said before the work."""
+    example = f" (module names look like {modules[0]!r})" if modules else ""
+    out = []
+    for label, patterns in (("ignore", opts.ignore), ("targets", opts.targets),
+                            ("override", [p for p, _ in opts.overrides])):
+        for p in patterns:
+            if not any(matches(p, m) for m in modules):
+                out.append(f"{label} pattern {p!r} matches no Linear or expert module, so it has no effect{example}")
+    return out
 
 
 def drop_single_member_groups(tensors: list[TensorPlan]) -> list[TensorPlan]:
