@@ -34,7 +34,7 @@ def human_bytes(n: float) -> str:
 def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
                 config: Path | None, scale_rule: str | None, revision: str | None, device: str, backend: str,
                 dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool) -> int:
-    from .convert import RunOptions, check_destination
+    from .convert import RunOptions, check_destination, check_run_options
     from .plan import Options, load_recipe_file
     from .source import open_source
 
@@ -57,7 +57,8 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
                             f"or {'/'.join(DENSE_RECIPES)} to dequantize")
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
-    if not dry_run:
+    if not dry_run:  # device, backend and destination problems before anything is read or written
+        check_run_options(run)
         check_destination(local_src, dst, run)
     source = open_source(src, revision)
 
@@ -84,11 +85,18 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
         "excluded": plan.excluded_names(), "warnings": result.warnings,
         "lossless": plan.lossless, "notes": result.notes,
         "requantize_rel_err_vs_decoded_source": result.requantize_errors,
+        "already_complete": result.already_complete,
     }
+    for w in result.warnings[len(plan.warnings):]:  # found while finishing (the plan's were printed above)
+        _console(stderr=True).print(f"warning: {w}")
     if json_out:
         emit_json(summary)
         return 0
     con = _console()
+    if result.already_complete:
+        con.print(f"{result.dst}: already complete (a finished quantcli output of the same source headers, recipe "
+                  f"and options); nothing to resume, nothing written. Use --overwrite to convert again")
+        return 0
     if plan.lossless:
         con.print("lossless re-layout: every code and block-scale byte carried over unchanged")
     for n in result.notes:

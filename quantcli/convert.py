@@ -7,15 +7,27 @@ manifest last -> the staging folder is renamed to DST. A reader therefore sees D
 absent (or as it was, with --overwrite) or complete. A progress file in the staging folder
 records finished shards (size + sha256) so --resume continues an interrupted run and yields
 the same bytes.
+
+Nothing is lost or half-written (issue 10): every destination problem is refused before any
+work (`check_destination`); one run at a time holds the staging folder (`StagingLock`); the
+progress file records what each source shard was (size, mtime, sampled hash) so --resume never
+reuses shards made from other bytes; a filesystem fault keeps the staging folder for --resume,
+a data refusal in a fresh run removes it; the old DST is only set aside, never deleted, until
+the new one is in place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import socket
+import struct
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -31,10 +43,14 @@ from .plan import Plan, TensorPlan
 from .decode import decode_module
 from .recipes import QuantizedTensor
 from .safetensors_io import DTYPES, ShardWriter, tensor_bytes
-from .source import INDEX
+from .source import INDEX, Source
 from .tensors import CheckpointTensors
 
 PROGRESS_NAME = ".quantcli-progress.json"
+LOCK_NAME = ".quantcli-lock"
+ASIDE_SUFFIX = ".quantcli-replaced"  # the old DST, renamed aside by --overwrite until the new one is in
+SAMPLE_WINDOWS = 8  # the cheap source hash: header + this many 64 KiB windows spread over the file
+SAMPLE_BYTES = 1 << 16
 WRITE_QUEUE = 2
 Progress = Callable[[int, str], None]  # (bytes just done, current shard)
 
@@ -59,6 +75,23 @@ class ConvertResult:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     requantize_errors: dict[str, float] = field(default_factory=dict)
+    already_complete: bool = False  # --resume found DST finished with the same fingerprint
+
+
+class FilesystemError(CheckpointError):
+    """Disk full, file-size limit, permission: the staging folder is kept for --resume."""
+
+
+# errno -> (what happened, what to do)
+FS_FAULTS = {
+    errno.ENOSPC: ("disk full (no space left on device)", "free space"),
+    errno.EDQUOT: ("disk quota exceeded", "free space or raise the quota"),
+    errno.EFBIG: ("file size limit reached (EFBIG)", "raise the limit (ulimit -f) or use a filesystem that "
+                                                      "takes larger files"),
+    errno.EACCES: ("permission denied", "make the folder writable"),
+    errno.EPERM: ("permission denied", "make the folder writable"),
+    errno.EROFS: ("read-only file system", "write to a writable filesystem"),
+}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -91,11 +124,35 @@ def fingerprint(plan: Plan) -> str:
     return h.hexdigest()
 
 
+def check_run_options(run: RunOptions) -> None:
+    """The device and the kernel backend can run here: found before anything is written."""
+    from .kernels import resolve_backend
+
+    device = resolve_device(run.device)
+    try:
+        resolve_backend(run.backend, device)
+    except (RuntimeError, ValueError) as exc:
+        raise QuantcliError(f"--backend {run.backend}: cannot run on {device.type} here ({exc}); "
+                            f"use --backend torch") from None
+
+
 def staging_dir(dst: Path) -> Path:
     return dst.with_name(dst.name + ".partial")
 
 
+def aside_dir(dst: Path) -> Path:
+    return dst.with_name(dst.name + ASIDE_SUFFIX)
+
+
 def check_destination(src: Path | None, dst: Path, run: RunOptions) -> None:
+    """Every destination problem, refused before the source is read or anything is written."""
+    stage, aside = staging_dir(dst), aside_dir(dst)
+    # DST is replaced by renaming a finished folder onto it: a link would be replaced, not its
+    # target written, so a link is refused whatever it points at (the user names the real folder).
+    if dst.is_symlink():
+        raise CheckpointError(f"{dst}: is a symbolic link (to {os.readlink(dst)}); quantcli replaces DST by "
+                              f"renaming a finished folder onto it, so pass the real folder {dst.resolve()} instead")
+    _check_parent(dst)
     dst_r = dst.resolve()
     if src is not None:
         src_r = src.resolve()
@@ -106,12 +163,107 @@ def check_destination(src: Path | None, dst: Path, run: RunOptions) -> None:
             raise CheckpointError(f"{dst}: contains the source {src}; choose a destination that does not hold it")
     if dst.exists() and not dst.is_dir():
         raise CheckpointError(f"{dst}: exists and is not a folder; choose another destination")
-    if dst.exists() and any(dst.iterdir()) and not run.overwrite and not run.resume:
+    if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
+        raise CheckpointError(f"{stage}: exists and is not a folder, so it cannot be the staging folder of "
+                              f"{dst.name}; remove it or choose another destination")
+    holder = StagingLock(stage).live_holder()
+    if holder is not None:
+        raise CheckpointError(holder.busy_message(dst))
+    _check_aside(dst, run)
+    dst_full = dst.exists() and any(dst.iterdir())
+    if dst_full and not run.overwrite:
+        _check_resume_into_full(dst, run)
+    if stage.exists() and not run.resume and not run.overwrite:
+        raise CheckpointError(f"{stage}: an interrupted run left this; rerun with --resume to continue "
+                              f"it or --overwrite to start over")
+    if run.resume and (stage / PROGRESS_NAME).exists():
+        load_progress(stage / PROGRESS_NAME)  # a corrupt one is refused now, touching nothing
+
+
+def _check_parent(dst: Path) -> None:
+    """The nearest existing ancestor must be a writable folder (missing parents are created)."""
+    parent = dst.absolute().parent
+    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CheckpointError(f"{dst}: its parent {parent} is not a folder; choose another destination")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{dst}: cannot write in {parent} (permission denied or read-only); "
+                              f"choose a writable destination")
+
+
+def _check_aside(dst: Path, run: RunOptions) -> None:
+    """DST.quantcli-replaced exists only after a crash inside the final swap of --overwrite."""
+    aside, stage = aside_dir(dst), staging_dir(dst)
+    if not (aside.exists() or aside.is_symlink()):
+        return
+    if dst.exists():
+        raise CheckpointError(f"{aside}: the previous {dst.name}, set aside by an interrupted --overwrite; the new "
+                              f"{dst} is complete: delete {aside} once you have checked it, then rerun")
+    if not (run.resume and stage.is_dir()):
+        raise CheckpointError(f"{aside}: the previous {dst.name}, set aside by an interrupted --overwrite; rerun "
+                              f"with --resume to put the new output from {stage} in place, or move {aside} back "
+                              f"to {dst}")
+
+
+def _check_resume_into_full(dst: Path, run: RunOptions) -> None:
+    """A non-empty DST without --overwrite: only --resume of a run that may replace it goes on."""
+    stage = staging_dir(dst)
+    if not run.resume:
         raise CheckpointError(f"{dst}: exists and is not empty; pass --overwrite to replace it or --resume to "
                               f"continue an interrupted run")
-    if staging_dir(dst).exists() and not run.resume and not run.overwrite:
-        raise CheckpointError(f"{staging_dir(dst)}: an interrupted run left this; rerun with --resume to continue "
-                              f"it or --overwrite to start over")
+    if stage.is_dir():
+        state = load_progress(stage / PROGRESS_NAME) if (stage / PROGRESS_NAME).exists() else {}
+        if not state.get("replace_dst"):
+            raise CheckpointError(f"{dst}: exists and is not empty, and the interrupted run in {stage} was not "
+                                  f"started with --overwrite; pass --overwrite with --resume to replace {dst}")
+        return
+    if not (dst / MANIFEST_NAME).exists():  # a finished quantcli output is compared after the plan
+        raise CheckpointError(f"{dst}: exists and is not empty, and there is no interrupted run ({stage}) to "
+                              f"resume; --resume never replaces a folder it did not write: use --overwrite to "
+                              f"replace it")
+
+
+# --- what each source shard was, so --resume never reuses shards made from other bytes
+
+
+def source_identity(source: Source) -> dict[str, dict]:
+    """Per local source shard: size, mtime_ns and a sampled content hash. Hub sources: none (a
+    commit's files do not change, and hashing would download every shard up front)."""
+    if source.repo_id is not None:
+        return {}
+    return {shard: shard_identity(source.root / shard) for shard in source.shards}
+
+
+def shard_identity(path: Path) -> dict:
+    """sha256 over the header and SAMPLE_WINDOWS 64 KiB windows spread over the data (all of a
+    small file): a cheap check that also works for TB checkpoints, where a full hash would not."""
+    st = os.stat(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        h.update(head)
+        h.update(f.read(min(n, st.st_size)))
+        start = f.tell()
+        span = st.st_size - start
+        if span <= SAMPLE_WINDOWS * SAMPLE_BYTES:
+            h.update(f.read())
+        else:
+            for i in range(SAMPLE_WINDOWS):
+                f.seek(start + (span - SAMPLE_BYTES) * i // (SAMPLE_WINDOWS - 1))
+                h.update(f.read(SAMPLE_BYTES))
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample_sha256": h.hexdigest()}
+
+
+def changed_source_shard(recorded: dict[str, dict], now: dict[str, dict]) -> str | None:
+    for shard in sorted(set(recorded) | set(now)):
+        if recorded.get(shard) != now.get(shard):
+            return shard
+    return None
+
+
+# --- the progress file
 
 
 def _sha256(path: Path) -> str:
@@ -128,16 +280,52 @@ def _write_json_atomic(path: Path, obj: object) -> None:
     os.replace(tmp, path)
 
 
+def _is_map(value: object, key_type: type = str, value_type: type | tuple = object) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, key_type) and isinstance(v, value_type)
+                                           for k, v in value.items())
+
+
+def _valid_progress(state: object) -> bool:
+    number = (int, float)
+    if not (isinstance(state, dict) and isinstance(state.get("fingerprint"), str)
+            and isinstance(state.get("replace_dst"), bool) and _is_map(state.get("sources"), str, dict)
+            and _is_map(state.get("shards"), str, dict)):
+        return False
+    for rec in state["sources"].values():
+        if not (isinstance(rec.get("size"), int) and isinstance(rec.get("mtime_ns"), int)
+                and isinstance(rec.get("sample_sha256"), str)):
+            return False
+    for rec in state["shards"].values():
+        if not (isinstance(rec.get("size"), int) and isinstance(rec.get("sha256"), str)
+                and _is_map(rec.get("globals"), str, number) and _is_map(rec.get("notes"), str, str)
+                and _is_map(rec.get("errors"), str, number)):
+            return False
+    return True
+
+
+def load_progress(path: Path) -> dict:
+    """The progress file of an interrupted run, checked field by field (it decides which shards
+    are reused, so a damaged one is refused rather than guessed at)."""
+    try:
+        state = json.loads(path.read_text())
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the progress file ({exc.strerror}); rerun with --overwrite "
+                              f"to start over") from None
+    except ValueError:
+        state = None
+    if not _valid_progress(state):
+        raise CheckpointError(f"{path}: the progress file is corrupt (not the JSON quantcli writes), so --resume "
+                              f"cannot trust the shards beside it; rerun with --overwrite to start over")
+    return state
+
+
 class _Progress:
-    def __init__(self, path: Path, fp: str, resume: bool):
+    def __init__(self, path: Path, state: dict):
         self.path = path
-        self.state = {"fingerprint": fp, "shards": {}}
-        if resume and path.exists():
-            state = json.loads(path.read_text())
-            if state.get("fingerprint") != fp:
-                raise CheckpointError(f"{path.parent}: --resume refused: that run used a different source, recipe "
-                                      f"or options; pass --overwrite to start over")
-            self.state = state
+        self.state = state
+
+    def save(self) -> None:
+        _write_json_atomic(self.path, self.state)
 
     def done(self, shard: str, path: Path) -> dict | None:
         rec = self.state["shards"].get(shard)
@@ -148,7 +336,119 @@ class _Progress:
     def record(self, shard: str, size: int, sha256: str, found: dict[str, dict]) -> None:
         """`found`: what the shard's conversion learned per module (globals, notes, errors)."""
         self.state["shards"][shard] = {"size": size, "sha256": sha256, **found}
-        _write_json_atomic(self.path, self.state)
+        self.save()
+
+
+# --- one run at a time per destination
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    pid: int
+    host: str
+    path: Path
+    raw: str
+    being_written: bool = False
+
+    @property
+    def alive(self) -> bool:
+        if self.pid == 0:
+            return self.being_written
+        if self.host != socket.gethostname():
+            return True  # another machine's process cannot be checked: assume it runs
+        return _pid_alive(self.pid)
+
+    def busy_message(self, dst: Path) -> str:
+        where = "" if self.host == socket.gethostname() else f" on {self.host}"
+        who = f"pid {self.pid}{where}" if self.pid else "its lock is being written"
+        return (f"{dst}: another quantcli convert ({who}) is writing it (lock {self.path}); wait for it to "
+                f"finish, or stop it and rerun with --resume" + (f"; if that run is gone, delete {self.path}"
+                                                                   if where else ""))
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+class StagingLock:
+    """`STAGE/.quantcli-lock` holding {"pid", "host", "token"}: created with O_CREAT|O_EXCL, so one run
+    holds a staging folder at a time. A lock whose pid is gone (on this host) is stale and taken
+    over: renamed away atomically (only one run can move a given file), checked to be the stale
+    one, then created anew with O_EXCL."""
+
+    def __init__(self, stage: Path):
+        self.path = stage / LOCK_NAME
+        self.content = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": uuid.uuid4().hex})
+        self.held = False
+
+    def holder(self) -> LockHolder | None:
+        try:
+            raw = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            obj = json.loads(raw)
+            return LockHolder(int(obj["pid"]), str(obj["host"]), self.path, raw)
+        except (ValueError, KeyError, TypeError):
+            pass
+        # Unreadable: a run between creating and writing it (a young file), or one that died there.
+        try:
+            young = time.time() - self.path.stat().st_mtime < 10
+        except FileNotFoundError:
+            return None
+        return LockHolder(0, socket.gethostname(), self.path, raw, being_written=young)
+
+    def live_holder(self) -> LockHolder | None:
+        holder = self.holder()
+        return holder if holder is not None and holder.alive else None
+
+    def acquire(self, dst: Path) -> None:
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self.holder()
+                if holder is not None and holder.alive:
+                    raise CheckpointError(holder.busy_message(dst)) from None
+                if holder is not None:
+                    self._remove_stale(holder)
+                continue
+            try:
+                os.write(fd, self.content.encode())
+            finally:
+                os.close(fd)
+            self.held = True
+            return
+        raise CheckpointError(f"{dst}: could not take the lock {self.path} (other runs keep taking it); "
+                              f"make sure no other quantcli convert writes {dst}, then rerun")
+
+    def _remove_stale(self, stale: LockHolder) -> None:
+        moved = self.path.with_name(f"{LOCK_NAME}.stale-{uuid.uuid4().hex}")
+        try:
+            os.rename(self.path, moved)
+        except FileNotFoundError:
+            return  # another run moved it first
+        if moved.read_text() != stale.raw:
+            # Another run replaced the stale lock between our read and the rename: put its live
+            # lock back (link fails if yet another lock appeared, and then that one stands).
+            with contextlib.suppress(FileExistsError):
+                os.link(moved, self.path)
+        moved.unlink()
+
+    def release(self) -> None:
+        if self.held:
+            with contextlib.suppress(FileNotFoundError):
+                if self.path.read_text() == self.content:
+                    self.path.unlink()
+            self.held = False
 
 
 class Converter:
@@ -200,8 +500,8 @@ class Converter:
         out = {}
         for group, members in self.plan.fused_groups().items():
             amaxes = []
-            for t in members:
-                amaxes.append(tensor_amax(self.weight(t, tensors), backend=self.backend).cpu())
+            for t in members:  # NaN/Inf is refused naming the tensor (not only its group)
+                amaxes.append(tensor_amax(self.weight(t, tensors), backend=self.backend, name=t.name).cpu())
                 for name in self.inputs(t):
                     tensors.release(name)
             out[group] = torch.stack(amaxes).amax()
@@ -254,14 +554,32 @@ class Converter:
 
     def write_shard(self, shard: str, planned: list[TensorPlan], out_path: Path, tensors: CheckpointTensors,
                     group_amax: dict[str, torch.Tensor]) -> tuple[int, str]:
-        """Write one output shard atomically; returns its size and SHA-256."""
+        """Write one output shard atomically; returns its size and SHA-256. A failed or interrupted
+        write leaves no partial file behind (and the progress file never names one)."""
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                writer = self._stream_shard(f, shard, planned, tensors, group_amax)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, out_path)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError):  # a write() error names no file: name the shard
+                raise self.filesystem_error(exc, out_path) from None
+            raise
+        return writer.size, writer.sha256
+
+    def _stream_shard(self, f, shard: str, planned: list[TensorPlan], tensors: CheckpointTensors,
+                      group_amax: dict[str, torch.Tensor]) -> ShardWriter:
         producer = {o.name: t for t in planned for o in t.outputs}
         specs = [o for t in planned for o in t.outputs]
-        tmp = out_path.with_name(out_path.name + ".tmp")
+        writer = ShardWriter(f, specs, {"format": "pt"})
         # One background thread writes (and hashes) while the next tensor is read and quantized;
         # at most WRITE_QUEUE outputs wait, so memory stays a few tensors whatever the shard size.
-        with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=1) as io:
-            writer = ShardWriter(f, specs, {"format": "pt"})
+        io = ThreadPoolExecutor(max_workers=1)
+        try:
             pending: dict[str, torch.Tensor | memoryview] = {}
             queued: deque[Future] = deque()
             for spec in writer.order:
@@ -278,29 +596,153 @@ class Converter:
                     queued.popleft().result()  # re-raises a write error here
             while queued:
                 queued.popleft().result()
-            writer.finish()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-        return writer.size, writer.sha256
+        except BaseException:
+            # Ctrl-C or a failed write: the queued writes are dropped at once; only the one already
+            # running finishes (a write call cannot be interrupted) before the file is closed.
+            io.shutdown(wait=True, cancel_futures=True)
+            raise
+        io.shutdown(wait=True)
+        writer.finish()
+        return writer
+
+    # --- filesystem faults
+
+    def filesystem_error(self, exc: OSError, path: Path) -> FilesystemError:
+        """One line naming the file and saying which fault (disk full, size limit, permission)."""
+        file = Path(exc.filename2 or exc.filename or path)  # filename2: the destination of a copy
+        stage = staging_dir(self.dst)
+        writing = stage in file.parents or file in (stage, self.dst) or file.parent == self.dst.absolute().parent \
+            or file.parent == self.dst.parent
+        what, fix = FS_FAULTS.get(exc.errno, (exc.strerror or type(exc).__name__, "fix that"))
+        if not writing and exc.errno in (errno.EACCES, errno.EPERM):
+            fix = "make it readable"
+        kept = f" ({stage} is kept)" if stage.exists() else ""
+        return FilesystemError(f"{file}: {what} while {'writing' if writing else 'reading'}; {fix}, then rerun "
+                               f"with --resume to continue{kept}")
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path):
+        try:
+            yield
+        except OSError as exc:
+            raise self.filesystem_error(exc, path) from None
 
     # --- the job
 
     def execute(self) -> ConvertResult:
+        """Convert into the staging folder, then put it in place. A data refusal in a run that
+        started fresh removes what it made (resuming would meet the same refusal); a filesystem
+        fault or an interruption keeps the staging folder, consistent, for --resume."""
         start = time.time()
         plan, dst = self.plan, self.dst
         stage = staging_dir(dst)
         fp = fingerprint(plan)
-        if self.run.overwrite and stage.exists() and not self.run.resume:
-            shutil.rmtree(stage)
-        stage.mkdir(parents=True, exist_ok=True)
-        progress = _Progress(stage / PROGRESS_NAME, fp, self.run.resume)
+        if self.run.resume and not stage.exists() and (dst / MANIFEST_NAME).exists():
+            return self._already_complete(fp, start)
+        if stage.is_dir():
+            self._stage_kind(stage, fp)  # refusals before the lock is taken: nothing touched
+        created = _missing_parents(stage)
+        with self._writing(stage):
+            stage.mkdir(parents=True, exist_ok=True)
+        lock = StagingLock(stage)
+        fresh = False
+        try:
+            with self._writing(lock.path):
+                lock.acquire(dst)
+            kind = self._stage_kind(stage, fp)  # again, now that no other run can change it
+            if kind == "finished":
+                lock.release()
+                doc = _manifest_doc(stage)
+                warnings = self._install(stage)
+                return ConvertResult(dst, time.time() - start, plan.bytes_in, plan.bytes_out, 0, len(plan.by_shard()),
+                                     sum(t.quantized for t in plan.tensors), [*plan.warnings, *warnings],
+                                     list(doc.get("notes", [])))
+            fresh = kind == "new"
+            progress = self._open_progress(stage, fp, kind)
+            written, resumed = self._convert_shards(stage, progress)
+            with self._writing(stage):
+                self.write_side_files(stage, fp)
+            manifest = self.manifest(fp)
+            with self._writing(stage / MANIFEST_NAME):
+                (stage / MANIFEST_NAME).write_text(manifest.to_json())
+                (stage / PROGRESS_NAME).unlink()
+            lock.release()
+            warnings = self._install(stage)
+        except FilesystemError:
+            raise
+        except QuantcliError:
+            if fresh:
+                lock.release()
+                _discard(stage, created)
+            raise
+        except OSError as exc:  # one not caught where it happened (reading the source, say)
+            raise self.filesystem_error(exc, stage) from None
+        finally:
+            lock.release()
+        return ConvertResult(dst, time.time() - start, plan.bytes_in, plan.bytes_out, written, resumed,
+                             sum(t.quantized for t in plan.tensors), [*plan.warnings, *warnings], self.note_list(),
+                             dict(sorted(self.errors.items())))
+
+    def _already_complete(self, fp: str, start: float) -> ConvertResult:
+        """--resume on a finished DST: the same plan is done, touch nothing; another is refused."""
+        plan, dst = self.plan, self.dst
+        doc = _manifest_doc(dst)
+        if doc.get("fingerprint") != fp:
+            raise CheckpointError(f"{dst}: holds a finished quantcli output of another source, recipe or options, "
+                                  f"and there is no interrupted run to resume; use --overwrite to replace it")
+        return ConvertResult(dst, time.time() - start, plan.bytes_in, plan.bytes_out, 0, 0,
+                             sum(t.quantized for t in plan.tensors), list(plan.warnings), list(doc.get("notes", [])),
+                             already_complete=True)
+
+    def _stage_kind(self, stage: Path, fp: str) -> str:
+        """What the staging folder holds, refusing what cannot be continued (read-only, so it runs
+        before the lock is taken too: a refusal touches nothing). 'resume': a progress file that
+        matches this plan and the source shards as they are now; 'finished': complete, only the
+        final rename is left (the run died between the manifest and the rename); 'new'."""
+        path = stage / PROGRESS_NAME
+        if self.run.resume and path.exists():
+            state = load_progress(path)
+            if state["fingerprint"] != fp:
+                raise CheckpointError(f"{stage}: --resume refused: that run used a different source, recipe "
+                                      f"or options; pass --overwrite to start over")
+            changed = changed_source_shard(state["sources"], source_identity(self.plan.source))
+            if changed is not None:
+                raise CheckpointError(f"{self.plan.source.root / changed}: source shard {changed} changed since the "
+                                      f"interrupted run (size, mtime or content), so the shards in {stage} cannot "
+                                      f"be reused; rerun with --overwrite")
+            return "resume"
+        if self.run.resume and (stage / MANIFEST_NAME).exists():
+            if _manifest_doc(stage).get("fingerprint") != fp:
+                raise CheckpointError(f"{stage}: holds a finished conversion of another source, recipe or options; "
+                                      f"rerun with --overwrite to start over")
+            return "finished"
+        if _leftovers(stage) and not self.run.overwrite:
+            raise CheckpointError(f"{stage}: has no progress file, so it is not an interrupted quantcli run that "
+                                  f"--resume can continue; pass --overwrite to start over")
+        return "new"
+
+    def _open_progress(self, stage: Path, fp: str, kind: str) -> _Progress:
+        """The interrupted run's record (kind 'resume'), or a new one in an emptied folder."""
+        path = stage / PROGRESS_NAME
+        if kind == "resume":
+            return _Progress(path, load_progress(path))
+        with self._writing(stage):
+            for p in _leftovers(stage):  # --overwrite: start over inside the folder this run now holds
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        progress = _Progress(path, {"fingerprint": fp, "replace_dst": self.run.overwrite,
+                                    "sources": source_identity(self.plan.source), "shards": {}})
+        with self._writing(path):
+            progress.save()
+        return progress
+
+    def _convert_shards(self, stage: Path, progress: _Progress) -> tuple[int, int]:
         written = resumed = 0
-        with CheckpointTensors(plan.source) as tensors:
-            group_amax = self.fused_amax(tensors) if plan.fused_groups() else {}
-            for shard, planned in plan.by_shard().items():
+        with CheckpointTensors(self.plan.source) as tensors:
+            group_amax = self.fused_amax(tensors) if self.plan.fused_groups() else {}
+            for shard, planned in self.plan.by_shard().items():
                 out_path = stage / shard
-                out_path.parent.mkdir(parents=True, exist_ok=True)
+                with self._writing(out_path.parent):
+                    out_path.parent.mkdir(parents=True, exist_ok=True)
                 rec = progress.done(shard, out_path) if self.run.resume else None
                 if rec is not None:
                     for key, found in self._found().items():
@@ -310,19 +752,30 @@ class Converter:
                     continue
                 before = {key: set(found) for key, found in self._found().items()}
                 size, sha256 = self.write_shard(shard, planned, out_path, tensors, group_amax)
-                progress.record(shard, size, sha256, {key: {m: v for m, v in found.items() if m not in before[key]}
-                                                      for key, found in self._found().items()})
+                with self._writing(progress.path):
+                    progress.record(shard, size, sha256, {key: {m: v for m, v in found.items() if m not in before[key]}
+                                                          for key, found in self._found().items()})
                 written += 1
                 _fault_injection(written)
-        self.write_side_files(stage, fp)
-        (stage / PROGRESS_NAME).unlink()
-        manifest = self.manifest(fp)
-        (stage / MANIFEST_NAME).write_text(manifest.to_json())
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(stage, dst)
-        return ConvertResult(dst, time.time() - start, plan.bytes_in, plan.bytes_out, written, resumed,
-                             sum(t.quantized for t in plan.tensors), list(plan.warnings), self.note_list(), dict(sorted(self.errors.items())))
+        return written, resumed
+
+    def _install(self, stage: Path) -> list[str]:
+        """Put the staging folder in place of DST without ever deleting DST first: the old one is
+        renamed aside, the new one renamed in, and only then the old one deleted. A crash in
+        between leaves both (check_destination explains what to do)."""
+        dst, aside = self.dst, aside_dir(self.dst)
+        with self._writing(dst):
+            if dst.exists():
+                os.rename(dst, aside)
+            os.rename(stage, dst)
+        if not aside.exists():
+            return []
+        try:
+            shutil.rmtree(aside)
+        except OSError as exc:
+            return [f"{aside}: the replaced destination could not be deleted ({exc.strerror}); delete it yourself"]
+        return []
+
 
     def note_list(self) -> list[str]:
         return [self.notes[m] for m in sorted(self.notes)]
@@ -390,6 +843,39 @@ def module_entry(t: TensorPlan, recipe, disk: tuple[DiskEntry, ...]) -> ModuleEn
         transposed_from_source=t.transpose, fused_group=t.fused_group, tensors=disk)
 
 
+def _manifest_doc(folder: Path) -> dict:
+    """The manifest of a finished output as a dict ({} when absent or unreadable)."""
+    try:
+        doc = json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _leftovers(stage: Path) -> list[Path]:
+    """What a staging folder holds besides the lock and a progress file's temporary."""
+    ours = {LOCK_NAME, PROGRESS_NAME + ".tmp"}
+    return [p for p in stage.iterdir() if p.name not in ours and not p.name.startswith(LOCK_NAME + ".stale-")]
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The ancestors of `path` that do not exist yet, nearest first."""
+    out = []
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        out.append(parent)
+        parent = parent.parent
+    return out
+
+
+def _discard(stage: Path, created: list[Path]) -> None:
+    """Remove what a refused fresh run made: its staging folder and the parents it created."""
+    shutil.rmtree(stage, ignore_errors=True)
+    for parent in created:
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+
+
 def _global_scale(layout, module: str, recipe, get) -> tuple[torch.Tensor, str] | None:
     """The stored global scale of a module and its direction, or None."""
     for d in layout.describe(module, recipe):
@@ -427,4 +913,4 @@ def model_card(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ConvertResult", "Converter", "RunOptions", "check_destination", "fingerprint"]
+__all__ = ["ConvertResult", "Converter", "FilesystemError", "RunOptions", "check_destination", "check_run_options", "fingerprint"]
