@@ -6,6 +6,7 @@ tensor names only (no data)."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from .layouts import LAYOUTS, Layout
@@ -85,3 +86,80 @@ def detect(source: Source) -> Detected | None:
     if layout is None:
         return None
     return Detected(layout, quantized_modules(source, layout, manifest, extras), manifest, extras)
+
+
+# ---------------------------------------------------------------- what the tensors themselves say
+
+# Float dtypes a producer may store an FP32-meaning scale in: llm-compressor writes FP8-family
+# scales in the model's dense dtype (FORMATS.md B 4, 5.2). Each widens to FP32 exactly, so reading
+# them loses nothing; quantcli itself always writes F32 (what every consumer expects).
+FLOAT_SCALE_DTYPES = ("F32", "BF16", "F16")
+
+
+def stored_as_expected(expected_dtype: str, expected_shape: tuple[int, ...], dtype: str,
+                       shape: tuple[int, ...]) -> bool:
+    """Whether a stored tensor is readable as the one a layout expects: the same dtype (any float
+    dtype for an F32 scale) and shape (any one-element shape for a scalar: ModelOpt writes 0-d,
+    compressed-tensors [1], and vLLM accepts both)."""
+    if dtype != expected_dtype and not (expected_dtype == "F32" and dtype in FLOAT_SCALE_DTYPES):
+        return False
+    if tuple(shape) == tuple(expected_shape):
+        return True
+    return math.prod(expected_shape) == 1 and math.prod(shape) == 1 and len(shape) <= 1 and len(expected_shape) <= 1
+
+
+def disk_problems(layout: Layout, module: str, recipe, logical_shape: tuple[int, ...], tensors) -> list[str]:
+    """Stored tensors of `module` whose dtype or shape the layout cannot read as `recipe`."""
+    from .plan import output_specs
+
+    problems = []
+    for spec in output_specs(layout, module, recipe, logical_shape):
+        if spec.name in tensors:
+            info = tensors.info(spec.name)
+            if not stored_as_expected(spec.dtype, tuple(spec.shape), info.dtype, tuple(info.shape)):
+                floats = " (or BF16/F16)" if spec.dtype == "F32" else ""
+                problems.append(f"{spec.name} is {info.dtype}{list(info.shape)}, {layout.name} {recipe.name} "
+                                f"expects {spec.dtype}{floats}{list(spec.shape)}")
+    return problems
+
+
+def recipes_the_tensors_allow(module: str, tensors) -> set[str]:
+    """Every recipe the stored dtypes and shapes of `module` are consistent with, ignoring the config.
+
+    Shapes alone can be ambiguous (a [1, 32] fp8-channel weight has a [1, 1] scale, like fp8 and
+    fp8-block), so this returns a set: the config's recipe wins whenever it is in it."""
+    codes_name = next((n for n in (f"{module}.weight_packed", f"{module}.weight", f"{module}_blocks")
+                       if n in tensors), None)
+    scale_name = next((n for n in (f"{module}.weight_scale", f"{module}.weight_scale_inv", f"{module}_scales")
+                       if n in tensors), None)
+    if codes_name is None or scale_name is None:
+        return set()
+    codes, scale = tensors.info(codes_name), tensors.info(scale_name)
+    if codes.dtype == "U8":  # FP4 pairs: the group size tells NVFP4 (16) from MXFP4 (32)
+        k = codes.shape[-2] * 32 if codes_name.endswith("_blocks") else codes.shape[-1] * 2
+        group = k // max(1, scale.shape[-1]) if scale.shape else 0
+        return {16: {"nvfp4"}, 32: {"mxfp4"}}.get(group, set())
+    if codes.dtype != "F8_E4M3" or len(codes.shape) < 2:
+        return set()
+    if scale.dtype == "U8":
+        return {"mxfp8"}
+    n, k = codes.shape[-2], codes.shape[-1]
+    s = tuple(scale.shape)
+    out = set()
+    if math.prod(s) == 1 and len(s) <= 2:
+        out.add("fp8")
+    if s in ((n,), (n, 1)):
+        out.add("fp8-channel")
+    nb, kb = -(-n // 128), -(-k // 128)
+    if s in ((nb, kb), (nb, 1, kb, 1)) or scale_name.endswith("_inv"):
+        out.add("fp8-block")
+    return out
+
+
+def tensors_look_like(module: str, recipe: str, tensors) -> str | None:
+    """`recipe` when the tensors are consistent with it; otherwise what they look like (None when
+    they say nothing). Only a contradiction between config and tensors is worth reporting."""
+    allowed = recipes_the_tensors_allow(module, tensors)
+    if not allowed or recipe in allowed:
+        return recipe if allowed else None
+    return sorted(allowed)[0]

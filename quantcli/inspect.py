@@ -12,10 +12,10 @@ import re
 import torch
 
 from . import patterns
-from .detect import Detected, all_names, config_with_extras, detect
+from .detect import Detected, all_names, config_with_extras, detect, disk_problems, tensors_look_like
 from .errors import CheckpointError, LayoutError, QuantcliError, RecipeError
 from .layouts import Layout
-from .plan import fused_group_of, is_dense_linear, matches, output_specs
+from .plan import fused_group_of, is_dense_linear, matches
 from .source import Source, open_source
 from .tensors import CheckpointTensors
 
@@ -71,37 +71,6 @@ def linear_modules(names: dict[str, str], tensors: CheckpointTensors) -> list[st
     return out
 
 
-def infer_recipe(layout: Layout, module: str, tensors: CheckpointTensors) -> str | None:
-    """Which recipe the tensors themselves look like (dtypes and shape ratios), ignoring config."""
-    for codes_name in (f"{module}.weight_packed", f"{module}.weight", f"{module}_blocks"):
-        if codes_name in tensors:
-            break
-    else:
-        return None
-    codes = tensors.info(codes_name)
-    scale_name = next((n for n in (f"{module}.weight_scale", f"{module}.weight_scale_inv", f"{module}_scales")
-                       if n in tensors), None)
-    if scale_name is None:
-        return None
-    scale = tensors.info(scale_name)
-    if codes.dtype == "U8":
-        k = codes.shape[-1] * 2 if not codes_name.endswith("_blocks") else codes.shape[-2] * 32
-        group = k // max(1, scale.shape[-1])
-        return "nvfp4" if group == 16 else "mxfp4" if group == 32 else None
-    if codes.dtype == "F8_E4M3":
-        if scale.dtype == "U8":
-            return "mxfp8"
-        n, k = codes.shape[-2], codes.shape[-1]
-        blocks = (math.ceil(n / 128), math.ceil(k / 128))
-        if scale_name.endswith("_inv") or len(scale.shape) == 4 or (
-                len(scale.shape) == 2 and tuple(scale.shape) == blocks and (scale.shape[-1] != 1 or k <= 128)):
-            return "fp8-block"
-        if len(scale.shape) <= 1 and scale.numel == 1:
-            return "fp8"
-        return "fp8-channel"
-    return None
-
-
 def describe_module(layout: Layout, module: str, recipe_name: str, tensors: CheckpointTensors,
                     config: dict, scale_rule: str | None = None) -> dict:
     recipe = layout.recipe_for(recipe_name, scale_rule if scale_rule in ("floor", "even", "rceil") else None)
@@ -125,14 +94,8 @@ def describe_module(layout: Layout, module: str, recipe_name: str, tensors: Chec
             logical = [*codes.shape[:-2], codes.shape[-2] * 32]
         else:
             logical = [*codes.shape[:-1], codes.shape[-1] * 8 // recipe.element_bits]
-        expected = output_specs(layout, module, recipe, tuple(logical))
-        for spec in expected:
-            if spec.name in tensors:
-                info = tensors.info(spec.name)
-                if info.dtype != spec.dtype or tuple(info.shape) != tuple(spec.shape):
-                    problems.append(f"{spec.name} is {info.dtype}{list(info.shape)}, {layout.name} {recipe.name} "
-                                    f"expects {spec.dtype}{list(spec.shape)}")
-    looks_like = infer_recipe(layout, module, tensors)
+        problems.extend(disk_problems(layout, module, recipe, tuple(logical), tensors))
+    looks_like = tensors_look_like(module, recipe.name, tensors)
     if looks_like and looks_like != recipe.name:
         problems.append(f"config says {recipe.name} but the tensors look like {looks_like}")
     numel = math.prod(logical) if logical else 0

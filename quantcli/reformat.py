@@ -63,6 +63,7 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
     errors: list[str] = []
     tensors: list[TensorPlan] = []
     consumed: set[str] = set()
+    widened: set[str] = set()  # float scale dtypes of the source written as F32
     with CheckpointTensors(source) as ct:
         for module, src_recipe in sorted(det.modules.items()):
             desc = describe_module(src_layout, module, src_recipe, ct, config)
@@ -89,6 +90,9 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
                 errors.append(str(exc))
                 continue
             action = "relayout" if src_recipe == recipe.name else "requantize"
+            if action == "relayout":
+                widened.update(e["dtype"] for e in desc["tensors"]
+                               if e["role"] != "codes" and e["dtype"] in ("BF16", "F16"))
             group = fused_group_of(module) if recipe.has_global_scale and action == "requantize" else None
             tensors.append(TensorPlan(**base, recipe=recipe.name, fused_group=group, action=action,
                                       outputs=output_specs(layout, module, recipe, shape)))
@@ -104,6 +108,10 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
     if errors:
         raise QuantcliError(f"{len(errors)} problem(s) converting {source.label}: " + "; ".join(errors))
     warnings = []
+    if widened:
+        warnings.append(f"{src_layout.name} scales stored as {'/'.join(sorted(widened))} are written as F32, "
+                        f"which consumers expect: every {'/'.join(sorted(widened))} value is exactly an F32 value, "
+                        f"so the re-layout stays lossless")
     if any(t.action == "requantize" for t in tensors):
         warnings.append(f"re-quantizing {src_layout.name} weights to {opts.recipe}: the errors of both "
                         f"quantizations add up; check the result with quantcli verify --reference")

@@ -37,7 +37,10 @@ def module_of(param: str) -> str:
 class Layout:
     name: str = ""
     consumers: str = ""
-    recipes: tuple[str, ...] = ()
+    recipes: tuple[str, ...] = ()  # what quantcli writes in this layout
+    # Recipes a producer writes in this layout that no serving engine loads: read (inspect,
+    # verify, convert from them), never written, and verify fails them.
+    unservable: tuple[str, ...] = ()
     default_scale_rule: str | None = None  # for MX recipes
     exclusion_key: str = ""
 

@@ -4,6 +4,8 @@
     fp8-channel  weight F8_E4M3 [N, K], weight_scale F32 [N]            FP8_PER_CHANNEL_PER_TOKEN
     fp8-block    weight F8_E4M3 [N, K], weight_scale F32 [N/128, 1, K/128, 1]   FP8_PB_WO
     mxfp8        weight F8_E4M3 [N, K], weight_scale U8 E8M0 [N, K/32]  MXFP8 (rule rceil)
+    mxfp4        weight U8 [N, K/2], weight_scale U8 E8M0 [N, K/32]      MXFP4 (read only: ModelOpt's
+                 own export, which no serving engine loads; FORMATS.md B 7.5)
 Config: hf_quant_config.json {"producer", "quantization": {quant_algo, kv_cache_quant_algo,
 group_size, exclude_modules}} plus config.json quantization_config in ModelOpt's flat form.
 """
@@ -23,7 +25,8 @@ from .base import DiskTensor, GetTensor, Layout, as_codes, logical_k, require_8b
 QUANT_ALGO = {"nvfp4": "W4A16_NVFP4", "fp8-channel": "FP8_PER_CHANNEL_PER_TOKEN",
               "fp8-block": "FP8_PB_WO", "mxfp8": "MXFP8"}
 ALGO_TO_RECIPE = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8_PER_CHANNEL_PER_TOKEN": "fp8-channel",
-                  "FP8_PB_WO": "fp8-block", "MXFP8": "mxfp8", "FP8": "fp8"}
+                  "FP8_PB_WO": "fp8-block", "MXFP8": "mxfp8", "FP8": "fp8",
+                  "MXFP4": "mxfp4", "W4A8_MXFP4_FP8": "mxfp4"}
 GROUP_SIZE = {"nvfp4": 16, "mxfp8": 32}
 
 
@@ -31,6 +34,7 @@ class ModelOptLayout(Layout):
     name = "modelopt"
     consumers = "vLLM, SGLang, TensorRT-LLM"
     recipes = ("nvfp4", "fp8-channel", "fp8-block", "mxfp8")
+    unservable = ("mxfp4",)
     default_scale_rule = "rceil"
     exclusion_key = "exclude_modules"
 
@@ -64,7 +68,7 @@ class ModelOptLayout(Layout):
         if recipe.name == "nvfp4":
             scale = require_8bit(f"{module}.weight_scale", scale)
             s2 = get(f"{module}.weight_scale_2").to(torch.float32).reshape(())
-        elif recipe.name == "mxfp8":
+        elif recipe.name in ("mxfp8", "mxfp4"):
             scale = require_8bit(f"{module}.weight_scale", scale)
         elif recipe.name == "fp8-block":
             scale = scale.to(torch.float32).reshape(-(-shape[0] // 128), -(-shape[1] // 128))
@@ -74,7 +78,7 @@ class ModelOptLayout(Layout):
 
     def describe(self, module: str, recipe: Recipe) -> list[DiskTensor]:
         codes = "e2m1x2" if recipe.element_bits == 4 else "e4m3fn"
-        scale_enc = {"nvfp4": "e4m3fn", "mxfp8": "e8m0_bias127"}.get(recipe.name, "f32")
+        scale_enc = {"nvfp4": "e4m3fn", "mxfp8": "e8m0_bias127", "mxfp4": "e8m0_bias127"}.get(recipe.name, "f32")
         out = [DiskTensor(f"{module}.weight", "codes", codes, None),
                DiskTensor(f"{module}.weight_scale", "block_scale", scale_enc, "multiply")]
         if recipe.name == "nvfp4":
