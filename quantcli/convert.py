@@ -638,7 +638,9 @@ class Converter:
         stage = staging_dir(dst)
         fp = fingerprint(plan)
         if self.run.resume and not stage.exists() and (dst / MANIFEST_NAME).exists():
-            return self._already_complete(fp, start)
+            done = self._already_complete(fp, start)
+            if done is not None:
+                return done
         if stage.is_dir():
             self._stage_kind(stage, fp)  # refusals before the lock is taken: nothing touched
         created = _missing_parents(stage)
@@ -683,11 +685,14 @@ class Converter:
                              sum(t.quantized for t in plan.tensors), [*plan.warnings, *warnings], self.note_list(),
                              dict(sorted(self.errors.items())))
 
-    def _already_complete(self, fp: str, start: float) -> ConvertResult:
-        """--resume on a finished DST: the same plan is done, touch nothing; another is refused."""
+    def _already_complete(self, fp: str, start: float) -> ConvertResult | None:
+        """--resume on a finished DST: the same plan is done, touch nothing; another plan is
+        refused, or with --overwrite too (None) converted afresh."""
         plan, dst = self.plan, self.dst
         doc = _manifest_doc(dst)
         if doc.get("fingerprint") != fp:
+            if self.run.overwrite:
+                return None
             raise CheckpointError(f"{dst}: holds a finished quantcli output of another source, recipe or options, "
                                   f"and there is no interrupted run to resume; use --overwrite to replace it")
         return ConvertResult(dst, time.time() - start, plan.bytes_in, plan.bytes_out, 0, 0,

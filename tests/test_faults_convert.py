@@ -15,7 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -95,6 +95,8 @@ def test_resume_on_finished_dst_says_done_and_touches_nothing(llama, tmp_path, r
     code, out, err = convert(run_cli, llama, dst, "--resume", recipe="fp8")  # another plan: refused
     assert_one_line_error(code, out, err, str(dst), "--overwrite")
     assert tree_state(dst) == done
+    code, out, err = convert(run_cli, llama, dst, "--resume", "--overwrite", recipe="fp8")  # ... unless asked
+    assert code == 0 and json.loads((dst / "quantcli_manifest.json").read_text())["recipe"] == "fp8", err
 
 
 def test_resume_with_partial_into_nonempty_dst_needs_overwrite(llama, tmp_path, run_cli, monkeypatch):
@@ -111,27 +113,39 @@ def test_resume_with_partial_into_nonempty_dst_needs_overwrite(llama, tmp_path, 
 # ------------------------------------------------------------------ interruption and --resume
 
 
-def test_ctrl_c_mid_shard_keeps_consistent_staging_and_resume_is_identical(llama, tmp_path, run_cli, monkeypatch):
+@pytest.mark.parametrize("where", ["writer thread", "main thread"])
+def test_ctrl_c_mid_shard_keeps_consistent_staging_and_resume_is_identical(llama, tmp_path, run_cli, monkeypatch,
+                                                                           where):
     clean = clean_output(run_cli, llama, tmp_path / "clean")
     dst = tmp_path / "out"
-    calls = {"recorded": 0, "writes": 0}
+    threads = threading.active_count()
+    calls = {"recorded": 0, "n": 0}
     real_write, real_record = ShardWriter.write, convert_mod._Progress.record
+    real_produce = convert_mod.Converter.produce
 
     def record(self, *args):
         calls["recorded"] += 1
         return real_record(self, *args)
 
-    def write(self, name, data):
-        calls["writes"] += calls["recorded"] > 0
-        if calls["writes"] == 2:  # the second tensor of the second shard
+    def write(self, name, data):  # runs on the background writer thread
+        calls["n"] += calls["recorded"] > 0 and where == "writer thread"
+        if calls["n"] == 2:  # the second tensor of the second shard
             raise KeyboardInterrupt
         return real_write(self, name, data)
 
+    def produce(self, *args):  # runs on the main thread while writes are queued
+        calls["n"] += calls["recorded"] > 0 and where == "main thread"
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_produce(self, *args)
+
     with monkeypatch.context() as m:
         m.setattr(ShardWriter, "write", write)
+        m.setattr(convert_mod.Converter, "produce", produce)
         m.setattr(convert_mod._Progress, "record", record)
         code, _, err = convert(run_cli, llama, dst)
     assert code == 130 and "Traceback" not in err
+    assert threading.active_count() == threads  # the writer thread was stopped, not left running
     stage = stage_of(dst)
     names = {p.name for p in stage.iterdir()}
     assert not any(n.endswith(".tmp") for n in names), names  # no half-written shard
@@ -312,7 +326,7 @@ def test_crash_inside_the_final_swap_leaves_both_and_resume_finishes(llama, tmp_
     assert code == 130
     aside = tmp_path / "out.quantcli-replaced"
     assert not dst.exists() and (aside / "old.txt").read_text() == "old"  # nothing lost
-    assert {k: v for k, v in tree_state(stage_of(dst)).items()} == clean
+    assert tree_state(stage_of(dst)) == clean
     code, out, err = convert(run_cli, llama, dst)
     assert_one_line_error(code, out, err, str(aside), "--resume")
     code, _, err = convert(run_cli, llama, dst, "--resume")
