@@ -98,7 +98,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
                   f"and options); nothing to resume, nothing written. Use --overwrite to convert again")
         return 0
     if plan.lossless:
-        con.print("lossless re-layout: every code and block-scale byte carried over unchanged")
+        con.print("lossless re-layout: every code and block-scale value carried over unchanged")
     for n in result.notes:
         con.print(f"note: {n}")
     if result.requantize_errors:

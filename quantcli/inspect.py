@@ -154,6 +154,19 @@ def fused_mismatches(modules: list[dict]) -> list[dict]:
             if len(v) > 1 and len(set(v.values())) > 1]
 
 
+def _unservable(det: Detected | None, modules: list[dict]) -> list[str]:
+    """A (recipe, layout) pair that a producer writes but no serving engine loads (ModelOpt's
+    MXFP4 export): readable and convertible, but say so plainly, once per recipe."""
+    from .layouts import layouts_for
+
+    if det is None:
+        return []
+    recipes = sorted({m["recipe"] for m in modules if m["recipe"] in det.layout.unservable})
+    return [f"{len(recipes)} {r} module(s): no serving engine loads {r} in the {det.layout.name} layout; "
+            f"convert it with --layout {' or --layout '.join(x for x in layouts_for(r) if x != det.layout.name)}"
+            for r in recipes]
+
+
 def inspect_checkpoint(path: str, revision: str | None = None, pattern: str | None = None,
                        stats: bool = False) -> dict:
     source = open_source(path, revision)
@@ -226,7 +239,8 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
         "size_vs_bf16": round(total_bytes / (2 * total_params), 4) if total_params else None,
         "exclusion_list": excluded, "unlisted_linears": sorted(unlisted),
         "fused_mismatches": fused_mismatches(modules),
-        "problems": [f"{m['module']}: {p}" for m in modules for p in m["problems"]],
+        "problems": [f"{m['module']}: {p}" for m in modules for p in m["problems"]] + _unservable(det, modules),
+        "warnings": list(source.warnings),
         "config": config,
     }
 
@@ -312,6 +326,8 @@ def render_inspect(report: dict, con) -> None:
                   f"(TensorRT-LLM asserts; vLLM silently uses one for all)")
     for p in report["problems"]:
         con.print(f"[red]problem[/red]: {p}")
+    for w in report.get("warnings", []):
+        con.print(f"[yellow]warning[/yellow]: {w}")
     if "kv_cache" in report:
         kv = report["kv_cache"]
         t = Table(title=f"KV cache: {kv['layers']} layers x {kv['per_layer']}, budget {human_bytes(kv['budget_bytes'])}")

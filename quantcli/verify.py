@@ -184,6 +184,8 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
     if det is None or not det.modules:
         raise QuantcliError(f"{quant}: no quantized modules found (no modelopt, compressed-tensors, fp8 or gpt-oss "
                             f"layout detected); nothing to verify")
+    if pattern is not None:
+        _require_selection(pattern, source, det)
     layout = det.layout
     config = config_with_extras(source, det.extra_files)
     found = Findings()
@@ -202,7 +204,15 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
         layers[key] = max(layers.get(key, 0.0), r["rel_err"])
     return {"checkpoint": source.label, "layout": layout.name, "reference": reference, "modules": len(modules),
             "checks": found.summary(), "faults": found.faults, "tensors": rows, "layers": layers,
-            "passed": not found.faults}
+            "warnings": list(source.warnings), "passed": not found.faults}
+
+
+def _require_selection(pattern: str, source, det) -> None:
+    """A --tensors filter that selects nothing would make every check pass vacuously."""
+    if any(matches(pattern, m) for m in det.modules) or any(matches(pattern, n) for n in all_names(source)):
+        return
+    raise QuantcliError(f"--tensors {pattern!r}: matches no tensor or module in {source.label}; try a module name "
+                        f"or prefix (model.layers.0), a glob ('*q_proj') or re:REGEX")
 
 
 def _structure_checks(source, det, config: dict, qt: CheckpointTensors, pattern: str | None, found: Findings) -> dict:
@@ -391,7 +401,7 @@ def _reference_group_amax(decoded_cache: dict, rt: CheckpointTensors, dev) -> di
         name = _source_name(module, rt)
         if name is None:
             continue
-        amax = tensor_amax(rt.get(name).to(dev)).cpu()
+        amax = tensor_amax(rt.get(name).to(dev), name=name).cpu()
         rt.release(name)
         out[group] = amax if group not in out else torch.maximum(out[group], amax)
     # A "group" with one member behaves like a plain tensor: its own amax, as convert does.
@@ -545,6 +555,8 @@ def render_verify(report: dict, con, top: int) -> None:
         con.print("relative error by layer (worst tensor):")
         for layer, v in sorted(report["layers"].items(), key=lambda kv: (kv[0] == "other", int(kv[0]) if kv[0].isdigit() else 0)):
             con.print(f"  {layer:>5} {'█' * max(1, int(40 * v / worst))} {v:.4g}")
+    for w in report.get("warnings", []):
+        con.print(f"[yellow]warning[/yellow]: {w}")
     for f in report["faults"]:
         con.print(f"[red]FAIL[/red] {f['tensor']}: {f['fault']}")
     con.print("[green]PASS[/green]" if report["passed"] else f"[red]FAIL[/red]: {len(report['faults'])} fault(s)")

@@ -237,6 +237,12 @@ def test_verify_tensors_invalid_regex_is_one_line(gpt_oss_quantized, run_cli):
     assert_one_line_error(code, out, err, "re:[", "not a valid regex")
 
 
+def test_verify_tensors_selecting_nothing_exits_2(gpt_oss_quantized, run_cli):
+    # a filter that selects nothing would let every check pass vacuously
+    code, out, err = run_cli("verify", gpt_oss_quantized, "--tensors", "*no_such_module*")
+    assert_one_line_error(code, out, err, "--tensors", "*no_such_module*", "matches no tensor or module")
+
+
 @pytest.mark.parametrize("budget", ["abc", "0", "0GiB", "1.2.3GiB", ".", "-5GiB", "80 parsecs", ""])
 def test_inspect_bad_kv_budget(small_llama, run_cli, budget):
     code, out, err = run_cli("inspect", small_llama, "--kv-cache", "--kv-budget", budget)

@@ -241,6 +241,10 @@ def test_tensor_missing_from_index_kept_with_warning(tmp_path, run_cli):
     assert index["weight_map"]["model.extra"] == "a.safetensors"
     with CheckpointTensors(open_source(str(tmp_path / "o"))) as o:
         assert torch.equal(o.get("model.extra"), extra)
+    code, out, _ = run_cli("inspect", src)  # inspect shows what opening the source found
+    assert code == 0 and "warning: 1 tensor(s) in the shards are missing" in out
+    code, out, _ = run_cli("inspect", src, "--json")
+    assert any("model.extra" in w for w in json.loads(out)["warnings"])
 
 
 def _special_shard(kind: str, path: Path):

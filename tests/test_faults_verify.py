@@ -287,6 +287,8 @@ def test_modelopt_mxfp4_is_recognised_decoded_and_reported_unservable(produced, 
     assert code == 1
     (fault,) = doc["faults"]  # decoded within tolerance: only the pair is wrong
     assert "no serving engine loads" in fault["fault"] and "compressed-tensors, gpt-oss" in fault["fault"]
+    code, out, _ = run_cli("inspect", src, "--json")  # inspect says it too, as a problem
+    assert any("no serving engine loads mxfp4 in the modelopt layout" in p for p in json.loads(out)["problems"])
     dst = tmp_path / "ct"
     code, _, err = run_cli("convert", src, dst, "--recipe", "mxfp4", "--layout", "compressed-tensors")
     assert code == 0, err
