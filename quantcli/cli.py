@@ -118,10 +118,10 @@ def _device(value: str) -> str:
                      "(use auto, cpu, cuda or cuda:N)")
 
 
-Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of a repo id.")]
+Revision = Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision (branch, tag or commit) of a repo id.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON document instead of tables.")]
-Tensors = Annotated[Optional[str], typer.Option(help="Only tensors/modules matching this glob or re:REGEX.")]
-Device = Annotated[str, typer.Option(callback=_device, help="auto, cpu, cuda or cuda:N.")]
+Tensors = Annotated[Optional[str], typer.Option(metavar="PATTERN", help="Only tensors/modules matching PATTERN: a name, a parent module, a glob or re:REGEX.")]
+Device = Annotated[str, typer.Option(metavar="DEVICE", callback=_device, help="auto, cpu, cuda or cuda:N.")]
 
 
 def _version(value: bool) -> None:
@@ -142,20 +142,20 @@ def convert(
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source: checkpoint folder, .safetensors file or Hub repo id.")],
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Destination folder (created; written atomically).")],
     recipe: Annotated[Optional[str], typer.Option(
-        callback=_one_of("--recipe", "recipe", _recipe_names),
+        metavar="RECIPE", callback=_one_of("--recipe", "recipe", _recipe_names),
         help=f"One of: {', '.join(RECIPE_NAMES)} (bf16/fp16/fp32 dequantize a quantized source).")] = None,
     layout: Annotated[Optional[str], typer.Option(
-        callback=_one_of("--layout", "layout", _layout_names),
+        metavar="LAYOUT", callback=_one_of("--layout", "layout", _layout_names),
         help=f"One of: {', '.join(LAYOUT_NAMES)} (default per recipe).")] = None,
-    ignore: Annotated[Optional[list[str]], typer.Option(help="Leave modules matching this glob or re:REGEX unquantized (repeatable).")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="TOML recipe file: recipe, layout, scale_rule, targets, ignore, [[override]].")] = None,
+    ignore: Annotated[Optional[list[str]], typer.Option(metavar="PATTERN", help="Leave modules matching PATTERN unquantized: a name, a parent module, a glob or re:REGEX (repeatable).")] = None,
+    config: Annotated[Optional[Path], typer.Option(metavar="FILE", help="TOML recipe file: recipe, layout, scale_rule, targets, ignore, [[override]].")] = None,
     scale_rule: Annotated[Optional[str], typer.Option(
-        callback=_one_of("--scale-rule", "MX scale rule", _scale_rule_names),
+        metavar="RULE", callback=_one_of("--scale-rule", "MX scale rule", _scale_rule_names),
         help=f"MX scale exponent rule: {', '.join(SCALE_RULE_NAMES)} (default: the layout's producer).")] = None,
     revision: Revision = None,
     device: Device = "auto",
     backend: Annotated[str, typer.Option(
-        callback=_one_of("--backend", "backend", _backend_names),
+        metavar="BACKEND", callback=_one_of("--backend", "backend", _backend_names),
         help=f"One of: {', '.join(BACKEND_NAMES)} (auto: Triton on CUDA).")] = "auto",
     dry_run: Annotated[bool, typer.Option(help="Print the plan and write nothing.")] = False,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run with the same inputs.")] = False,
@@ -181,7 +181,7 @@ def inspect(
     tensors: Tensors = None,
     stats: Annotated[bool, typer.Option(help="Read the data: scale ranges, zero blocks, saturation, NaN/Inf.")] = False,
     kv_cache: Annotated[bool, typer.Option(help="Print the KV-cache byte account from config.json.")] = False,
-    kv_budget: Annotated[str, typer.Option(help="Memory for the KV cache in --kv-cache, e.g. 80GiB.")] = "80GiB",
+    kv_budget: Annotated[str, typer.Option(metavar="SIZE", help="Memory for the KV cache in --kv-cache, e.g. 80GiB.")] = "80GiB",
     json_out: JsonOut = False,
 ) -> None:
     """Explain a checkpoint from its headers: layout, recipes, scales, bits per parameter."""
@@ -194,13 +194,13 @@ def inspect(
 @app.command()
 def verify(
     quant: Annotated[str, typer.Argument(metavar="QUANT", help="The quantized checkpoint.")],
-    reference: Annotated[Optional[str], typer.Option(help="The source checkpoint to compare against.")] = None,
+    reference: Annotated[Optional[str], typer.Option(metavar="SRC", help="The source checkpoint to compare against.")] = None,
     revision: Revision = None,
     tensors: Tensors = None,
-    top: Annotated[int, typer.Option(min=0, help="How many worst tensors to list.")] = 10,
+    top: Annotated[int, typer.Option(metavar="N", min=0, help="How many worst tensors to list.")] = 10,
     exact: Annotated[bool, typer.Option(help="Re-quantize the reference and compare codes and scales byte for byte.")] = False,
-    tp: Annotated[Optional[int], typer.Option(help="Check that quantized dims split into whole blocks across N ranks.")] = None,
-    threshold: Annotated[Optional[list[str]], typer.Option(help="Override a limit: METRIC=VALUE (rel_err, sqnr_db, cosine, margin).")] = None,
+    tp: Annotated[Optional[int], typer.Option(metavar="N", help="Check that quantized dims split into whole blocks across N ranks.")] = None,
+    threshold: Annotated[Optional[list[str]], typer.Option(metavar="METRIC=VALUE", help="Override a limit: METRIC=VALUE (rel_err, sqnr_db, cosine, margin).")] = None,
     device: Device = "auto",
     json_out: JsonOut = False,
 ) -> None:
