@@ -12,8 +12,17 @@ from rich.table import Table
 from .errors import QuantcliError
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # Rich turns a closed stdout into SystemExit(1), which a pipeline would read as
+        # "verify found a problem"; let main() end it quietly with 141 instead.
+        raise BrokenPipeError
+
+
 def _console(stderr: bool = False) -> Console:
-    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+    # soft_wrap: a line of text (a message, a FAIL line) is never broken, so grep and the "one
+    # line" promise hold in a pipe; tables still fit the width.
+    return _Console(stderr=stderr, highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
 def emit_json(obj: object) -> None:

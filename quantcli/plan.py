@@ -362,8 +362,19 @@ def make_plan(source: Source, opts: Options) -> Plan:
         raise QuantcliError(f"{len(errors)} problem(s) in the plan: " + "; ".join(errors))
     warnings += _unmatched_patterns(opts, candidates)
     if not any(t.quantized for t in tensors):
-        warnings.append("no tensor matched the recipe: the output will be an unquantized copy")
+        raise QuantcliError(_nothing_to_quantize(source, layout, exclusions))
     return Plan(source, layout, opts, tensors, exclusions, warnings, recipes)
+
+
+def _nothing_to_quantize(source: Source, layout: Layout, exclusions: list[Exclusion]) -> str:
+    """Why a conversion would write an unquantized copy, which nobody asks for on purpose."""
+    if layout.name == "gpt-oss":
+        return (f"{source.label}: --layout gpt-oss quantizes 3-D MoE expert stacks only, and this checkpoint has "
+                f"none; use --layout compressed-tensors for dense Linears")
+    reasons = sorted({e.reason for e in exclusions})
+    why = f" (left dense: {'; '.join(reasons[:3])})" if reasons else " (no Linear or expert weights found)"
+    return (f"{source.label}: no tensor can be quantized with these options{why}; check --ignore/targets, or "
+            f"`quantcli convert ... --dry-run` to see each tensor's reason")
 
 
 def _unmatched_patterns(opts: Options, modules: list[str]) -> list[str]:

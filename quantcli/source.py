@@ -219,14 +219,15 @@ def open_local(path: Path, label: str) -> Source:
 def _remote_headers(repo_id: str, revision: str | None, shards: list[str]) -> dict[str, Header] | None:
     """Shard headers through HTTP range reads, without downloading weights (online only)."""
     from huggingface_hub import constants, get_safetensors_metadata
-    from huggingface_hub.errors import EntryNotFoundError, NotASafetensorsRepoError, SafetensorsParsingError
 
     if constants.HF_HUB_OFFLINE:  # what huggingface_hub made of HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE
         return None
     try:
         meta = get_safetensors_metadata(repo_id, revision=revision)
-    except (OSError, ValueError, EntryNotFoundError, NotASafetensorsRepoError, SafetensorsParsingError):
-        return None  # no remote metadata: the shards' own headers are read once downloaded
+    except Exception:  # noqa: BLE001 - any failure to reach or parse the Hub (DNS, proxy, HTTP
+        # client errors that are neither OSError nor ValueError) falls back to the shards' own
+        # headers, read from the cache or once downloaded; a real problem surfaces there, by name.
+        return None
     out = {}
     for shard in shards:
         fm = meta.files_metadata.get(shard)
@@ -271,6 +272,20 @@ def open_source(src: str, revision: str | None = None) -> Source:
         if revision:
             raise CheckpointError(f"--revision {revision}: only applies to Hub repo ids, but {src} is a local path")
         return open_local(path, src)
+    near = _local_near_miss(path)
+    if near is not None:  # `demo/tinyllama` next to `demo/tiny-llama`: a typo, not a Hub id
+        raise CheckpointError(f"{src}: no such file or folder{near}")
     if REPO_ID.match(src) and not src.startswith((".", "/")):
         return open_hub(src, revision)
     raise CheckpointError(f"{src}: no such file or folder, and not a Hub repo id (owner/name)")
+
+
+def _local_near_miss(path: Path) -> str | None:
+    """'; did you mean ...' when `path`'s folder exists here and holds a close name, else None."""
+    from .errors import did_you_mean
+
+    parent = path.parent
+    if str(parent) in ("", ".") or not parent.is_dir():
+        return None
+    hint = did_you_mean(path.name, [p.name for p in parent.iterdir()])
+    return hint.replace("did you mean '", f"did you mean '{parent.as_posix()}/") if hint else None
