@@ -146,6 +146,12 @@ def aside_dir(dst: Path) -> Path:
 
 def check_destination(src: Path | None, dst: Path, run: RunOptions) -> None:
     """Every destination problem, refused before the source is read or anything is written."""
+    if dst.name in ("", ".", ".."):  # '', '.', '..' or '/': the staging folder needs a name beside DST
+        named = Path(os.path.abspath(dst))
+        if not named.name:
+            raise CheckpointError(f"{dst}: the file-system root cannot be a destination; name a new folder")
+        raise CheckpointError(f"{dst or '.'}: is the folder {named}, not a new one; name the output folder, "
+                              f"e.g. {named / 'quantized'}")
     stage, aside = staging_dir(dst), aside_dir(dst)
     # DST is replaced by renaming a finished folder onto it: a link would be replaced, not its
     # target written, so a link is refused whatever it points at (the user names the real folder).

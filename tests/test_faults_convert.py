@@ -453,3 +453,16 @@ def test_pattern_that_matches_nothing_is_a_warning(llama, tmp_path, run_cli):
     assert code == 0, err
     assert "'*q_porj' matches no Linear or expert module" in err and "'*nothing_here*'" in err
     assert "'*proj'" not in err  # a pattern that does match says nothing
+
+
+@pytest.mark.parametrize("dst,needle", [(".", "not a new one"), ("..", "not a new one"), ("/", "root")])
+def test_dst_without_a_name_is_refused(src, tmp_path, run_cli, monkeypatch, dst, needle):
+    # '.', '..' and '/' have no name to put '.partial' beside: refused before anything is read
+    work = tmp_path / "cwd" / "inner"
+    work.mkdir(parents=True)
+    (work / "mine.txt").write_text("keep")
+    monkeypatch.chdir(work)
+    before = tree_state(tmp_path)
+    code, out, err = run_cli("convert", src, dst, "--recipe", RECIPE)
+    assert_one_line_error(code, out, err, needle)
+    assert tree_state(tmp_path) == before
