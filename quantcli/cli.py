@@ -181,7 +181,7 @@ def inspect(
     tensors: Tensors = None,
     stats: Annotated[bool, typer.Option(help="Read the data: scale ranges, zero blocks, saturation, NaN/Inf.")] = False,
     kv_cache: Annotated[bool, typer.Option(help="Print the KV-cache byte account from config.json.")] = False,
-    kv_budget: Annotated[str, typer.Option(metavar="SIZE", help="Memory for the KV cache in --kv-cache, e.g. 80GiB.")] = "80GiB",
+    kv_budget: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for the KV cache in --kv-cache, e.g. 40GB.  [default: 80GiB]")] = None,
     json_out: JsonOut = False,
 ) -> None:
     """Explain a checkpoint from its headers: layout, recipes, scales, bits per parameter."""

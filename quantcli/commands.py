@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -114,7 +115,8 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
         errs = result.requantize_errors
         worst = max(errs, key=errs.get)
         con.print(f"re-quantized {len(errs)} modules; relative error vs the decoded source: mean "
-                  f"{sum(errs.values()) / len(errs):.4g}, worst {errs[worst]:.4g} ({worst})")
+                  f"{sum(errs.values()) / len(errs):.4g}, worst {errs[worst]:.4g} ({worst}); check it with "
+                  f"`quantcli verify {shlex.quote(str(result.dst))} --reference {shlex.quote(src)}`")
     rate = result.bytes_in / max(result.seconds, 1e-9) / 1e9
     what = (f"{sum(t.action == 'dequantize' for t in plan.tensors)} modules dequantized to {plan.dense_dtype}"
             if plan.layout is None else
@@ -190,10 +192,12 @@ def _print_plan(plan, json_out: bool) -> int:
 
 
 def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: bool, kv_cache: bool,
-                kv_budget: str, json_out: bool) -> int:
+                kv_budget: str | None, json_out: bool) -> int:
     from .inspect import inspect_checkpoint, kv_cache_account, parse_size, render_inspect
 
-    budget = parse_size(kv_budget)
+    if kv_budget is not None and not kv_cache:
+        raise QuantcliError(f"--kv-budget {kv_budget}: only used by the KV-cache account; add --kv-cache")
+    budget = parse_size("80GiB" if kv_budget is None else kv_budget)
     report = inspect_checkpoint(path, revision=revision, pattern=tensors, stats=stats)
     if kv_cache:
         report["kv_cache"] = kv_cache_account(report["config"], budget)

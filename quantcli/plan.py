@@ -24,7 +24,7 @@ from .source import Source
 
 # FORMATS.md A.4: never quantized by default. (reason, pattern on the module name)
 DEFAULT_EXCLUDES: list[tuple[str, re.Pattern]] = [
-    ("lm_head", re.compile(r"(^|\.)lm_head$|^output$|(^|\.)output_layer$")),
+    ("output head", re.compile(r"(^|\.)lm_head$|^output$|(^|\.)output_layer$")),
     ("embedding", re.compile(r"embed|(^|\.)wte$|(^|\.)wpe$|word_embeddings|position_embeddings")),
     ("norm", re.compile(r"norm", re.IGNORECASE)),
     ("MoE router/gate", re.compile(r"(^|\.)gate$|router|shared_expert_gate$")),

@@ -307,3 +307,9 @@ def test_inspect_unknown_hub_id_offline(tmp_path, run_cli, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     code, out, err = run_cli("inspect", "acme/no-such-model")
     assert_one_line_error(code, out, err, "acme/no-such-model", "--revision")
+
+
+def test_kv_budget_without_kv_cache_is_refused(small_llama, run_cli):
+    # a budget that silently does nothing reads as if it had been applied
+    code, out, err = run_cli("inspect", small_llama, "--kv-budget", "40GB")
+    assert_one_line_error(code, out, err, "--kv-budget", "--kv-cache")
