@@ -9,13 +9,49 @@ from pathlib import Path
 
 
 def _save(model, out: Path, shards: int) -> None:
-    import torch
+    """save_pretrained (which also turns runtime-fused expert weights back into the checkpoint
+    names), re-sharded into exactly `shards` safetensors files balanced by bytes, with the index."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from .safetensors_io import write_file
 
     out.mkdir(parents=True, exist_ok=True)
-    total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-    shard_bytes = max(1, total // max(1, shards)) + 1
-    model.save_pretrained(out, max_shard_size=shard_bytes)
-    del torch
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        model.save_pretrained(tmp, max_shard_size="1000GB")
+        state = load_file(Path(tmp) / "model.safetensors")
+        for p in Path(tmp).iterdir():
+            if p.suffix != ".safetensors":
+                p.replace(out / p.name)
+    names = sorted(state)
+    shards = max(1, min(shards, len(names)))
+    if shards == 1:
+        write_file(out / "model.safetensors", state)
+        return
+    groups = _balanced_groups(names, [state[n].numel() * state[n].element_size() for n in names], shards)
+    weight_map = {}
+    for i, group in enumerate(groups):
+        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        write_file(out / shard, {n: state[n] for n in group})
+        weight_map.update({n: shard for n in group})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _balanced_groups(names: list[str], sizes: list[int], n: int) -> list[list[str]]:
+    """Split `names` (kept in order) into exactly n non-empty runs of similar byte size."""
+    total, groups, current, done = sum(sizes), [], [], 0
+    for i, (name, size) in enumerate(zip(names, sizes)):
+        current.append(name)
+        done += size
+        left_names, left_groups = len(names) - i - 1, n - len(groups) - 1
+        if left_groups and (done >= total * (len(groups) + 1) / n or left_names == left_groups):
+            groups.append(current)
+            current = []
+    groups.append(current)
+    return groups
 
 
 def make_llama(out: Path, hidden: int = 256, layers: int = 2, shards: int = 2, seed: int = 0,

@@ -83,7 +83,7 @@ def test_cache_layout_is_what_huggingface_hub_reads(tiny_llama, hub_cache):
     (revision,) = repo.revisions
     assert repo.repo_id == "acme/tiny-llama" and revision.commit_hash == COMMIT and revision.refs == {"main"}
     assert revision.nb_files == len(list(tiny_llama.iterdir()))
-    shard = Path(hf_hub_download("acme/tiny-llama", "model-00001-of-00003.safetensors"))
+    shard = Path(hf_hub_download("acme/tiny-llama", "model-00001-of-00002.safetensors"))
     assert shard.is_symlink() and shard.parent.name == COMMIT and shard.resolve().parent.name == "blobs"
 
 
@@ -173,9 +173,9 @@ def test_missing_repo_or_revision_is_one_line(command, tiny_llama, tiny_fp8, hub
 
 def test_shard_missing_from_cache_is_one_line(tiny_llama, hub_cache, tmp_path, run_cli):
     snapshot = put_in_cache(hub_cache, "acme/tiny-llama", folder_files(tiny_llama), COMMIT)
-    (snapshot / "model-00002-of-00003.safetensors").unlink()
+    (snapshot / "model-00002-of-00002.safetensors").unlink()
     code, out, err = run_cli("convert", "acme/tiny-llama", tmp_path / "o", "--recipe", "fp8")
-    assert_one_line_error(code, out, err, "acme/tiny-llama", "model-00002-of-00003.safetensors", "HF_HUB_OFFLINE=0")
+    assert_one_line_error(code, out, err, "acme/tiny-llama", "model-00002-of-00002.safetensors", "HF_HUB_OFFLINE=0")
     assert_nothing_left(tmp_path / "o")
 
 
@@ -183,7 +183,7 @@ def test_escaping_index_name_in_cache_still_refused(tiny_llama, hub_cache, tmp_p
     files = folder_files(tiny_llama)
     index = json.loads(files["model.safetensors.index.json"])
     name = next(iter(index["weight_map"]))
-    index["weight_map"][name] = "../../blobs/" + blob_name("x.safetensors", files["model-00001-of-00003.safetensors"])
+    index["weight_map"][name] = "../../blobs/" + blob_name("x.safetensors", files["model-00001-of-00002.safetensors"])
     files["model.safetensors.index.json"] = json.dumps(index).encode()
     put_in_cache(hub_cache, "acme/tiny-llama", files, COMMIT)
     for args in (("convert", "acme/tiny-llama", tmp_path / "o", "--recipe", "fp8"), ("inspect", "acme/tiny-llama")):
