@@ -5,13 +5,12 @@ tensor names only (no data)."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
 from .layouts import LAYOUTS, Layout
 from .manifest import MANIFEST_NAME, Manifest
-from .source import Source
+from .source import Source, load_config
 
 MODULE_SUFFIXES = (".weight_packed", ".weight", "_blocks")
 
@@ -25,13 +24,12 @@ class Detected:
 
 
 def extra_files(source: Source) -> dict[str, dict]:
+    """ModelOpt's hf_quant_config.json, read and type-checked like config.json (source.load_config):
+    a corrupt or wrongly typed one is refused by name rather than read as empty."""
     out = {}
     path = source.root / "hf_quant_config.json"
     if path.exists():
-        try:
-            out["hf_quant_config.json"] = json.loads(path.read_text())
-        except ValueError:
-            out["hf_quant_config.json"] = {}
+        out["hf_quant_config.json"] = load_config(path)
     return out
 
 
@@ -163,3 +161,73 @@ def tensors_look_like(module: str, recipe: str, tensors) -> str | None:
     if not allowed or recipe in allowed:
         return recipe if allowed else None
     return sorted(allowed)[0]
+
+
+# ---------------------------------------------------------------- scale values no producer writes
+#
+# FORMATS.md B 6.4, 5.1 and 2.5: a global scale is finite and > 0 (modelopt's multiplier and
+# compressed-tensors' divisor alike: 0 or Inf would zero or blow up the whole tensor); a float
+# block or channel scale is finite and >= 0 (0 is what HF FineGrainedFP8 writes for an all-zero
+# block); an E4M3 block scale is not NaN (0x7F/0xFF) and not negative (0 is legal: older
+# modelopt wrote it for tiny blocks); an E8M0 byte is never 255 (NaN). Anything else means the
+# source is corrupt, and converting it would write NaN, zero or sign-flipped weights.
+
+
+def global_scale_fault(value: float) -> str | None:
+    """What is wrong with a global scale's value, or None."""
+    if not math.isfinite(value) or value <= 0:
+        return f"global scale {value!r} (must be finite and > 0)"
+    return None
+
+
+def _first(bad, values, what: str, rule: str) -> str | None:
+    """The first flagged element of a scale tensor, said with its index and the rule, or None."""
+    import torch
+
+    if not bool(bad.any()):
+        return None
+    index = [int(i) for i in torch.nonzero(bad)[0]]
+    value = values[tuple(index)].item() if index else values.item()
+    return f"{what} {value!r} at {index} ({int(bad.sum())} such value(s); {rule})"
+
+
+def _block_scale_fault(encoding: str, stored) -> str | None:
+    import torch
+
+    if encoding == "e8m0_bias127":
+        b = stored.view(torch.uint8)
+        return _first(b == 255, b, "E8M0 block scale byte", "255 is NaN; must be 0..254")
+    if encoding == "e4m3fn":
+        b = stored.view(torch.uint8)
+        nan = (b & 0x7F) == 0x7F
+        negative = ((b & 0x80) != 0) & ((b & 0x7F) != 0) & ~nan
+        as_float = b.view(torch.float8_e4m3fn).to(torch.float32)
+        return _first(nan | negative, as_float, "E4M3 block scale", "must be >= 0 and not NaN")
+    s = stored.to(torch.float32)
+    return _first(~torch.isfinite(s) | (s < 0), s, "block scale", "must be finite and >= 0")
+
+
+def scale_faults(layout: Layout, module: str, recipe, tensors) -> list[tuple[str, str]]:
+    """(tensor name, what is wrong) for each scale tensor of `module` that holds a value no correct
+    producer writes. Tensors that are missing or of a dtype the layout cannot read are skipped:
+    `disk_problems` reports those."""
+    import torch
+
+    faults = []
+    for d in layout.describe(module, recipe):
+        if d.role == "codes" or d.name not in tensors:
+            continue
+        dtype = tensors.info(d.name).dtype
+        readable = FLOAT_SCALE_DTYPES if d.encoding == "f32" else ("F8_E4M3", "U8")
+        if dtype not in readable:
+            continue
+        stored = tensors.get(d.name)
+        if d.role == "global_scale":
+            values = stored.to(torch.float32).reshape(-1)
+            fault = next((f for f in map(global_scale_fault, values.tolist()) if f), None)
+        else:
+            fault = _block_scale_fault(d.encoding, stored)
+        tensors.release(d.name)
+        if fault:
+            faults.append((d.name, fault))
+    return faults

@@ -12,7 +12,8 @@ import re
 import torch
 
 from . import patterns
-from .detect import Detected, all_names, config_with_extras, detect, disk_problems, tensors_look_like
+from .detect import (Detected, all_names, config_with_extras, detect, disk_problems, global_scale_fault,
+                     tensors_look_like)
 from .errors import CheckpointError, LayoutError, QuantcliError, RecipeError
 from .layouts import Layout
 from .plan import fused_group_of, is_dense_linear, matches
@@ -193,6 +194,10 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
                     # about this module; a broken file (CheckpointError) or a bug still stops here
                     m = {"module": module, "recipe": recipe_name, "tensors": [], "bytes": 0, "params": 0,
                          "problems": [f"cannot be described as {det.layout.name} {recipe_name}: {exc}"]}
+                # the global scales were read anyway: one no producer writes means a corrupt source
+                # (here only: verify reports it under its scale check, from the same helper's rule)
+                m["problems"].extend(f"{e['name']}: {global_scale_fault(e['value'])}; the checkpoint is corrupt"
+                                     for e in m["tensors"] if "value" in e and global_scale_fault(e["value"]))
                 if stats and not m["problems"]:
                     m["stats"] = module_stats(det.layout, module, recipe_name, tensors)
                 modules.append(m)

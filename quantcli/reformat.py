@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from .detect import Detected, all_names, config_with_extras, detect
-from .errors import LayoutError, QuantcliError, RecipeError
+from .detect import Detected, all_names, config_with_extras, detect, scale_faults
+from .errors import CheckpointError, LayoutError, QuantcliError, RecipeError
 from .inspect import describe_module
-from .layouts import DEFAULT_LAYOUT, get_layout, layouts_for
+from .layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for
 from .plan import (Exclusion, Options, Plan, TensorPlan, fused_group_of, is_dense_linear, make_plan,
                    drop_single_member_groups, output_specs)
 from .recipes import DENSE_RECIPES, get_recipe
@@ -44,6 +44,19 @@ def plan_for(source: Source, opts: Options, detected: Detected | None) -> Plan:
     return make_reformat_plan(source, opts, detected)
 
 
+def refuse_corrupt_scales(source: Source, layout: Layout, module: str, recipe: str, ct: CheckpointTensors) -> None:
+    """Every scale of a quantized source module is read while planning (they are small), so a
+    corrupt one (NaN, Inf, zero or negative where no producer writes it) is refused before
+    anything is written: dequantizing, re-laying out or re-quantizing it would write NaN, zero
+    or sign-flipped weights without a word."""
+    faults = scale_faults(layout, module, layout.recipe_for(recipe), ct)
+    if faults:
+        name, fault = faults[0]
+        raise CheckpointError(f"{name}: {fault}; the source checkpoint {source.label} is corrupt (no correct "
+                              f"producer writes this), so converting it would write wrong weights; run "
+                              f"`quantcli verify {source.label}` to list every fault")
+
+
 def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
     if opts.overrides or opts.targets or opts.ignore:
         raise QuantcliError(f"{source.label}: is already quantized ({det.layout.name}); --ignore, targets and "
@@ -66,6 +79,7 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
     widened: set[str] = set()  # float scale dtypes of the source written as F32
     with CheckpointTensors(source) as ct:
         for module, src_recipe in sorted(det.modules.items()):
+            refuse_corrupt_scales(source, src_layout, module, src_recipe, ct)
             desc = describe_module(src_layout, module, src_recipe, ct, config)
             if desc["problems"]:
                 errors.extend(f"{module}: {p}" for p in desc["problems"])
