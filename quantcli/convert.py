@@ -836,6 +836,8 @@ class Converter:
             entry = module_entry(t, recipe, tuple(disk))
             if t.action == "relayout" and recipe.scale_rules:  # the bytes are the source producer's
                 entry = replace(entry, scale_rule=f"as in the {plan.source_layout.name} source")
+            if t.action == "requantize":  # verify against the original model adds this error to its yardstick
+                entry = replace(entry, requantized_from=t.source_recipe, requantize_rel_err=self.errors.get(t.module))
             modules.append(entry)
         excluded = tuple(plan.excluded_names()) if plan.layout is not None else ()
         return Manifest(__version__, plan.target, plan.options.recipe, plan.source.describe(), fp, tuple(modules),

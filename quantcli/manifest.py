@@ -47,6 +47,14 @@ class ModuleEntry:
     transposed_from_source: bool
     fused_group: str | None
     tensors: tuple[DiskEntry, ...]
+    # Re-quantized from a quantized source (convert SRC DST --recipe OTHER): the source's recipe and
+    # the relative L2 error against the decoded source. verify adds it to the yardstick against the
+    # original dense model. Optional: written only when set, so other manifests keep their bytes.
+    requantized_from: str | None = None
+    requantize_rel_err: float | None = None
+
+
+OPTIONAL_MODULE_FIELDS = ("requantized_from", "requantize_rel_err")
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,12 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+        doc = asdict(self)
+        for m in doc["modules"]:
+            for key in OPTIONAL_MODULE_FIELDS:
+                if m[key] is None:
+                    del m[key]
+        return json.dumps(doc, indent=1, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":

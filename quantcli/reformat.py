@@ -11,6 +11,8 @@ Modules that are dense in the source stay dense (and are listed as excluded).
 
 from __future__ import annotations
 
+import shlex
+
 import torch
 
 from .detect import Detected, all_names, config_with_extras, detect, scale_faults
@@ -128,7 +130,8 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
                         f"so the re-layout stays lossless")
     if any(t.action == "requantize" for t in tensors):
         warnings.append(f"re-quantizing {src_layout.name} weights to {opts.recipe}: the errors of both "
-                        f"quantizations add up; check the result with quantcli verify --reference")
+                        f"quantizations add up; check the result with `quantcli verify DST --reference "
+                        f"{shlex.quote(source.label)}` (against this quantized source)")
     return Plan(source, layout, opts, drop_single_member_groups(tensors), exclusions, warnings,
                 {recipe.name: recipe} if recipe else {}, source_layout=src_layout,
                 dense_dtype=opts.recipe if dense else None)
