@@ -38,6 +38,7 @@ import torch
 
 from . import __version__
 from .errors import CheckpointError, QuantcliError
+from .facts import ModuleFacts
 from .manifest import MANIFEST_NAME, DiskEntry, Manifest, ModuleEntry
 from .plan import Plan, TensorPlan
 from .decode import decode_module
@@ -533,7 +534,7 @@ class Converter:
             return {out.name: w.to(DTYPES[out.dtype]).cpu()}
         recipe = self.plan.recipes[t.recipe]
         q = recipe.quantize(t.name, w, backend=self.backend,
-                            global_amax=group_amax.get(t.fused_group) if t.fused_group else None)
+                            facts=ModuleFacts(group_amax=group_amax.get(t.fused_group) if t.fused_group else None))
         self._note_global(t, q)
         if t.action == "requantize":  # the combined error, against the decoded source
             d = recipe.dequantize(q, backend=self.backend)

@@ -26,6 +26,7 @@ from .convert import resolve_device
 from .decode import decode_module
 from .detect import all_names, config_with_extras, detect
 from .errors import QuantcliError, RecipeError
+from .facts import ModuleFacts
 from .inspect import exclusion_list, fused_mismatches, is_excluded, linear_modules, describe_module
 from .layouts import layouts_for
 from .plan import TRANSPOSED_EXPERTS, fused_group_of, matches
@@ -568,7 +569,7 @@ def _absolute_limits(m: dict, limits: Limits) -> list[str]:
 def _quantize_like(recipe, module: str, w: torch.Tensor, group_amax: dict):
     """quantcli's own quantization of `w` as convert does it (a fused group shares one global amax)."""
     amax = group_amax.get(fused_group_of(module)) if recipe.has_global_scale else None
-    return recipe.quantize(module, w, global_amax=amax)
+    return recipe.quantize(module, w, facts=ModuleFacts(group_amax=amax))
 
 
 def _source_estimate(prior, module, layout, w, ref, transpose, group_amax) -> tuple[str, float, float] | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from quantcli.errors import RecipeError
+from quantcli.facts import NO_FACTS, ModuleFacts
 from quantcli.kernels import NonFiniteInput, QuantResult, QuantSpec
 from quantcli.kernels import dequantize as kernel_dequantize
 from quantcli.kernels import quantize as kernel_quantize
@@ -94,7 +95,8 @@ class Recipe:
                 f"needs for its 1x{self.k_multiple} blocks; add it to --ignore or use fp8-block")
 
     def quantize(self, name: str, w: torch.Tensor, *, backend: str = "auto",
-                 global_amax: torch.Tensor | None = None) -> QuantizedTensor:
+                 facts: ModuleFacts = NO_FACTS) -> QuantizedTensor:
+        global_amax = facts.group_amax if self.has_global_scale else None
         self.check(name, tuple(w.shape), w.dtype)
         try:
             r = kernel_quantize(w, self.spec, global_amax=global_amax, backend=backend)

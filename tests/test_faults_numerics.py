@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from quantcli.errors import RecipeError
+from quantcli.facts import ModuleFacts
 from quantcli.kernels import NonFiniteInput, tensor_amax, triton_available
 from quantcli.kernels import reference as ref
 from quantcli.kernels.spec import E8M0_MAX_FINITE_BYTE, FP8_BLOCK
@@ -240,7 +241,8 @@ def test_tensor_amax_and_fused_global_name_the_tensor(backend):
     assert isinstance(exc.value, RecipeError) and "\n" not in str(exc.value)
     # a NaN group amax handed to a member (never from tensor_amax, but the kernel checks it too)
     with pytest.raises(RecipeError, match=rf"^{NAME}: holds NaN or Inf"):
-        get_recipe("nvfp4").quantize(NAME, small(), backend=backend, global_amax=torch.tensor(float("nan")))
+        get_recipe("nvfp4").quantize(NAME, small(), backend=backend,
+                                         facts=ModuleFacts(group_amax=torch.tensor(float("nan"))))
 
 
 # ---------------------------------------------------------------- K not a multiple of the block

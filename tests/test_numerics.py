@@ -10,6 +10,7 @@ import torch
 from quantcli.kernels import reference as ref
 from quantcli.recipes import RECIPES, get_recipe
 from quantcli.errors import RecipeError
+from quantcli.facts import ModuleFacts
 
 E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
 
@@ -235,7 +236,7 @@ def test_expert_stack_blocks_run_along_last_dim():
         if name == "fp8":
             continue  # one scale for the whole stack by definition
         for e in range(3):  # nvfp4: the global scale is the whole stack's, passed explicitly
-            single = r.quantize("e", w[e], global_amax=w.abs().amax() if name == "nvfp4" else None)
+            single = r.quantize("e", w[e], facts=ModuleFacts(group_amax=w.abs().amax()))
             assert torch.equal(stacked.codes[e], single.codes), name
             assert torch.equal(stacked.scale[e], single.scale), name
 

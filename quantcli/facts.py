@@ -1,0 +1,24 @@
+"""Facts about a module that a pass over the checkpoint learns before its shard is written.
+
+Convert runs passes that produce facts (today: the shared amax of each fused group; next:
+calibrated activation and KV-cache amaxes, searched scales), then writes each shard as a pure
+function of (plan, shard, facts). Recipes read the facts they need to quantize a weight;
+layouts read the ones they write as extra tensors (an activation `input_scale`, `k_scale`).
+A fact that is absent means "not known": the recipe falls back to the weight alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModuleFacts:
+    # max |w| over the module's fused group (q/k/v, gate/up, ...): one NVFP4 global scale for the
+    # group, as the engines that fuse the GEMM require (FORMATS A.3). None: the module's own amax.
+    group_amax: torch.Tensor | None = None
+
+
+NO_FACTS = ModuleFacts()
