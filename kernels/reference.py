@@ -14,20 +14,19 @@ import torch
 import torch.nn.functional as F
 
 from .spec import (
-    E2M1_MAX,
+    BLOCK,
     E4M3_MAX,
     E4M3_MIN_SUBNORMAL,
     E8M0_MAX_FINITE_BYTE,
     EMAX_ELEM,
     FP8_BLOCK,
-    FP8_BLOCK_KIND,
-    FP8_CHANNEL,
-    FP8_TENSOR,
     FP32_MIN_NORMAL,
+    GROUP,
     MAX_ELEM,
-    MX,
-    NVFP4,
     NVFP4_GLOBAL_DIVISOR,
+    ROW,
+    TENSOR,
+    ElementCodec,
     NonFiniteInput,
     QuantResult,
     QuantSpec,
@@ -77,6 +76,30 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     out = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
     return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def encode_int8(v: torch.Tensor) -> torch.Tensor:
+    """FP32 -> INT8 two's complement bytes: round half to even (torch.round), then clamp to
+    [-128, 127], as compressed-tensors' `round_to_quantized_type_args` does (clamp and round
+    commute for integer bounds)."""
+    return torch.round(v).clamp(-128, 127).to(torch.int8).view(torch.uint8)
+
+
+def decode_int8(codes: torch.Tensor) -> torch.Tensor:
+    return codes.view(torch.int8).to(torch.float32)
+
+
+def encode_elements(v: torch.Tensor, element: ElementCodec) -> torch.Tensor:
+    """Scaled FP32 values -> code bytes (4-bit codes packed two per byte along the last dim)."""
+    if element.name == "e2m1":
+        return pack_nibbles(encode_e2m1(v))
+    return encode_int8(v) if element.name == "int8" else encode_e4m3(v)
+
+
+def decode_elements(codes: torch.Tensor, element: ElementCodec) -> torch.Tensor:
+    if element.name == "e2m1":
+        return decode_e2m1(unpack_nibbles(codes))
+    return decode_int8(codes) if element.name == "int8" else decode_e4m3(codes)
 
 
 # ---------------------------------------------------------------- E8M0 scales
@@ -130,45 +153,22 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return _check_finite(torch.maximum(-lo, hi).to(torch.float32))
 
 
-def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """`amax / 448`, and 1.0 for an all-zero block (never a zero scale); at least the smallest
-    normal FP32, so that an FP32-subnormal amax cannot give a zero scale (x / 0: NaN codes)."""
-    scale = (amax / E4M3_MAX).clamp_min(FP32_MIN_NORMAL)
+
+
+# ---------------------------------------------------------------- scale codecs
+
+
+def f32_scale(amax: torch.Tensor, divisor: float) -> torch.Tensor:
+    """`amax / divisor`, and 1.0 for an all-zero block (never a zero scale); at least the
+    smallest normal FP32, so that an FP32-subnormal amax cannot give a zero scale (x / 0: NaN
+    codes). At the top max_elem * (amax / max_elem) stays finite."""
+    scale = (amax / divisor).clamp_min(FP32_MIN_NORMAL)
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 
 
-def _fp8_channel(x: torch.Tensor) -> QuantResult:
-    amax = _check_finite(x.abs().amax(dim=-1) if x.shape[-1] else x.new_zeros(x.shape[:-1]))
-    scale = fp8_scale(amax)
-    return QuantResult(encode_e4m3(x / scale.unsqueeze(-1)), scale)
-
-
-def _fp8_block(x: torch.Tensor) -> QuantResult:
-    *lead, n, k = x.shape
-    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-    # Zero padding affects only the amax of edge blocks; the output is cropped back.
-    padded = F.pad(x, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
-    tiles = padded.reshape(*lead, nb, FP8_BLOCK, kb, FP8_BLOCK)
-    amax = _check_finite(tiles.abs().amax(dim=(-3, -1)) if tiles.numel() else tiles.new_zeros(*lead, nb, kb))
-    scale = fp8_scale(amax)
-    expanded = scale.repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)
-    codes = encode_e4m3(x / expanded[..., :n, :k])
-    return QuantResult(codes, scale)
-
-
-def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-
-
-def _mx(x: torch.Tensor, spec: QuantSpec) -> QuantResult:
-    g = _groups(x, spec.group)
-    amax = _check_finite(g.abs().amax(dim=-1) if g.numel() else g.new_zeros(g.shape[:-1]))
-    # Saturate: no byte whose largest code would decode to Inf (see E8M0_MAX_FINITE_BYTE).
-    byte = e8m0_byte(amax, spec.element, spec.scale_rule).clamp_max(E8M0_MAX_FINITE_BYTE[spec.element])
-    scaled = (g / e8m0_to_float(byte).unsqueeze(-1)).reshape(x.shape)
-    if spec.element == "e4m3":
-        return QuantResult(encode_e4m3(scaled), byte)
-    return QuantResult(pack_nibbles(encode_e2m1(scaled)), byte)
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The F32 scale of an E4M3 block: `amax / 448` (see f32_scale)."""
+    return f32_scale(amax, E4M3_MAX)
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -183,31 +183,87 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     return (amax / NVFP4_GLOBAL_DIVISOR).clamp_min(FP32_MIN_NORMAL)
 
 
-def _nvfp4(x: torch.Tensor, global_amax: torch.Tensor | None) -> QuantResult:
-    s2 = nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax)
-    g = _groups(x, 16)
-    amax_b = _check_finite(g.abs().amax(dim=-1) if g.numel() else g.new_zeros(g.shape[:-1]))
-    block = amax_b / (E2M1_MAX * s2)  # ModelOpt: 6 * s2 first, then the division
+def encode_scale(amax: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block amax -> (the stored scale, the FP32 divisor the elements are scaled by)."""
+    encoding = spec.scale.encoding
+    if encoding == "f32":
+        scale = f32_scale(amax, spec.element.scale_divisor)
+        return scale, scale
+    if encoding == "e8m0_bias127":
+        # Saturate: no byte whose largest code would decode to Inf (see E8M0_MAX_FINITE_BYTE).
+        name = spec.element.name
+        byte = e8m0_byte(amax, name, spec.scale_rule).clamp_max(E8M0_MAX_FINITE_BYTE[name])
+        return byte, e8m0_to_float(byte)
+    block = amax / (spec.element.max * s2)  # ModelOpt: 6 * s2 first, then the division
     block = torch.where(block == 0, torch.ones_like(block), block)
     sb = encode_e4m3(block.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX))
-    denom = decode_e4m3(sb) * s2  # the product first, in FP32, then the division
-    codes = encode_e2m1(g / denom.unsqueeze(-1)).reshape(x.shape)
-    return QuantResult(pack_nibbles(codes), sb, s2)
+    return sb, decode_e4m3(sb) * s2  # the product first, in FP32, then the division
+
+
+def decode_scale(scale: torch.Tensor, global_scale: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+    encoding = spec.scale.encoding
+    if encoding == "f32":
+        return scale.to(torch.float32)
+    if encoding == "e8m0_bias127":
+        return e8m0_to_float(scale)
+    return decode_e4m3(scale) * global_scale.to(torch.float32)
+
+
+# ---------------------------------------------------------------- one chunk, per geometry
+
+
+def _amax_last(x: torch.Tensor) -> torch.Tensor:
+    return _check_finite(x.abs().amax(dim=-1) if x.shape[-1] else x.new_zeros(x.shape[:-1]))
+
+
+def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+
+
+def _tensor_chunk(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor, s2) -> QuantResult:
+    stored, denom = encode_scale(amax, spec, s2)
+    return QuantResult(encode_elements(x / denom, spec.element), stored)
+
+
+def _row_chunk(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
+    stored, denom = encode_scale(_amax_last(x), spec, s2)
+    return QuantResult(encode_elements(x / denom.unsqueeze(-1), spec.element), stored)
+
+
+def _group_chunk(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
+    g = _groups(x, spec.group)
+    stored, denom = encode_scale(_amax_last(g), spec, s2)
+    return QuantResult(encode_elements((g / denom.unsqueeze(-1)).reshape(x.shape), spec.element), stored)
+
+
+def _block_chunk(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
+    *lead, n, k = x.shape
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    # Zero padding affects only the amax of edge blocks; the output is cropped back.
+    padded = F.pad(x, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
+    tiles = padded.reshape(*lead, nb, FP8_BLOCK, kb, FP8_BLOCK)
+    amax = _check_finite(tiles.abs().amax(dim=(-3, -1)) if tiles.numel() else tiles.new_zeros(*lead, nb, kb))
+    stored, denom = encode_scale(amax, spec, s2)
+    expanded = _expand_blocks(denom, n, k)
+    return QuantResult(encode_elements(x / expanded, spec.element), stored)
+
+
+def _expand_blocks(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return scale.repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)[..., :n, :k]
 
 
 # Rows are quantized in chunks of about this many elements: big enough to amortize torch's
 # per-op overhead, small enough that the FP32 temporaries stay a few MB whatever the tensor
 # (2^20 was fastest of 2^16..2^21 on a 2-core CPU, scripts/bench_convert.py). Every block lies
-# inside one chunk (chunks hold whole rows, and whole 128-row bands for fp8-block), so chunking
-# never changes a byte.
+# inside one chunk (chunks hold whole rows, and whole 128-row bands for the block geometry), so
+# chunking never changes a byte.
 CHUNK_ELEMENTS = 1 << 20
 
 
 def _chunked(x: torch.Tensor, band: int, fn) -> QuantResult:
-    """Apply `fn` to bands of whole rows (`band` rows at a time, e.g. 128 for fp8-block) and join.
-
-    Row-wise kinds (band 1) see `[rows, K]` with leading dims flattened; fp8-block sees one
-    expert matrix at a time."""
+    """Apply `fn` to bands of whole rows (`band` rows at a time, e.g. 128 for the block geometry)
+    and join. Row-wise geometries (band 1) see `[rows, K]` with leading dims flattened; the block
+    geometry sees one expert matrix at a time."""
     *lead, n, k = x.shape
     if band > 1 and lead:
         parts = [_chunked(m, band, fn) for m in x.reshape(-1, n, k)]
@@ -233,76 +289,60 @@ def _join(parts: list[QuantResult], join) -> QuantResult:
     return QuantResult(join([p.codes for p in parts]), scale, parts[0].global_scale)
 
 
+# ---------------------------------------------------------------- entry points
+
+
+def global_scale_for(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None) -> torch.Tensor | None:
+    """The FP32 global scale of a two-level scale codec (NVFP4), from the fused group's amax when
+    given, else the tensor's own; None for single-level codecs."""
+    if not spec.scale.has_global:
+        return None
+    return nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax)
+
+
 def empty_result(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None) -> QuantResult:
     """A tensor with a zero-size dimension: empty codes of the right shape, and every scale (a
     row of K = 0 still has one) set as for an all-zero block. Both backends use this."""
-    *lead, n, k = x.shape
     dev = x.device
-    codes = torch.empty(*lead, n, k // 2 if spec.element == "e2m1" and spec.kind in (MX, NVFP4) else k,
-                        dtype=torch.uint8, device=dev)
-    ones = lambda *shape: torch.ones(shape, dtype=torch.float32, device=dev)  # noqa: E731
-    if spec.kind == FP8_TENSOR:
-        return QuantResult(codes, ones())
-    if spec.kind == FP8_CHANNEL:
-        return QuantResult(codes, ones(*lead, n))
-    if spec.kind == FP8_BLOCK_KIND:
-        return QuantResult(codes, ones(*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)))
-    if spec.kind == MX:
-        return QuantResult(codes, torch.zeros(*lead, n, k // spec.group, dtype=torch.uint8, device=dev))
-    if spec.kind == NVFP4:
+    codes = torch.empty(spec.codes_shape(tuple(x.shape)), dtype=torch.uint8, device=dev)
+    zero = torch.zeros(spec.scale_shape(tuple(x.shape)), dtype=torch.float32, device=dev)
+    s2 = None
+    if spec.scale.has_global:
         amax = torch.zeros((), device=dev) if global_amax is None else global_amax.to(dev)
-        sb = torch.full((*lead, n, k // spec.group), 0x38, dtype=torch.uint8, device=dev)  # 1.0
-        return QuantResult(codes, sb, nvfp4_global_scale(amax).reshape(()))
-    raise ValueError(f"unknown quantizer kind {spec.kind!r}")
+        s2 = nvfp4_global_scale(amax).reshape(())
+    return QuantResult(codes, encode_scale(zero, spec, s2)[0], s2)
 
 
 def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None) -> QuantResult:
     """Quantize `x [..., N, K]` (any float dtype; upcast to FP32 chunk by chunk) per `spec`.
 
-    `global_amax` (NVFP4 only) overrides the tensor's own amax, so that fused groups share one
-    `weight_scale_2`."""
+    `global_amax` (two-level scales only) overrides the tensor's own amax, so that fused groups
+    share one `weight_scale_2`."""
     if x.numel() == 0:
         return empty_result(x, spec, global_amax)
+    s2 = global_scale_for(x, spec, global_amax)
     f32 = lambda t: t.to(torch.float32)  # noqa: E731
-    if spec.kind == FP8_TENSOR:
-        scale = fp8_scale(tensor_amax(x))
-        return _chunked(x, 1, lambda c: QuantResult(encode_e4m3(f32(c) / scale), scale))
-    if spec.kind == FP8_CHANNEL:
-        return _chunked(x, 1, lambda c: _fp8_channel(f32(c)))
-    if spec.kind == FP8_BLOCK_KIND:
-        return _chunked(x, FP8_BLOCK, lambda c: _fp8_block(f32(c)))
-    if spec.kind == MX:
-        return _chunked(x, 1, lambda c: _mx(f32(c), spec))
-    if spec.kind == NVFP4:
-        amax = tensor_amax(x) if global_amax is None else global_amax
-        return _chunked(x, 1, lambda c: _nvfp4(f32(c), amax))
-    raise ValueError(f"unknown quantizer kind {spec.kind!r}")
-
-
-# ---------------------------------------------------------------- dequantizers
+    if spec.geometry == TENSOR:
+        amax = tensor_amax(x)
+        r = _chunked(x, 1, lambda c: _tensor_chunk(f32(c), spec, amax, s2))
+    elif spec.geometry == BLOCK:
+        r = _chunked(x, FP8_BLOCK, lambda c: _block_chunk(f32(c), spec, s2))
+    else:
+        chunk = _row_chunk if spec.geometry == ROW else _group_chunk
+        r = _chunked(x, 1, lambda c: chunk(f32(c), spec, s2))
+    return QuantResult(r.codes, r.scale, s2)
 
 
 def dequantize(q: QuantResult, spec: QuantSpec, shape: tuple[int, ...]) -> torch.Tensor:
     """Decode to FP32 `[..., N, K]` = `shape`."""
     if math.prod(shape) == 0:
         return torch.zeros(shape, dtype=torch.float32, device=q.codes.device)
-    if spec.kind in (FP8_TENSOR, FP8_CHANNEL, FP8_BLOCK_KIND):
-        values = decode_e4m3(q.codes)
-        scale = q.scale.to(torch.float32)
-        if spec.kind == FP8_CHANNEL:
-            scale = scale.unsqueeze(-1)
-        elif spec.kind == FP8_BLOCK_KIND:
-            n, k = shape[-2], shape[-1]
-            scale = scale.repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)
-            scale = scale[..., :n, :k]
+    values = decode_elements(q.codes, spec.element)
+    scale = decode_scale(q.scale, q.global_scale, spec)
+    if spec.geometry == TENSOR:
         return values * scale
-    if spec.element == "e2m1":
-        values = decode_e2m1(unpack_nibbles(q.codes))
-    else:
-        values = decode_e4m3(q.codes)
-    g = _groups(values, spec.group)
-    if spec.kind == MX:
-        block = e8m0_to_float(q.scale)
-    else:
-        block = decode_e4m3(q.scale) * q.global_scale.to(torch.float32)
-    return (g * block.unsqueeze(-1)).reshape(shape)
+    if spec.geometry == ROW:
+        return values * scale.unsqueeze(-1)
+    if spec.geometry == BLOCK:
+        return values * _expand_blocks(scale, shape[-2], shape[-1])
+    return (_groups(values, spec.group) * scale.unsqueeze(-1)).reshape(shape)

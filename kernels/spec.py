@@ -1,12 +1,17 @@
 """What a quantizer computes, independent of how (torch reference or Triton kernel).
 
+A `QuantSpec` is a scheme: a geometry (which elements share a scale), an element codec (how a
+scaled value becomes a code) and a scale codec (how a block amax becomes a stored scale). The
+kernels dispatch on the geometry alone; element and scale codecs are parameters, so a new
+element type (INT8) or scale type is a new codec, not a new branch in every kernel.
+
 Both backends take the same `QuantSpec` and return the same `QuantResult`, byte for byte.
 Everything is stored as raw bytes or FP32 so that byte comparisons are trivial:
 
-- `codes`: uint8. FP8 elements are the E4M3FN bit patterns (view them as float8_e4m3fn);
-  FP4 elements are packed two per byte along the last dim, even index in the low nibble.
-- `scale`: FP32 for the fp8 family (multiply on dequant); uint8 E8M0 bytes (bias 127) for MX;
-  uint8 E4M3FN bit patterns for NVFP4 block scales.
+- `codes`: uint8 raw bytes. FP8 elements are the E4M3FN bit patterns, INT8 elements the two's
+  complement bytes; FP4 elements are packed two per byte along the last dim, even index low.
+- `scale`: FP32 for the F32 codec (multiply on dequant); uint8 E8M0 bytes (bias 127); uint8
+  E4M3FN bit patterns for the E4M3 block scale of the E4M3-with-FP32-global codec.
 - `global_scale`: FP32 0-d multiplier (NVFP4 `weight_scale_2 = amax / 2688`), else None.
 """
 
@@ -22,22 +27,57 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 NVFP4_GLOBAL_DIVISOR = E4M3_MAX * E2M1_MAX  # 2688
 E4M3_MIN_SUBNORMAL = 2.0**-9
-# Smallest normal FP32. FP8 scales and the NVFP4 global scale never go below it: a tensor whose
+# Smallest normal FP32. FP32 scales and the NVFP4 global scale never go below it: a tensor whose
 # amax is FP32-subnormal would otherwise get a zero scale (0/0 = NaN codes) or a subnormal one
 # whose reciprocal (compressed-tensors' `weight_global_scale`) is Inf. Real weights never reach it.
 FP32_MIN_NORMAL = 2.0**-126
-FP8_BLOCK = 128
-
-# Quantizer kinds. A recipe maps onto exactly one kind plus its parameters.
-FP8_TENSOR = "fp8_tensor"
-FP8_CHANNEL = "fp8_channel"
-FP8_BLOCK_KIND = "fp8_block"
-MX = "mx"
-NVFP4 = "nvfp4"
+FP8_BLOCK = 128  # the side of a `block` geometry tile (DeepSeek-V3 128 x 128)
 
 SCALE_RULES = ("floor", "even", "rceil")
+
+
+# ---------------------------------------------------------------- element codecs
+
+
+@dataclass(frozen=True)
+class ElementCodec:
+    """One element type: how many bits, the largest magnitude, and how it is stored.
+
+    `scale_divisor` is what a block amax is divided by to give an FP32 scale (E4M3 448; INT8
+    127.5, compressed-tensors' symmetric `amax / (bit_range / 2)`); `emax` is OCP's emax_elem
+    for the E8M0 rules. `code_min`/`code_max` bound integer codes (INT8 only)."""
+
+    name: str  # e4m3 | e2m1 | int8
+    bits: int
+    max: float
+    scale_divisor: float
+    emax: int
+    storage_dtype: torch.dtype  # how the codes tensor is stored on disk
+    safetensors_dtype: str
+    manifest_name: str  # the manifest's `element`
+    disk_encoding: str  # the manifest's codes `encoding`
+    code_min: int = 0
+    code_max: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return self.bits == 4
+
+    @property
+    def packing(self) -> str | None:
+        return "e2m1x2" if self.packed else None
+
+    def codes_cols(self, k: int) -> int:
+        return k * self.bits // 8
+
+
+E4M3 = ElementCodec("e4m3", 8, E4M3_MAX, E4M3_MAX, 8, torch.float8_e4m3fn, "F8_E4M3", "e4m3fn", "e4m3fn")
+E2M1 = ElementCodec("e2m1", 4, E2M1_MAX, E2M1_MAX, 2, torch.uint8, "U8", "e2m1", "e2m1x2")
+INT8 = ElementCodec("int8", 8, 127.0, 127.5, 0, torch.int8, "I8", "int8", "int8", -128, 127)
+ELEMENTS = {e.name: e for e in (E4M3, E2M1, INT8)}
+
 # Largest power-of-two exponent of the element format (OCP emax_elem): E2M1 2, E4M3 8.
-EMAX_ELEM = {"e2m1": 2, "e4m3": 8}
+EMAX_ELEM = {"e2m1": E2M1.emax, "e4m3": E4M3.emax}
 MAX_ELEM = {"e2m1": E2M1_MAX, "e4m3": E4M3_MAX}
 # Largest E8M0 byte whose every code decodes finitely: max_elem * 2^(byte - 127) < 2^128 needs
 # byte <= 254 - emax_elem (E2M1 6 * 2^125 = 2.6e38, E4M3 448 * 2^119 = 3.0e38; one more and
@@ -46,16 +86,82 @@ MAX_ELEM = {"e2m1": E2M1_MAX, "e4m3": E4M3_MAX}
 E8M0_MAX_FINITE_BYTE = {e: 254 - emax for e, emax in EMAX_ELEM.items()}
 
 
+# ---------------------------------------------------------------- scale codecs
+
+
+@dataclass(frozen=True)
+class ScaleCodec:
+    """How a block scale is stored: its encoding (the manifest's name), bytes per scale, the
+    safetensors dtype, the value a scale takes for an all-zero block, and whether a second FP32
+    global scale multiplies it."""
+
+    encoding: str  # f32 | e8m0_bias127 | e4m3fn
+    nbytes: int
+    safetensors_dtype: str
+    zero_block_policy: str
+    has_global: bool = False
+    rules: tuple[str, ...] = ()  # E8M0: the exponent rules a recipe may choose from
+
+    @property
+    def raw_dtype(self) -> torch.dtype:
+        """The dtype of `QuantResult.scale`: FP32 values or uint8 bit patterns."""
+        return torch.float32 if self.encoding == "f32" else torch.uint8
+
+    @property
+    def disk_dtype(self) -> torch.dtype:
+        return {"f32": torch.float32, "e8m0_bias127": torch.uint8, "e4m3fn": torch.float8_e4m3fn}[self.encoding]
+
+
+F32_SCALE = ScaleCodec("f32", 4, "F32", "scale 1.0")
+E8M0_SCALE = ScaleCodec("e8m0_bias127", 1, "U8", "byte 0", rules=SCALE_RULES)
+E4M3_GLOBAL_SCALE = ScaleCodec("e4m3fn", 1, "F8_E4M3", "block scale 1.0 (0x38)", has_global=True)
+
+
+# ---------------------------------------------------------------- geometry
+
+TENSOR, ROW, BLOCK, GROUP = "tensor", "row", "block", "group"
+GEOMETRIES = (TENSOR, ROW, BLOCK, GROUP)
+
+
 @dataclass(frozen=True)
 class QuantSpec:
-    kind: str
-    element: str = "e4m3"  # "e4m3" or "e2m1"
-    group: int = 0  # elements per scale along K (MX 32, NVFP4 16); 0 when not grouped
-    scale_rule: str | None = None  # MX only: floor | even | rceil
+    geometry: str  # tensor | row | block (FP8_BLOCK x FP8_BLOCK) | group (1 x group along K)
+    element: ElementCodec = E4M3
+    scale: ScaleCodec = F32_SCALE
+    group: int = 0  # elements per scale along K for the group geometry (MX 32, NVFP4 16)
+    scale_rule: str | None = None  # E8M0 only: floor | even | rceil
 
     def __post_init__(self) -> None:
-        if self.kind == MX and self.scale_rule not in SCALE_RULES:
-            raise ValueError(f"MX scale_rule must be one of {SCALE_RULES}, got {self.scale_rule!r}")
+        if self.geometry not in GEOMETRIES:
+            raise ValueError(f"unknown geometry {self.geometry!r}; choose one of {GEOMETRIES}")
+        if (self.geometry == GROUP) != (self.group > 0):
+            raise ValueError(f"a group size is given exactly for the group geometry, got {self}")
+        if self.scale.rules and self.scale_rule not in self.scale.rules:
+            raise ValueError(f"{self.scale.encoding} scale_rule must be one of {self.scale.rules}, "
+                             f"got {self.scale_rule!r}")
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """(rows, cols) of W per scale; 0 means "the whole dimension"."""
+        return {TENSOR: (0, 0), ROW: (1, 0), BLOCK: (FP8_BLOCK, FP8_BLOCK), GROUP: (1, self.group)}[self.geometry]
+
+    @property
+    def k_multiple(self) -> int:
+        """K must be a multiple of this: whole groups only."""
+        return self.group if self.geometry == GROUP else 1
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        *lead, n, k = shape
+        if self.geometry == TENSOR:
+            return ()
+        if self.geometry == ROW:
+            return (*lead, n)
+        if self.geometry == BLOCK:
+            return (*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+        return (*lead, n, -(-k // self.group))
+
+    def codes_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*shape[:-1], self.element.codes_cols(shape[-1]))
 
 
 @dataclass(frozen=True)

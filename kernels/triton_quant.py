@@ -12,6 +12,9 @@ Bit-exactness rules (why the code looks the way it does):
 - E8M0 exponents come from the FP32 bit pattern exactly as in the reference.
 Every kernel also counts non-finite inputs per program, so NaN/Inf are rejected without a
 separate pass over the data.
+
+One kernel per geometry (tensor, row, 128 x 128 block, 1 x G group); the element and scale
+codecs (kernels/triton_codecs.py) are constexpr parameters, as `QuantSpec` makes them.
 """
 
 from __future__ import annotations
@@ -21,134 +24,28 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .spec import (
-    E8M0_MAX_FINITE_BYTE,
-    FP8_BLOCK,
-    FP8_BLOCK_KIND,
-    FP8_CHANNEL,
-    FP8_TENSOR,
-    FP32_MIN_NORMAL,
-    MX,
-    NVFP4,
-    NonFiniteInput,
-    QuantResult,
-    QuantSpec,
+from .spec import BLOCK, FP8_BLOCK, FP32_MIN_NORMAL, GROUP, ROW, TENSOR, NonFiniteInput, QuantResult, QuantSpec
+from .triton_codecs import (
+    ELEM_IDS,
+    RULE_IDS,
+    SCALE_IDS,
+    _decode,
+    _decode_e4m3,
+    _e8m0_byte,
+    _e8m0_to_float,
+    _encode,
+    _encode_e2m1,
+    _encode_e4m3,
+    _f32_scale,
+    _load_tile,
+    _nonfinite,
+    _pack_pairs,
 )
 
-RULE_IDS = {"floor": 0, "even": 1, "rceil": 2}
-MIN_FP8_SCALE = tl.constexpr(FP32_MIN_NORMAL)  # reference.fp8_scale's floor
+MIN_SCALE = tl.constexpr(FP32_MIN_NORMAL)  # reference.f32_scale's floor
 BM, BK = 32, 256  # row tile for the grouped kernels (BK is a multiple of every group size)
 
-# ---------------------------------------------------------------- device helpers
-
-
-@triton.jit
-def _nonfinite(x):
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.sum(tl.sum(((bits & 0x7F800000) == 0x7F800000).to(tl.int32), axis=1), axis=0)
-
-
-@triton.jit
-def _encode_e4m3(v):
-    """FP32 -> E4M3FN byte: clamp to 448, RNE, sign kept (incl. -0.0)."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a = tl.minimum(tl.abs(v), 448.0)
-    ab = a.to(tl.int32, bitcast=True)
-    exp = ab >> 23
-    # Normal range (a >= 2^-6): round the mantissa to 3 bits, RNE, carry into the exponent.
-    lsb = (ab >> 20) & 1
-    normal = ((ab + 0x7FFFF + lsb) >> 20) - (120 << 3)
-    # Subnormal range: the code is a * 2^9 rounded to an integer, RNE.
-    mant = (ab & 0x7FFFFF) | tl.where(exp > 0, 0x800000, 0)
-    shift = tl.minimum(141 - exp, 31)
-    q = mant >> shift
-    rem = mant & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
-    code = tl.where(exp >= 121, normal, sub)
-    return (code | sign).to(tl.uint8)
-
-
-@triton.jit
-def _decode_e4m3(c):
-    """E4M3FN byte (non-negative scales only) -> FP32, exactly."""
-    c = c.to(tl.int32)
-    e = (c >> 3) & 0xF
-    m = c & 0x7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where((c & 0x80) != 0, -value, value)
-
-
-@triton.jit
-def _encode_e2m1(v):
-    """FP32 -> E2M1 nibble: RNE with ties to the even code, saturating at 6, sign bit kept."""
-    a = tl.abs(v)
-    mag = (
-        (a > 0.25).to(tl.int32)
-        + (a >= 0.75).to(tl.int32)
-        + (a > 1.25).to(tl.int32)
-        + (a >= 1.75).to(tl.int32)
-        + (a > 2.5).to(tl.int32)
-        + (a >= 3.5).to(tl.int32)
-        + (a > 5.0).to(tl.int32)
-    )
-    sign = (v.to(tl.int32, bitcast=True) >> 28) & 0x8
-    return (mag | sign).to(tl.uint8)
-
-
-@triton.jit
-def _decode_e2m1(c):
-    c = c.to(tl.int32)
-    m = c & 0x7
-    # 0, .5, 1, 1.5 for codes 0..3; 2, 3, 4, 6 for codes 4..7
-    small = m.to(tl.float32) * 0.5
-    big = tl.where(m == 7, 6.0, (m - 2).to(tl.float32))
-    value = tl.where(m < 4, small, big)
-    return tl.where((c & 0x8) != 0, -value, value)
-
-
-@triton.jit
-def _e8m0_byte(amax, EMAX: tl.constexpr, MAXV: tl.constexpr, RULE: tl.constexpr):
-    bits = amax.to(tl.int32, bitcast=True)
-    if RULE == 0:
-        biased = (bits >> 23) - EMAX
-    elif RULE == 1:
-        biased = ((bits + (1 << 21)) >> 23) - EMAX
-    else:
-        q = tl.math.div_rn(amax, tl.full(amax.shape, MAXV, tl.float32)).to(tl.int32, bitcast=True)
-        biased = (q + 0x7FFFFF) >> 23
-    return tl.minimum(tl.maximum(biased, 0), 254)
-
-
-@triton.jit
-def _e8m0_to_float(byte):
-    return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp8_scale(amax, MIN_SCALE: tl.constexpr):
-    """reference.fp8_scale: amax / 448, at least MIN_SCALE (smallest normal FP32), 1.0 for 0."""
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    return tl.where(amax == 0.0, 1.0, tl.maximum(scale, MIN_SCALE))
-
-
-@triton.jit
-def _pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
-    lo, hi = tl.split(tl.reshape(codes, [R, C // 2, 2]))
-    return lo | (hi << 4)
-
-
-@triton.jit
-def _load_tile(x_ptr, rows, cols, M, K, sxm, sxk):
-    """A [rows, cols] tile of a strided [M, K] input as FP32 (zeros outside), and its mask."""
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-    return x, mask
-
-
-# ---------------------------------------------------------------- kernels
+# ---------------------------------------------------------------- kernels, one per geometry
 
 
 @triton.jit
@@ -164,19 +61,20 @@ def _amax_kernel(x_ptr, out_ptr, flag_ptr, M, K, sxm, sxk, TM: tl.constexpr, TK:
 
 
 @triton.jit
-def _fp8_scaled_kernel(x_ptr, scale_ptr, codes_ptr, M, K, sxm, sxk, TM: tl.constexpr, TK: tl.constexpr):
-    """Elementwise e4m3(x / scale) with one FP32 scale for the whole tensor."""
+def _tensor_kernel(x_ptr, scale_ptr, codes_ptr, M, K, sxm, sxk, TM: tl.constexpr, TK: tl.constexpr,
+                   ELEM: tl.constexpr):
+    """Elementwise code(x / scale) with one FP32 scale for the whole tensor."""
     rows = tl.program_id(0) * TM + tl.arange(0, TM)
     cols = tl.program_id(1) * TK + tl.arange(0, TK)
     x, mask = _load_tile(x_ptr, rows, cols, M, K, sxm, sxk)
     scale = tl.load(scale_ptr)
     y = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
-    tl.store(codes_ptr + rows[:, None] * K + cols[None, :], _encode_e4m3(y), mask=mask)
+    tl.store(codes_ptr + rows[:, None] * K + cols[None, :], _encode(y, ELEM), mask=mask)
 
 
 @triton.jit
-def _fp8_channel_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, M, K, sxm, sxk,
-                        TM: tl.constexpr, TK: tl.constexpr):
+def _row_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, M, K, sxm, sxk, TM: tl.constexpr, TK: tl.constexpr,
+                ELEM: tl.constexpr, DIVISOR: tl.constexpr):
     """One program per TM rows: pass 1 the row amax, pass 2 quantize (rows stay in L2)."""
     pm = tl.program_id(0)
     rows = pm * TM + tl.arange(0, TM)
@@ -187,19 +85,19 @@ def _fp8_channel_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, M, K, sxm, sxk,
         x, _ = _load_tile(x_ptr, rows, cols, M, K, sxm, sxk)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         bad += _nonfinite(x)
-    scale = _fp8_scale(amax, MIN_FP8_SCALE)
+    scale = _f32_scale(amax, DIVISOR, MIN_SCALE)
     tl.store(scale_ptr + rows, scale, mask=rows < M)
     tl.store(flag_ptr + pm, bad)
     for k0 in range(0, K, TK):
         cols = k0 + tl.arange(0, TK)
         x, mask = _load_tile(x_ptr, rows, cols, M, K, sxm, sxk)
         y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        tl.store(codes_ptr + rows[:, None] * K + cols[None, :], _encode_e4m3(y), mask=mask)
+        tl.store(codes_ptr + rows[:, None] * K + cols[None, :], _encode(y, ELEM), mask=mask)
 
 
 @triton.jit
-def _fp8_block_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, N, K, NB, KB, sxb, sxn, sxk,
-                      B: tl.constexpr):
+def _block_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, N, K, NB, KB, sxb, sxn, sxk, B: tl.constexpr,
+                  ELEM: tl.constexpr, DIVISOR: tl.constexpr):
     """One program per B x B block of one matrix; edge blocks are partial (masked as zeros)."""
     pb = tl.program_id(0)  # matrix index * NB + block row
     pk = tl.program_id(1)
@@ -210,19 +108,20 @@ def _fp8_block_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, N, K, NB, KB, sxb, 
     mask = (rows[:, None] < N) & (cols[None, :] < K)
     x = tl.load(x_ptr + mat * sxb + rows[:, None] * sxn + cols[None, :] * sxk, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    scale = _fp8_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0), MIN_FP8_SCALE)
+    scale = _f32_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0), DIVISOR, MIN_SCALE)
     tl.store(scale_ptr + pb * KB + pk, scale)
     tl.store(flag_ptr + pb * KB + pk, _nonfinite(x))
     y = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
-    tl.store(codes_ptr + mat * N * K + rows[:, None] * K + cols[None, :], _encode_e4m3(y), mask=mask)
+    tl.store(codes_ptr + mat * N * K + rows[:, None] * K + cols[None, :], _encode(y, ELEM), mask=mask)
 
 
 @triton.jit
-def _grouped_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, M, K, sxm, sxk,
-                    TM: tl.constexpr, TK: tl.constexpr, G: tl.constexpr, FP4: tl.constexpr,
-                    NVFP4: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr, RULE: tl.constexpr,
-                    MAXBYTE: tl.constexpr):
-    """MXFP8, MXFP4 (E8M0 scale per G) and NVFP4 (E4M3 scale per 16 times the FP32 global)."""
+def _group_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, M, K, sxm, sxk,
+                  TM: tl.constexpr, TK: tl.constexpr, G: tl.constexpr, ELEM: tl.constexpr,
+                  SCALE: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr, RULE: tl.constexpr,
+                  MAXBYTE: tl.constexpr):
+    """1 x G groups along K: an E8M0 scale per group (SCALE 1, MX) or an E4M3 scale per group
+    times the FP32 global (SCALE 2, NVFP4); E2M1 elements (ELEM 1) are packed two per byte."""
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     rows = pm * TM + tl.arange(0, TM)
@@ -231,15 +130,15 @@ def _grouped_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, M, K, sxm, sx
     tl.store(flag_ptr + pm * tl.num_programs(1) + pk, _nonfinite(x))
     g = tl.reshape(x, [TM, TK // G, G])
     amax = tl.max(tl.abs(g), axis=2)
-    if NVFP4:
+    if SCALE == 2:
         s2 = tl.load(s2_ptr)
-        six_s2 = tl.full(amax.shape, 6.0, tl.float32) * s2
+        six_s2 = tl.full(amax.shape, MAXV, tl.float32) * s2
         block = tl.math.div_rn(amax, six_s2)
         block = tl.where(block == 0.0, 1.0, block)
         scale_code = _encode_e4m3(tl.minimum(tl.maximum(block, 0.001953125), 448.0))
         denom = _decode_e4m3(scale_code) * s2
     else:
-        # Saturate at the largest byte whose codes all decode finitely (reference._mx).
+        # Saturate at the largest byte whose codes all decode finitely (reference.encode_scale).
         byte = tl.minimum(_e8m0_byte(amax, EMAX, MAXV, RULE), MAXBYTE)
         scale_code = byte.to(tl.uint8)
         denom = _e8m0_to_float(byte)
@@ -247,31 +146,29 @@ def _grouped_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, M, K, sxm, sx
     srows = rows[:, None]
     scols = pk * (TK // G) + tl.arange(0, TK // G)[None, :]
     tl.store(scale_ptr + srows * (K // G) + scols, scale_code, mask=(srows < M) & (scols < K // G))
-    if FP4:
+    if ELEM == 1:
         packed = _pack_pairs(_encode_e2m1(y), TM, TK)
         pcols = pk * (TK // 2) + tl.arange(0, TK // 2)[None, :]
         tl.store(codes_ptr + srows * (K // 2) + pcols, packed, mask=(srows < M) & (pcols < K // 2))
     else:
-        tl.store(codes_ptr + srows * K + cols[None, :], _encode_e4m3(y), mask=mask)
+        tl.store(codes_ptr + srows * K + cols[None, :], _encode(y, ELEM), mask=mask)
 
 
 @triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, s2_ptr, out_ptr, N, K, SN, SK, BR, BC,
-                    TM: tl.constexpr, TK: tl.constexpr, FP4: tl.constexpr, SCALE: tl.constexpr):
-    """out[b, r, c] = elem(codes) * scale[b, r // BR, c // BC]; SCALE 0 = FP32,
-    1 = E8M0 byte, 2 = E4M3 byte times the FP32 global."""
+                    TM: tl.constexpr, TK: tl.constexpr, ELEM: tl.constexpr, SCALE: tl.constexpr):
+    """out[b, r, c] = elem(codes) * scale[b, r // BR, c // BC], codecs by id (triton_codecs)."""
     b = tl.program_id(2)
     rows = tl.program_id(0) * TM + tl.arange(0, TM)
     cols = tl.program_id(1) * TK + tl.arange(0, TK)
     mask = (rows[:, None] < N) & (cols[None, :] < K)
-    if FP4:
+    if ELEM == 1:
         byte = tl.load(codes_ptr + b * N * (K // 2) + rows[:, None] * (K // 2) + cols[None, :] // 2,
                        mask=mask, other=0)
-        nib = tl.where((cols[None, :] % 2) == 0, byte & 0xF, byte >> 4)
-        values = _decode_e2m1(nib)
+        values = _decode(tl.where((cols[None, :] % 2) == 0, byte & 0xF, byte >> 4), ELEM)
     else:
-        values = _decode_e4m3(tl.load(codes_ptr + b * N * K + rows[:, None] * K + cols[None, :],
-                                      mask=mask, other=0))
+        values = _decode(tl.load(codes_ptr + b * N * K + rows[:, None] * K + cols[None, :], mask=mask, other=0),
+                         ELEM)
     sidx = b * SN * SK + (rows[:, None] // BR) * SK + cols[None, :] // BC
     raw = tl.load(scale_ptr + sidx, mask=mask, other=0)
     if SCALE == 0:
@@ -310,31 +207,40 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return partial.amax()
 
 
-def _fp8_tensor(x: torch.Tensor) -> QuantResult:
-    amax = tensor_amax(x)
-    scale = reference.fp8_scale(amax)
+def _single_level_f32(spec: QuantSpec) -> None:
+    if spec.scale.encoding != "f32":
+        raise NotImplementedError(f"Triton: the {spec.geometry} geometry takes the F32 scale codec only, "
+                                  f"got {spec.scale.encoding}; use backend torch")
+
+
+def _tensor(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
+    _single_level_f32(spec)
+    scale = reference.f32_scale(tensor_amax(x), spec.element.scale_divisor)
     x2 = _rows(x)
     m, k = x2.shape
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(m, 64), triton.cdiv(k, 256))
-    _fp8_scaled_kernel[grid](x2, scale, codes, m, k, x2.stride(0), x2.stride(1), TM=64, TK=256)
+    _tensor_kernel[grid](x2, scale, codes, m, k, x2.stride(0), x2.stride(1), TM=64, TK=256,
+                         ELEM=ELEM_IDS[spec.element.name])
     return QuantResult(codes.reshape(x.shape), scale)
 
 
-def _fp8_channel(x: torch.Tensor) -> QuantResult:
+def _row(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
+    _single_level_f32(spec)
     x2 = _rows(x)
     m, k = x2.shape
     tm = 16
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     flags = torch.empty(triton.cdiv(m, tm), dtype=torch.int32, device=x.device)
-    _fp8_channel_kernel[(triton.cdiv(m, tm),)](x2, codes, scale, flags, m, k, x2.stride(0),
-                                                x2.stride(1), TM=tm, TK=256)
+    _row_kernel[(triton.cdiv(m, tm),)](x2, codes, scale, flags, m, k, x2.stride(0), x2.stride(1), TM=tm, TK=256,
+                                       ELEM=ELEM_IDS[spec.element.name], DIVISOR=spec.element.scale_divisor)
     _check_flags(flags)
     return QuantResult(codes.reshape(x.shape), scale.reshape(x.shape[:-1]))
 
 
-def _fp8_block(x: torch.Tensor) -> QuantResult:
+def _block(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
+    _single_level_f32(spec)
     *lead, n, k = x.shape
     x3 = x.reshape(-1, n, k)
     nmat = x3.shape[0]
@@ -342,71 +248,68 @@ def _fp8_block(x: torch.Tensor) -> QuantResult:
     codes = torch.empty((nmat, n, k), dtype=torch.uint8, device=x.device)
     scale = torch.empty((nmat, nb, kb), dtype=torch.float32, device=x.device)
     flags = torch.empty(nmat * nb * kb, dtype=torch.int32, device=x.device)
-    _fp8_block_kernel[(nmat * nb, kb)](x3, codes, scale, flags, n, k, nb, kb, x3.stride(0),
-                                       x3.stride(1), x3.stride(2), B=FP8_BLOCK)
+    _block_kernel[(nmat * nb, kb)](x3, codes, scale, flags, n, k, nb, kb, x3.stride(0), x3.stride(1),
+                                   x3.stride(2), B=FP8_BLOCK, ELEM=ELEM_IDS[spec.element.name],
+                                   DIVISOR=spec.element.scale_divisor)
     _check_flags(flags)
     return QuantResult(codes.reshape(x.shape), scale.reshape(*lead, nb, kb))
 
 
-def _grouped(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None) -> QuantResult:
+def _group(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None) -> QuantResult:
     x2 = _rows(x)
     m, k = x2.shape
-    g = spec.group
-    fp4 = spec.element == "e2m1"
-    codes = torch.empty((m, k // 2 if fp4 else k), dtype=torch.uint8, device=x.device)
+    g, element = spec.group, spec.element
+    codes = torch.empty((m, element.codes_cols(k)), dtype=torch.uint8, device=x.device)
     scale = torch.empty((m, k // g), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(m, BM), triton.cdiv(k, BK))
     flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
     dummy = torch.zeros(1, dtype=torch.float32, device=x.device)
-    _grouped_kernel[grid](
+    _group_kernel[grid](
         x2, codes, scale, dummy if s2 is None else s2, flags, m, k, x2.stride(0), x2.stride(1),
-        TM=BM, TK=BK, G=g, FP4=fp4, NVFP4=spec.kind == NVFP4,
-        EMAX=2 if fp4 else 8, MAXV=6.0 if fp4 else 448.0, RULE=RULE_IDS.get(spec.scale_rule, 0),
-        MAXBYTE=E8M0_MAX_FINITE_BYTE[spec.element],
+        TM=BM, TK=BK, G=g, ELEM=ELEM_IDS[element.name], SCALE=SCALE_IDS[spec.scale.encoding],
+        EMAX=element.emax, MAXV=element.max, RULE=RULE_IDS.get(spec.scale_rule, 0), MAXBYTE=254 - element.emax,
     )
     _check_flags(flags)
     lead = x.shape[:-1]
     return QuantResult(codes.reshape(*lead, codes.shape[-1]), scale.reshape(*lead, k // g), s2)
 
 
+LAUNCHERS = {TENSOR: _tensor, ROW: _row, BLOCK: _block, GROUP: _group}
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None) -> QuantResult:
     if x.numel() == 0:
         return reference.empty_result(x, spec, global_amax)
-    if spec.kind == FP8_TENSOR:
-        return _fp8_tensor(x)
-    if spec.kind == FP8_CHANNEL:
-        return _fp8_channel(x)
-    if spec.kind == FP8_BLOCK_KIND:
-        return _fp8_block(x)
-    if spec.kind == MX:
-        return _grouped(x, spec, None)
-    if spec.kind == NVFP4:
+    s2 = None
+    if spec.scale.has_global:
         amax = tensor_amax(x) if global_amax is None else global_amax.to(x.device)
-        return _grouped(x, spec, reference.nvfp4_global_scale(amax).reshape(()))
-    raise ValueError(f"unknown quantizer kind {spec.kind!r}")
+        s2 = reference.nvfp4_global_scale(amax).reshape(())
+    return LAUNCHERS[spec.geometry](x, spec, s2)
+
+
+def _dequant_grid(q: QuantResult, spec: QuantSpec, shape: tuple[int, ...]) -> tuple[int, int, int, int, int, int]:
+    """(matrices, rows per matrix, block rows, block cols, scale rows, scale cols) for the kernel."""
+    n, k = shape[-2], shape[-1]
+    if spec.geometry == BLOCK:
+        nmat = max(1, q.codes.numel() // (n * k))
+        return nmat, n, FP8_BLOCK, FP8_BLOCK, q.scale.numel() // nmat // q.scale.shape[-1], q.scale.shape[-1]
+    rows = q.codes.numel() * 8 // spec.element.bits // k
+    if spec.geometry == TENSOR:
+        return 1, rows, rows, k, 1, 1
+    if spec.geometry == ROW:
+        return 1, rows, 1, k, q.scale.numel(), 1
+    return 1, rows, 1, spec.group, q.scale.numel() // q.scale.shape[-1], q.scale.shape[-1]
 
 
 def dequantize(q: QuantResult, spec: QuantSpec, shape: tuple[int, ...]) -> torch.Tensor:
     if len(shape) == 0 or 0 in shape:
         return reference.dequantize(q, spec, shape)
-    *lead, n, k = shape
-    fp4 = spec.element == "e2m1" and spec.kind in (MX, NVFP4)
-    if spec.kind == FP8_BLOCK_KIND:
-        nmat, rows, br, bc = max(1, q.codes.numel() // (n * k)), n, FP8_BLOCK, FP8_BLOCK
-    elif spec.kind == FP8_TENSOR:
-        nmat, rows, br, bc = 1, q.codes.numel() // k, q.codes.numel() // k, k
-    elif spec.kind == FP8_CHANNEL:
-        nmat, rows, br, bc = 1, q.codes.numel() // k, 1, k
-    else:
-        nmat, rows, br, bc = 1, q.codes.numel() * (2 if fp4 else 1) // k, 1, spec.group
-    scale = q.scale.contiguous()
-    sn = scale.numel() // nmat
-    sk = 1 if spec.kind in (FP8_TENSOR, FP8_CHANNEL) else scale.shape[-1]
-    sn = sn // sk
+    k = shape[-1]
+    nmat, rows, br, bc, sn, sk = _dequant_grid(q, spec, shape)
     out = torch.empty((nmat, rows, k), dtype=torch.float32, device=q.codes.device)
     s2 = q.global_scale if q.global_scale is not None else torch.zeros((), device=q.codes.device)
-    kind = 0 if spec.kind in (FP8_TENSOR, FP8_CHANNEL, FP8_BLOCK_KIND) else (1 if spec.kind == MX else 2)
     grid = (triton.cdiv(rows, 32), triton.cdiv(k, 128), nmat)
-    _dequant_kernel[grid](q.codes.contiguous(), scale, s2.to(torch.float32), out, rows, k, sn, sk,
-                          br, bc, TM=32, TK=128, FP4=fp4, SCALE=kind)
+    _dequant_kernel[grid](q.codes.contiguous(), q.scale.contiguous(), s2.to(torch.float32), out, rows, k, sn, sk,
+                          br, bc, TM=32, TK=128, ELEM=ELEM_IDS[spec.element.name],
+                          SCALE=SCALE_IDS[spec.scale.encoding])
     return out.reshape(shape)

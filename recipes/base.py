@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from quantcli.errors import RecipeError
 from quantcli.facts import NO_FACTS, ModuleFacts
 from quantcli.kernels import NonFiniteInput, QuantResult, QuantSpec
+from quantcli.kernels.reference import e8m0_to_float
+from quantcli.kernels.spec import NVFP4_GLOBAL_DIVISOR, ElementCodec, ScaleCodec
 from quantcli.kernels import dequantize as kernel_dequantize
 from quantcli.kernels import quantize as kernel_quantize
 
@@ -40,14 +42,59 @@ class QuantizedTensor:
 
 @dataclass(frozen=True)
 class Recipe:
+    """A quantization scheme: a name and a `QuantSpec` (geometry + element codec + scale codec).
+
+    Everything else a caller asks (bits, block, storage dtype, manifest fields, scale checks and
+    stats) is derived from the spec here, so that a new recipe is one `Recipe(...)` line and no
+    caller switches on recipe names."""
+
     name: str
     spec: QuantSpec
-    element_bits: int
-    block: tuple[int, int]  # (rows, cols) of W per scale; 0 means "the whole dimension"
-    scale_encoding: str  # f32 | e8m0_bias127 | e4m3fn
-    k_multiple: int = 1  # K must be a multiple of this (group size)
-    has_global_scale: bool = False
-    scale_rules: tuple[str, ...] = field(default=())
+
+    # --- facts derived from the scheme (stated once, in the spec)
+
+    @property
+    def element(self) -> ElementCodec:
+        return self.spec.element
+
+    @property
+    def scale_codec(self) -> ScaleCodec:
+        return self.spec.scale
+
+    @property
+    def element_bits(self) -> int:
+        return self.spec.element.bits
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """(rows, cols) of W per scale; 0 means "the whole dimension"."""
+        return self.spec.block
+
+    @property
+    def k_multiple(self) -> int:
+        """K must be a multiple of this (the group size)."""
+        return self.spec.k_multiple
+
+    @property
+    def scale_encoding(self) -> str:
+        return self.spec.scale.encoding  # f32 | e8m0_bias127 | e4m3fn
+
+    @property
+    def has_global_scale(self) -> bool:
+        return self.spec.scale.has_global
+
+    @property
+    def scale_rules(self) -> tuple[str, ...]:
+        return self.spec.scale.rules
+
+    @property
+    def codes_dtype(self) -> torch.dtype:
+        """Storage dtype of the element codes on disk: F8_E4M3, I8, or U8 for FP4 pairs."""
+        return self.spec.element.storage_dtype
+
+    @property
+    def element_max(self) -> float:
+        return self.spec.element.max
 
     @property
     def scale_rule(self) -> str | None:
@@ -62,21 +109,14 @@ class Recipe:
         return replace(self, spec=replace(self.spec, scale_rule=rule))
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        *lead, n, k = shape
-        br, bc = self.block
-        if br == 0 and bc == 0:
-            return ()
-        rows = n if br == 1 else -(-n // br)
-        cols = 1 if bc == 0 else -(-k // bc)
-        return (*lead, rows) if bc == 0 else (*lead, rows, cols)
+        return self.spec.scale_shape(tuple(shape))
 
     def codes_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return (*shape[:-1], shape[-1] * self.element_bits // 8)
+        return self.spec.codes_shape(tuple(shape))
 
     def storage_bytes(self, shape: tuple[int, ...]) -> int:
         """Bytes on disk: codes, block scales and the global scale (counted once per tensor)."""
-        scale_bytes = 4 if self.scale_encoding == "f32" else 1
-        return (math.prod(self.codes_shape(shape)) + math.prod(self.scale_shape(shape)) * scale_bytes
+        return (math.prod(self.codes_shape(shape)) + math.prod(self.scale_shape(shape)) * self.spec.scale.nbytes
                 + (4 if self.has_global_scale else 0))
 
     def check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -107,3 +147,59 @@ class Recipe:
 
     def dequantize(self, q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
         return kernel_dequantize(q.result, self.spec, q.shape, backend=backend)
+
+    # --- what the manifest, inspect and verify say about a module of this recipe
+
+    def manifest_fields(self) -> dict:
+        """The scheme's part of a manifest ModuleEntry (FORMATS.md A.5)."""
+        e, s = self.spec.element, self.spec.scale
+        divisor = NVFP4_GLOBAL_DIVISOR if s.has_global else e.scale_divisor
+        rule = self.scale_rule or f"amax/{divisor:g}"
+        return {"block": self.block, "axis": -1, "element": e.manifest_name, "packing": e.packing,
+                "nibble_order": "low_first" if e.packed else None, "scale_rule": rule,
+                "element_rounding": "rne_sat", "zero_block_policy": s.zero_block_policy, "scale_layout": "linear"}
+
+    def scale_values(self, q: QuantizedTensor) -> torch.Tensor:
+        """The block scales of `q` as FP32 values (before any global scale)."""
+        encoding = self.scale_encoding
+        if encoding == "e8m0_bias127":
+            return e8m0_to_float(q.scale.view(torch.uint8))
+        if encoding == "e4m3fn":
+            return q.scale.view(torch.float8_e4m3fn).to(torch.float32)
+        return q.scale.to(torch.float32)
+
+    def scale_fault(self, q: QuantizedTensor) -> str | None:
+        """What is wrong with the decoded scales of `q` (block and global), or None."""
+        encoding = self.scale_encoding
+        if encoding == "e8m0_bias127":
+            bad = bool((q.scale.view(torch.uint8) == 255).any())
+            fault = "E8M0 scale byte 255 (NaN) present" if bad else None
+        elif encoding == "e4m3fn":
+            b = q.scale.view(torch.uint8)
+            bad = bool(((b & 0x7F) == 0x7F).any()) or bool((b & 0x80).any())
+            fault = "E4M3 block scales hold NaN or negative values" if bad else None
+        else:
+            s = q.scale.to(torch.float32)
+            bad = not bool(torch.isfinite(s).all()) or not bool((s > 0).all())
+            fault = "block scales are not all finite and positive" if bad else None
+        if fault is None and q.global_scale is not None:
+            g = float(q.global_scale)
+            if not math.isfinite(g) or g <= 0:
+                fault = f"global scale {g} is not finite and positive"
+        return fault
+
+    def scale_stats(self, q: QuantizedTensor) -> dict:
+        """inspect --stats: min/max of the scales, or the E8M0 exponent histogram."""
+        if self.scale_encoding == "e8m0_bias127":
+            hist = torch.bincount(q.scale.reshape(-1).long(), minlength=256)
+            return {"e8m0_histogram": {str(int(i) - 127): int(hist[i]) for i in torch.nonzero(hist).flatten()},
+                    "e8m0_255_count": int(hist[255])}
+        s = self.scale_values(q)
+        return {"scale_min": float(s.min()), "scale_max": float(s.max()),
+                "scale_nonfinite": int((~torch.isfinite(s)).sum())}
+
+    def decoded_amax_bound(self, q: QuantizedTensor) -> float:
+        """max |w| the scales allow: element max x largest block scale x global (verify's
+        direction check compares it across modules)."""
+        g = float(q.global_scale) if q.global_scale is not None else 1.0
+        return self.element_max * float(self.scale_values(q).max()) * g

@@ -12,8 +12,8 @@ Format card
     layouts     fp8 (default: `weight_scale`), compressed-tensors (FP8 tensor strategy)
 """
 
-from quantcli.kernels.spec import FP8_TENSOR, QuantSpec
+from quantcli.kernels.spec import E4M3, F32_SCALE, TENSOR, QuantSpec
 
 from .base import Recipe
 
-RECIPE = Recipe(name="fp8", spec=QuantSpec(FP8_TENSOR), element_bits=8, block=(0, 0), scale_encoding="f32")
+RECIPE = Recipe(name="fp8", spec=QuantSpec(TENSOR, E4M3, F32_SCALE))

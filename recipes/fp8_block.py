@@ -14,9 +14,8 @@ Format card
                 modelopt (`FP8_PB_WO`, 4-D `weight_scale`, vLLM only, N and K multiples of 128)
 """
 
-from quantcli.kernels.spec import FP8_BLOCK, FP8_BLOCK_KIND, QuantSpec
+from quantcli.kernels.spec import BLOCK, E4M3, F32_SCALE, QuantSpec
 
 from .base import Recipe
 
-RECIPE = Recipe(name="fp8-block", spec=QuantSpec(FP8_BLOCK_KIND), element_bits=8,
-                block=(FP8_BLOCK, FP8_BLOCK), scale_encoding="f32")
+RECIPE = Recipe(name="fp8-block", spec=QuantSpec(BLOCK, E4M3, F32_SCALE))

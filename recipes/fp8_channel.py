@@ -13,9 +13,8 @@ Format card
                 (`FP8_PER_CHANNEL_PER_TOKEN`, `weight_scale` [N], vLLM only)
 """
 
-from quantcli.kernels.spec import FP8_CHANNEL, QuantSpec
+from quantcli.kernels.spec import E4M3, F32_SCALE, ROW, QuantSpec
 
 from .base import Recipe
 
-RECIPE = Recipe(name="fp8-channel", spec=QuantSpec(FP8_CHANNEL), element_bits=8, block=(1, 0),
-                scale_encoding="f32")
+RECIPE = Recipe(name="fp8-channel", spec=QuantSpec(ROW, E4M3, F32_SCALE))

@@ -21,10 +21,8 @@ Format card
                 gpt-oss (MoE experts, rule rceil; `*_blocks` [E, N, K/32, 16], `*_scales`)
 """
 
-from quantcli.kernels.spec import MX, SCALE_RULES, QuantSpec
+from quantcli.kernels.spec import E2M1, E8M0_SCALE, GROUP, QuantSpec
 
 from .base import Recipe
 
-RECIPE = Recipe(name="mxfp4", spec=QuantSpec(MX, element="e2m1", group=32, scale_rule="even"),
-                element_bits=4, block=(1, 32), scale_encoding="e8m0_bias127", k_multiple=32,
-                scale_rules=SCALE_RULES)
+RECIPE = Recipe(name="mxfp4", spec=QuantSpec(GROUP, E2M1, E8M0_SCALE, group=32, scale_rule="even"))

@@ -20,10 +20,8 @@ Format card
                 fp8 (SGLang `quant_method: mxfp8`, `weight_scale_inv` U8, rule rceil)
 """
 
-from quantcli.kernels.spec import MX, SCALE_RULES, QuantSpec
+from quantcli.kernels.spec import E4M3, E8M0_SCALE, GROUP, QuantSpec
 
 from .base import Recipe
 
-RECIPE = Recipe(name="mxfp8", spec=QuantSpec(MX, element="e4m3", group=32, scale_rule="even"),
-                element_bits=8, block=(1, 32), scale_encoding="e8m0_bias127", k_multiple=32,
-                scale_rules=SCALE_RULES)
+RECIPE = Recipe(name="mxfp8", spec=QuantSpec(GROUP, E4M3, E8M0_SCALE, group=32, scale_rule="even"))

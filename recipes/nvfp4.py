@@ -20,9 +20,8 @@ Format card (ModelOpt's arithmetic, FP32 throughout)
                 `weight_global_scale` F32 [1])
 """
 
-from quantcli.kernels.spec import NVFP4, QuantSpec
+from quantcli.kernels.spec import E2M1, E4M3_GLOBAL_SCALE, GROUP, QuantSpec
 
 from .base import Recipe
 
-RECIPE = Recipe(name="nvfp4", spec=QuantSpec(NVFP4, element="e2m1", group=16), element_bits=4,
-                block=(1, 16), scale_encoding="e4m3fn", k_multiple=16, has_global_scale=True)
+RECIPE = Recipe(name="nvfp4", spec=QuantSpec(GROUP, E2M1, E4M3_GLOBAL_SCALE, group=16))

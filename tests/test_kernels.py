@@ -5,15 +5,19 @@ import pytest
 import torch
 
 from quantcli.kernels import dequantize, quantize, tensor_amax, triton_available
-from quantcli.kernels.spec import FP8_BLOCK_KIND, FP8_CHANNEL, FP8_TENSOR, MX, NVFP4, QuantSpec
+from quantcli.kernels.spec import (BLOCK, E2M1, E4M3, E4M3_GLOBAL_SCALE, E8M0_SCALE, F32_SCALE, GROUP, INT8, ROW,
+                                   TENSOR, QuantSpec)
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-SPECS = [QuantSpec(FP8_TENSOR), QuantSpec(FP8_CHANNEL), QuantSpec(FP8_BLOCK_KIND)] + [
-    QuantSpec(MX, el, 32, rule) for el in ("e4m3", "e2m1") for rule in ("floor", "even", "rceil")
-] + [QuantSpec(NVFP4, "e2m1", 16)]
-IDS = [f"{s.kind}-{s.element}-{s.scale_rule}" for s in SPECS]
+NVFP4_SPEC = QuantSpec(GROUP, E2M1, E4M3_GLOBAL_SCALE, 16)
+# Every geometry with the element codecs it is used with (INT8 on all three F32 geometries, as
+# the codec is a parameter, not a recipe), and each E8M0 rule.
+SPECS = [QuantSpec(g, el, F32_SCALE) for g in (TENSOR, ROW, BLOCK) for el in (E4M3, INT8)] + [
+    QuantSpec(GROUP, el, E8M0_SCALE, 32, rule) for el in (E4M3, E2M1) for rule in ("floor", "even", "rceil")
+] + [NVFP4_SPEC]
+IDS = [f"{s.geometry}-{s.element.name}-{s.scale.encoding}-{s.scale_rule}" for s in SPECS]
 
 
 def adversarial(shape, seed=0, dtype=torch.bfloat16):
@@ -57,7 +61,7 @@ def test_kernel_non_contiguous_and_fp32(spec):
 
 
 def test_kernel_zero_size_and_global_amax():
-    spec = QuantSpec(NVFP4, "e2m1", 16)
+    spec = NVFP4_SPEC
     x = adversarial((16, 64)).to(DEVICE)
     g = torch.tensor(50.0)
     assert_same(quantize(x, spec, g, backend="torch"), quantize(x, spec, g, backend="triton"))

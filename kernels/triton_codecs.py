@@ -1,0 +1,162 @@
+"""Triton device functions: the element and scale codecs the kernels in triton_quant.py take as
+parameters. Each is the bit-exact twin of a function in kernels/reference.py (see the rules in
+triton_quant.py's docstring: `div_rn` for every division, integer bit math for every encoding).
+
+Codec ids (constexpr kernel parameters): ELEM 0 = E4M3, 1 = E2M1 (two per byte), 2 = INT8;
+SCALE 0 = F32, 1 = E8M0 byte, 2 = E4M3 byte times the FP32 global.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ELEM_IDS = {"e4m3": 0, "e2m1": 1, "int8": 2}
+SCALE_IDS = {"f32": 0, "e8m0_bias127": 1, "e4m3fn": 2}
+RULE_IDS = {"floor": 0, "even": 1, "rceil": 2}
+
+
+
+@triton.jit
+def _nonfinite(x):
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.sum(tl.sum(((bits & 0x7F800000) == 0x7F800000).to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _encode_e4m3(v):
+    """FP32 -> E4M3FN byte: clamp to 448, RNE, sign kept (incl. -0.0)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.minimum(tl.abs(v), 448.0)
+    ab = a.to(tl.int32, bitcast=True)
+    exp = ab >> 23
+    # Normal range (a >= 2^-6): round the mantissa to 3 bits, RNE, carry into the exponent.
+    lsb = (ab >> 20) & 1
+    normal = ((ab + 0x7FFFF + lsb) >> 20) - (120 << 3)
+    # Subnormal range: the code is a * 2^9 rounded to an integer, RNE.
+    mant = (ab & 0x7FFFFF) | tl.where(exp > 0, 0x800000, 0)
+    shift = tl.minimum(141 - exp, 31)
+    q = mant >> shift
+    rem = mant & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    code = tl.where(exp >= 121, normal, sub)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _decode_e4m3(c):
+    """E4M3FN byte (non-negative scales only) -> FP32, exactly."""
+    c = c.to(tl.int32)
+    e = (c >> 3) & 0xF
+    m = c & 0x7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((c & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def _encode_e2m1(v):
+    """FP32 -> E2M1 nibble: RNE with ties to the even code, saturating at 6, sign bit kept."""
+    a = tl.abs(v)
+    mag = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    sign = (v.to(tl.int32, bitcast=True) >> 28) & 0x8
+    return (mag | sign).to(tl.uint8)
+
+
+@triton.jit
+def _decode_e2m1(c):
+    c = c.to(tl.int32)
+    m = c & 0x7
+    # 0, .5, 1, 1.5 for codes 0..3; 2, 3, 4, 6 for codes 4..7
+    small = m.to(tl.float32) * 0.5
+    big = tl.where(m == 7, 6.0, (m - 2).to(tl.float32))
+    value = tl.where(m < 4, small, big)
+    return tl.where((c & 0x8) != 0, -value, value)
+
+
+@triton.jit
+def _e8m0_byte(amax, EMAX: tl.constexpr, MAXV: tl.constexpr, RULE: tl.constexpr):
+    bits = amax.to(tl.int32, bitcast=True)
+    if RULE == 0:
+        biased = (bits >> 23) - EMAX
+    elif RULE == 1:
+        biased = ((bits + (1 << 21)) >> 23) - EMAX
+    else:
+        q = tl.math.div_rn(amax, tl.full(amax.shape, MAXV, tl.float32)).to(tl.int32, bitcast=True)
+        biased = (q + 0x7FFFFF) >> 23
+    return tl.minimum(tl.maximum(biased, 0), 254)
+
+
+@triton.jit
+def _e8m0_to_float(byte):
+    return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _encode_int8(v):
+    """FP32 -> INT8 byte: clamp to [-128, 127], round half to even (reference.encode_int8).
+    The FP32 -> int32 cast truncates toward zero; the remainder is exact below 2^23."""
+    c = tl.minimum(tl.maximum(v, -128.0), 127.0)
+    t = c.to(tl.int32)
+    frac = tl.abs(c - t.to(tl.float32))
+    up = (frac > 0.5) | ((frac == 0.5) & ((t & 1) != 0))
+    r = t + tl.where(up, tl.where(c < 0.0, -1, 1), 0)
+    return (r & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _decode_int8(c):
+    c = c.to(tl.int32)
+    return tl.where(c >= 128, c - 256, c).to(tl.float32)
+
+
+@triton.jit
+def _encode(y, ELEM: tl.constexpr):
+    """Scaled FP32 -> one code byte per element (ELEM 0 E4M3, 2 INT8; E2M1 is packed apart)."""
+    if ELEM == 2:
+        return _encode_int8(y)
+    else:
+        return _encode_e4m3(y)
+
+
+@triton.jit
+def _decode(c, ELEM: tl.constexpr):
+    if ELEM == 1:
+        return _decode_e2m1(c)
+    elif ELEM == 2:
+        return _decode_int8(c)
+    else:
+        return _decode_e4m3(c)
+
+
+@triton.jit
+def _f32_scale(amax, DIVISOR: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """reference.f32_scale: amax / DIVISOR, at least MIN_SCALE (smallest normal FP32), 1.0 for 0."""
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, DIVISOR, tl.float32))
+    return tl.where(amax == 0.0, 1.0, tl.maximum(scale, MIN_SCALE))
+
+
+@triton.jit
+def _pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
+    lo, hi = tl.split(tl.reshape(codes, [R, C // 2, 2]))
+    return lo | (hi << 4)
+
+
+@triton.jit
+def _load_tile(x_ptr, rows, cols, M, K, sxm, sxk):
+    """A [rows, cols] tile of a strided [M, K] input as FP32 (zeros outside), and its mask."""
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    return x, mask
+
+
