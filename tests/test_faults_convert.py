@@ -21,7 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import quantcli.convert as convert_mod
+import quantcli.convert.job as job_mod
+import quantcli.convert.shard as shard_mod
+from quantcli.convert.progress import ProgressFile
+from quantcli.errors import CheckpointError
 from quantcli.convert import LOCK_NAME, PROGRESS_NAME, StagingLock
 from quantcli.safetensors_io import ShardWriter, write_file
 from quantcli.testing import make_llama
@@ -60,7 +63,7 @@ def interrupt_after_shards(run_cli, monkeypatch, src: Path, dst: Path, n: int = 
             raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(convert_mod, "_fault_injection", stop)
+        m.setattr(job_mod, "_fault_injection", stop)
         code, _, err = convert(run_cli, src, dst, *flags)
     assert code == 130 and "Traceback" not in err, err
     stage = dst.with_name(dst.name + ".partial")
@@ -120,8 +123,8 @@ def test_ctrl_c_mid_shard_keeps_consistent_staging_and_resume_is_identical(llama
     dst = tmp_path / "out"
     threads = threading.active_count()
     calls = {"recorded": 0, "n": 0}
-    real_write, real_record = ShardWriter.write, convert_mod._Progress.record
-    real_produce = convert_mod.Converter.produce
+    real_write, real_record = ShardWriter.write, ProgressFile.record
+    real_produce = shard_mod.produce
 
     def record(self, *args):
         calls["recorded"] += 1
@@ -133,16 +136,16 @@ def test_ctrl_c_mid_shard_keeps_consistent_staging_and_resume_is_identical(llama
             raise KeyboardInterrupt
         return real_write(self, name, data)
 
-    def produce(self, *args):  # runs on the main thread while writes are queued
+    def produce(*args):  # runs on the main thread while writes are queued
         calls["n"] += calls["recorded"] > 0 and where == "main thread"
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return real_produce(self, *args)
+        return real_produce(*args)
 
     with monkeypatch.context() as m:
         m.setattr(ShardWriter, "write", write)
-        m.setattr(convert_mod.Converter, "produce", produce)
-        m.setattr(convert_mod._Progress, "record", record)
+        m.setattr(shard_mod, "produce", produce)
+        m.setattr(ProgressFile, "record", record)
         code, _, err = convert(run_cli, llama, dst)
     assert code == 130 and "Traceback" not in err
     assert threading.active_count() == threads  # the writer thread was stopped, not left running
@@ -240,7 +243,7 @@ def test_lock_is_exclusive_and_stale_takeover_is_atomic(tmp_path):
     stage.mkdir()
     first, second = StagingLock(stage), StagingLock(stage)
     first.acquire(tmp_path / "x")
-    with pytest.raises(convert_mod.CheckpointError, match=f"pid {os.getpid()}"):
+    with pytest.raises(CheckpointError, match=f"pid {os.getpid()}"):
         second.acquire(tmp_path / "x")
     first.release()
     assert not (stage / LOCK_NAME).exists()

@@ -1,0 +1,32 @@
+"""`quantcli convert`: stream a safetensors checkpoint into a quantized one.
+
+Data flow (DESIGN.md): plan from headers (quantcli/plan.py) -> passes that learn facts about
+modules (passes.py: today the shared amax of each fused group) -> the per-shard job
+(shard.py: read -> quantize -> layout names -> streamed into a shard of the staging folder
+`DST.partial`; returns a ShardResult, no shared state) -> finalize (finalize.py: index,
+configs, copied files, model card, manifest last) -> the staging folder is renamed to DST
+(destination.py). job.py runs these in order; progress.py records each finished shard's
+result so --resume continues an interrupted run and yields the same bytes.
+
+Nothing is lost or half-written (issue 10): every destination problem is refused before any
+work (`check_destination`); one run at a time holds the staging folder (`StagingLock`); the
+progress file records what each source shard was (size, mtime, sampled hash) so --resume never
+reuses shards made from other bytes; a filesystem fault keeps the staging folder for --resume,
+a data refusal in a fresh run removes it; the old DST is only set aside, never deleted, until
+the new one is in place.
+"""
+
+from .destination import FilesystemError, check_destination, staging_dir
+from .device import check_run_options, resolve_device
+from .job import ConversionJob, convert
+from .lock import LOCK_NAME, StagingLock
+from .passes import learn_facts
+from .progress import PROGRESS_NAME, fingerprint
+from .records import ConvertResult, Findings, RunOptions, ShardResult
+from .shard import convert_shard
+
+Converter = ConversionJob  # the 0.1 name (commands.run_convert until it calls convert())
+
+__all__ = ["LOCK_NAME", "PROGRESS_NAME", "ConversionJob", "ConvertResult", "FilesystemError", "Findings",
+           "RunOptions", "ShardResult", "StagingLock", "check_destination", "check_run_options", "convert",
+           "convert_shard", "fingerprint", "learn_facts", "resolve_device", "staging_dir"]

@@ -1,0 +1,106 @@
+"""After the shards: the index, config.json (with the layout's quantization_config), the
+layout's extra files, copied files, the model card, and the manifest, from the plan and what
+the shards learned."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..manifest import MANIFEST_NAME, DiskEntry, Manifest, ModuleEntry
+from ..plan import Plan, TensorPlan
+from ..source import INDEX
+from .progress import write_json_atomic
+from .records import Findings
+
+
+def write_side_files(plan: Plan, stage: Path) -> None:
+    """Everything but the shards and the manifest."""
+    source = plan.source
+    if source.weight_map or len(source.shards) > 1:
+        weight_map = {o.name: t.shard for t in plan.tensors for o in t.outputs}
+        index = {"metadata": {"total_size": plan.bytes_out}, "weight_map": dict(sorted(weight_map.items()))}
+        write_json_atomic(stage / INDEX, index)
+    for rel in source.other_files():
+        target = stage / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source.root / rel, target)
+    write_json_atomic(stage / "config.json", _write_configs(plan, stage))
+    readme = stage / "README.md"
+    text = readme.read_text() if readme.exists() else ""
+    readme.write_text(text + ("\n" if text and not text.endswith("\n") else "") + model_card(plan))
+
+
+def _write_configs(plan: Plan, stage: Path) -> dict:
+    """The layout's extra files; returns config.json: the source's, with the layout's
+    quantization_config (none for a dense output)."""
+    groups, excluded = plan.modules_by_recipe(), plan.excluded_names()
+    config = dict(plan.source.config)
+    config.pop("quantization_config", None)
+    if plan.layout is not None and any(t.quantized for t in plan.tensors):
+        config["quantization_config"] = plan.layout.quantization_config(groups, excluded)
+        for name, obj in plan.layout.extra_files(groups, excluded).items():
+            write_json_atomic(stage / name, obj)
+    return config
+
+
+def model_card(plan: Plan) -> str:
+    lines = ["", "## Quantization (quantcli)", ""]
+    if plan.layout is None:
+        lines += [f"Dequantized to {plan.dense_dtype} from the {plan.source_layout.name} checkpoint "
+                  f"`{plan.source.label}` with quantcli {__version__}: a plain checkpoint, no quantization_config.", ""]
+        return "\n".join(lines)
+    what = {"relayout": "carried over byte for byte", "requantize": "decoded and re-quantized",
+            "quantize": "quantized"}
+    lines += [f"Converted from `{plan.source.label}` with quantcli {__version__}, layout `{plan.layout.name}` "
+              f"(loads in {plan.layout.consumers}).", "",
+              "| recipe | modules | scale rule | how |", "|---|---|---|---|"]
+    for name, mods in sorted(plan.modules_by_recipe().items()):
+        actions = sorted({what[t.action] for t in plan.tensors if t.recipe == name})
+        lines.append(f"| {name} | {len(mods)} | {plan.recipes[name].scale_rule or '-'} | {', '.join(actions)} |")
+    lines += ["", f"Left unquantized ({plan.layout.exclusion_key}): "
+              + ", ".join(f"`{n}`" for n in plan.excluded_names()), "",
+              f"Every quantized tensor, its scales and their direction are listed in `{MANIFEST_NAME}`.", ""]
+    return "\n".join(lines)
+
+
+def build_manifest(plan: Plan, fp: str, found: Findings) -> Manifest:
+    modules = [_manifest_module(plan, t, found) for t in plan.tensors if t.quantized]
+    excluded = tuple(plan.excluded_names()) if plan.layout is not None else ()
+    return Manifest(__version__, plan.target, plan.options.recipe, plan.source.describe(), fp, tuple(modules),
+                    excluded, lossless=plan.lossless, notes=tuple(found.note_list()))
+
+
+def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:
+    recipe = plan.recipes[t.recipe]
+    specs = {o.name: o for o in t.outputs}
+    disk = []
+    for d in plan.layout.describe(t.module, recipe):
+        o = specs[d.name]
+        value = None
+        if d.role == "global_scale":
+            s2 = found.globals[t.module]
+            value = s2 if d.direction == "multiply" else float(1.0 / torch.tensor(s2, dtype=torch.float32))
+        disk.append(DiskEntry(d.name, d.role, o.dtype, o.shape, d.encoding, d.direction, value))
+    entry = module_entry(t, recipe, tuple(disk))
+    if t.action == "relayout" and recipe.scale_rules:  # the bytes are the source producer's
+        entry = replace(entry, scale_rule=f"as in the {plan.source_layout.name} source")
+    if t.action == "requantize":  # verify against the original model adds this error to its yardstick
+        entry = replace(entry, requantized_from=t.source_recipe, requantize_rel_err=found.errors.get(t.module))
+    return entry
+
+
+def module_entry(t: TensorPlan, recipe, disk: tuple[DiskEntry, ...]) -> ModuleEntry:
+    fp4 = recipe.element_bits == 4
+    rule = recipe.scale_rule or ("amax/2688" if recipe.has_global_scale else "amax/448")
+    zero = {"e8m0_bias127": "byte 0", "e4m3fn": "block scale 1.0 (0x38)"}.get(recipe.scale_encoding, "scale 1.0")
+    return ModuleEntry(
+        module=t.module, source_name=t.name, source_dtype=t.dtype, logical_shape=t.logical_shape,
+        recipe=recipe.name, block=recipe.block, axis=-1, element="e2m1" if fp4 else "e4m3fn",
+        packing="e2m1x2" if fp4 else None, nibble_order="low_first" if fp4 else None, scale_rule=rule,
+        element_rounding="rne_sat", zero_block_policy=zero, scale_layout="linear",
+        transposed_from_source=t.transpose, fused_group=t.fused_group, tensors=disk)

@@ -1,0 +1,150 @@
+"""The per-shard job: one output shard as a function of (plan, shard, facts). It shares no
+mutable state with other shards (everything it learned comes back in its ShardResult), so
+shards can run in any order or on any worker, and a resumed run rebuilds the same manifest
+from the recorded results."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from ..facts import NO_FACTS, ModuleFacts
+from ..plan import TensorPlan
+from ..recipes import QuantizedTensor
+from ..safetensors_io import DTYPES, ShardWriter, tensor_bytes
+from .reading import ModuleReader
+from .records import Findings, Progress, ShardResult
+
+WRITE_QUEUE = 2
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What producing one module's outputs learned (None: nothing)."""
+
+    global_scale: float | None = None  # the multiplier, for the manifest
+    note: str | None = None  # what the user must know (an inexact reciprocal)
+    error: float | None = None  # re-quantized vs decoded source, relative L2 error
+
+
+def convert_shard(reader: ModuleReader, shard: str, facts: Mapping[str, ModuleFacts], out_path: Path,
+                  progress: Progress | None = None) -> ShardResult:
+    """Write output shard `shard` to `out_path` atomically. A failed or interrupted write leaves
+    no partial file behind; an OSError names the file it was writing."""
+    planned = [t for t in reader.plan.tensors if t.shard == shard]
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    learned: dict[str, Learned] = {}
+    try:
+        with open(tmp, "wb") as f:
+            writer = _stream(f, reader, shard, planned, facts, learned, progress or (lambda n, s: None))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not (exc.filename or exc.filename2):
+            exc.filename = str(out_path)  # a write() error names no file: name the shard
+        raise
+    return ShardResult(writer.size, writer.sha256, _findings(learned))
+
+
+def _findings(learned: Mapping[str, Learned]) -> Findings:
+    return Findings(
+        globals={m: x.global_scale for m, x in learned.items() if x.global_scale is not None},
+        notes={m: x.note for m, x in learned.items() if x.note is not None},
+        errors={m: x.error for m, x in learned.items() if x.error is not None})
+
+
+def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], facts: Mapping[str, ModuleFacts],
+            learned: dict[str, Learned], progress: Progress) -> ShardWriter:
+    producer = {o.name: t for t in planned for o in t.outputs}
+    writer = ShardWriter(f, [o for t in planned for o in t.outputs], {"format": "pt"})
+    # One background thread writes (and hashes) while the next tensor is read and quantized;
+    # at most WRITE_QUEUE outputs wait, so memory stays a few tensors whatever the shard size.
+    io = ThreadPoolExecutor(max_workers=1)
+    try:
+        pending: dict[str, torch.Tensor | memoryview] = {}
+        queued: deque[Future] = deque()
+        for spec in writer.order:
+            if spec.name not in pending:
+                t = producer[spec.name]
+                outputs, found = produce(reader, t, facts.get(t.module, NO_FACTS))
+                if t.module is not None:
+                    learned[t.module] = found
+                pending.update(outputs)
+                reader.release(t)
+                progress(t.bytes_in, shard)
+            data = pending.pop(spec.name)
+            queued.append(io.submit(writer.write, spec.name,
+                                    data if isinstance(data, memoryview) else tensor_bytes(data)))
+            while len(queued) > WRITE_QUEUE or (queued and queued[0].done()):
+                queued.popleft().result()  # re-raises a write error here
+        while queued:
+            queued.popleft().result()
+    except BaseException:
+        # Ctrl-C or a failed write: the queued writes are dropped at once; only the one already
+        # running finishes (a write call cannot be interrupted) before the file is closed.
+        io.shutdown(wait=True, cancel_futures=True)
+        raise
+    io.shutdown(wait=True)
+    writer.finish()
+    return writer
+
+
+def produce(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts) -> tuple[dict, Learned]:
+    """The output tensors of one planned tensor, by its action, and what producing them learned."""
+    plan = reader.plan
+    if t.action == "copy":
+        return {t.name: reader.tensors.raw(t.name)}, Learned()  # bit-identical pass-through
+    if t.action == "relayout":  # codes and block scales carried over byte for byte
+        q = reader.source_quantized(t)
+        out = plan.layout.to_disk(t.module, q)
+        return out, Learned(_global_of(q), note=_inversion_note(reader, t, out))
+    w = reader.weight(t)
+    if t.action == "dequantize":
+        w = w.transpose(-1, -2) if t.transpose else w
+        (spec,) = t.outputs
+        return {spec.name: w.to(DTYPES[spec.dtype]).cpu()}, Learned()
+    recipe = plan.recipes[t.recipe]
+    q = recipe.quantize(t.name, w, backend=reader.backend, facts=facts)
+    error = None
+    if t.action == "requantize":  # the combined error, against the decoded source
+        d = recipe.dequantize(q, backend=reader.backend)
+        error = float((d - w).float().norm() / w.float().norm().clamp_min(1e-30))
+    return plan.layout.to_disk(t.module, q.to("cpu")), Learned(_global_of(q), error=error)
+
+
+def _global_of(q: QuantizedTensor) -> float | None:
+    return float(q.global_scale) if q.global_scale is not None else None
+
+
+def _inversion_note(reader: ModuleReader, t: TensorPlan, out: dict[str, torch.Tensor]) -> str | None:
+    """A re-layout between multiply (`weight_scale_2`) and divide (`weight_global_scale`) globals
+    is exact only if the reciprocal written inverts back to the source's value in FP32."""
+    src, dst = reader.plan.source_layout, reader.plan.layout
+    before = _global_scale(src, t.module, src.recipe_for(t.source_recipe), reader.tensors.get)
+    after = _global_scale(dst, t.module, reader.plan.recipes[t.recipe], out.__getitem__)
+    if before is None or after is None:
+        return None
+    (b, b_dir), (a, a_dir) = before, after
+    back = a if a_dir == b_dir else 1.0 / a
+    if torch.equal(back, b):
+        return None
+    return (f"{t.module}: global scale {float(b)!r} ({b_dir}) has no exact FP32 reciprocal; "
+            f"wrote {float(a)!r} ({a_dir}), which inverts to {float(back)!r}")
+
+
+def _global_scale(layout, module: str, recipe, get) -> tuple[torch.Tensor, str] | None:
+    """The stored global scale of a module and its direction, or None."""
+    for d in layout.describe(module, recipe):
+        if d.role == "global_scale":
+            return get(d.name).to(torch.float32).reshape(()), d.direction
+    return None
