@@ -44,50 +44,38 @@ def human_bytes(n: float) -> str:
 def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
                 config: Path | None, scale_rule: str | None, revision: str | None, device: str, backend: str,
                 dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool) -> int:
-    from .convert import RunOptions, check_destination, check_run_options
-    from .plan import Options, load_recipe_file
+    from .convert import RunOptions, check_destination, check_run_options, convert
+    from .planner import plan_conversion
+    from .recipe_file import conversion_options
     from .source import open_source
 
-    opts = Options(recipe=recipe or "")
-    if config is not None:
-        data = load_recipe_file(config)
-        opts.recipe = recipe or data.get("recipe", "")
-        opts.layout = data.get("layout")
-        opts.scale_rule = data.get("scale_rule")
-        opts.targets = list(data.get("targets", []))
-        opts.ignore = list(data.get("ignore", []))
-        opts.overrides = [(o["pattern"], o["recipe"]) for o in data.get("override", [])]
-    opts.layout = layout or opts.layout
-    opts.scale_rule = scale_rule or opts.scale_rule
-    opts.ignore += ignore
-    if not opts.recipe:
-        from .recipes import DENSE_RECIPES, RECIPES
-
-        raise QuantcliError(f"--recipe is required (or 'recipe' in --config): {', '.join(RECIPES)}, "
-                            f"or {'/'.join(DENSE_RECIPES)} to dequantize")
+    opts = conversion_options(recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule)
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
     if not dry_run:  # device, backend and destination problems before anything is read or written
         check_run_options(run)
         check_destination(local_src, dst, run)
-    source = open_source(src, revision)
-
-    from .reformat import detect_quantized, plan_for
-
-    detected = detect_quantized(source)
-    plan = plan_for(source, opts, detected)
+    plan = plan_conversion(open_source(src, revision), opts)
     if dry_run:
         return _print_plan(plan, json_out)
     for w in plan.warnings:  # before the work starts, on stderr (stdout stays JSON with --json)
         _console(stderr=True).print(f"warning: {w}")
-    from .convert import Converter
-
-    converter = Converter(plan, dst, run)
     if not quiet and not json_out and sys.stderr.isatty():
-        result = _with_progress(converter, plan)
+        result = _with_progress(lambda progress: convert(plan, dst, run, progress), plan)
     else:
-        result = converter.execute()
-    summary = {
+        result = convert(plan, dst, run)
+    for w in result.warnings[len(plan.warnings):]:  # found while finishing (the plan's were printed above)
+        _console(stderr=True).print(f"warning: {w}")
+    if json_out:
+        emit_json(_convert_summary(plan, result))
+        return 0
+    _print_convert_result(plan, result, src)
+    return 0
+
+
+def _convert_summary(plan, result) -> dict:
+    """The --json document of a finished conversion."""
+    return {
         "destination": str(result.dst), "layout": plan.target, "recipes": sorted(plan.recipes),
         "tensors_quantized": result.quantized, "tensors_total": len(plan.tensors),
         "bytes_in": result.bytes_in, "bytes_out": result.bytes_out, "seconds": round(result.seconds, 3),
@@ -97,16 +85,14 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
         "requantize_rel_err_vs_decoded_source": result.requantize_errors,
         "already_complete": result.already_complete,
     }
-    for w in result.warnings[len(plan.warnings):]:  # found while finishing (the plan's were printed above)
-        _console(stderr=True).print(f"warning: {w}")
-    if json_out:
-        emit_json(summary)
-        return 0
+
+
+def _print_convert_result(plan, result, src: str) -> None:
     con = _console()
     if result.already_complete:
         con.print(f"{result.dst}: already complete (a finished quantcli output of the same source headers, recipe "
                   f"and options); nothing to resume, nothing written. Use --overwrite to convert again")
-        return 0
+        return
     if plan.lossless:
         con.print("lossless re-layout: every code and block-scale value carried over unchanged")
     for n in result.notes:
@@ -125,10 +111,10 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     con.print(f"wrote {result.dst}: {what}, "
               f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)} in {result.seconds:.1f} s "
               f"({rate:.2f} GB/s)" + (f", {result.shards_resumed} shard(s) resumed" if result.shards_resumed else ""))
-    return 0
 
 
-def _with_progress(converter, plan):
+def _with_progress(convert, plan):
+    """Run `convert(progress)` under a progress bar on stderr (bytes of the source done)."""
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
 
@@ -140,8 +126,7 @@ def _with_progress(converter, plan):
         def advance(n: int, shard: str) -> None:
             bar.update(task, advance=n, description=shard)
 
-        converter.progress = advance
-        return converter.execute()
+        return convert(advance)
 
 
 def _print_plan(plan, json_out: bool) -> int:

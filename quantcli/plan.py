@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
@@ -163,78 +161,6 @@ class Plan:
         return sum(t.numel for t in self.tensors if quantized is None or t.quantized == quantized)
 
 
-def load_recipe_file(path: Path) -> dict:
-    """Read a TOML recipe file: recipe, layout, scale_rule, targets, ignore, [[override]]. Every
-    value is checked here, once, so that a wrong type is refused instead of misread (a string
-    `targets` would otherwise be iterated character by character); names come back canonical."""
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise QuantcliError(f"--config {path}: no such file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
-        raise QuantcliError(f"--config {path}: not valid TOML ({exc})") from None
-    return _check_recipe_file(data, f"--config {path}")
-
-
-_TOML_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a float", list: "an array",
-               dict: "a table"}
-
-
-def _toml_type(value: object) -> str:
-    return _TOML_TYPES.get(type(value), "a date/time")
-
-
-def _check_recipe_file(data: dict, where: str) -> dict:
-    from quantcli.kernels.spec import SCALE_RULES
-
-    from .errors import did_you_mean, pick
-    from .layouts import LAYOUTS
-    from .recipes import DENSE_RECIPES
-
-    known = ("recipe", "layout", "scale_rule", "targets", "ignore", "override")
-    for key in data:
-        if key not in known:
-            raise QuantcliError(f"{where}: unknown key {key!r}{did_you_mean(key, known)} (allowed: {', '.join(known)})")
-
-    def string(key: str, value: object, example: str) -> str:
-        if not isinstance(value, str):
-            raise QuantcliError(f"{where}: {key} is {_toml_type(value)}; expected a string, e.g. {example}")
-        return value
-
-    def strings(key: str, example: str) -> list[str]:
-        value = data[key]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            got = _toml_type(value) if not isinstance(value, list) else "an array holding a non-string"
-            raise QuantcliError(f"{where}: {key} is {got}; expected an array of strings, e.g. {example}")
-        return list(value)
-
-    out: dict = {}
-    names = {"recipe": [*RECIPES, *DENSE_RECIPES], "layout": list(LAYOUTS), "scale_rule": list(SCALE_RULES)}
-    for key, choices in names.items():
-        if key in data:
-            value = string(key, data[key], f'{key} = "{choices[0]}"')
-            out[key] = pick(f"{where}: {key}", key.replace("_", " "), value, choices)
-    for key in ("targets", "ignore"):
-        if key in data:
-            out[key] = strings(key, f'{key} = ["*q_proj"]')
-    if "override" in data:
-        overrides = data["override"]
-        if not isinstance(overrides, list):
-            raise QuantcliError(f"{where}: override is {_toml_type(overrides)}; expected [[override]] tables "
-                                'with pattern = "GLOB" and recipe = "NAME"')
-        out["override"] = []
-        for i, o in enumerate(overrides, 1):
-            label = f"[[override]] #{i}"
-            if not isinstance(o, dict) or set(o) != {"pattern", "recipe"}:
-                raise QuantcliError(f"{where}: {label} needs exactly 'pattern' and 'recipe' "
-                                    f'(got {sorted(o) if isinstance(o, dict) else _toml_type(o)})')
-            pattern = string(f"{label} pattern", o["pattern"], 'pattern = "*mlp*"')
-            recipe = pick(f"{where}: {label} recipe", "recipe",
-                          string(f"{label} recipe", o["recipe"], 'recipe = "fp8"'), list(RECIPES))
-            out["override"].append({"pattern": pattern, "recipe": recipe})
-    return out
-
-
 def matches(pattern: str, module: str) -> bool:
     """The consumers' module-name rules (quantcli/patterns.py: regex, exact, glob, parent module,
     dotted segment, fused name); a pattern written on the tensor (`*q_proj.weight`) also counts."""
@@ -292,6 +218,36 @@ def _choose_recipe(module: str, opts: Options) -> str:
 
 
 def make_plan(source: Source, opts: Options) -> Plan:
+    """The plan for a dense source: every tensor copied, or quantized by the recipe its module
+    gets, or excluded with a reason; refused as a whole if it is inconsistent or quantizes nothing."""
+    layout, recipes = _layout_and_recipes(opts)
+    found = _Planned()
+    for shard, name, info in _owned_tensors(source):
+        _plan_tensor(found, source, opts, layout, recipes, shard, name, info)
+    tensors = drop_single_member_groups(found.tensors)
+    errors: list[str] = []
+    _check_collisions(tensors, errors)
+    if errors:
+        raise QuantcliError(f"{len(errors)} problem(s) in the plan: " + "; ".join(errors))
+    warnings = found.warnings + _unmatched_patterns(opts, found.candidates)
+    if not any(t.quantized for t in tensors):
+        raise QuantcliError(_nothing_to_quantize(source, layout, found.exclusions))
+    return Plan(source, layout, opts, tensors, found.exclusions, warnings, recipes)
+
+
+@dataclass
+class _Planned:
+    """What planning a dense source collects, tensor by tensor."""
+
+    tensors: list[TensorPlan] = field(default_factory=list)
+    exclusions: list[Exclusion] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    candidates: list[str] = field(default_factory=list)  # Linear and expert modules: what patterns can select
+
+
+def _layout_and_recipes(opts: Options) -> tuple[Layout, dict[str, Recipe]]:
+    """The target layout and every recipe the options use (the default and the overrides'),
+    each checked against the layout; option mistakes are refused here, before any tensor."""
     if opts.recipe not in RECIPES:
         get_recipe(opts.recipe)  # raises the registry's error listing the names
     for p in opts.ignore:
@@ -307,63 +263,74 @@ def make_plan(source: Source, opts: Options) -> Plan:
         recipes[name] = layout.recipe_for(name, opts.scale_rule if get_recipe(name).scale_rules else None)
     if opts.scale_rule and not any(r.scale_rules for r in recipes.values()):
         raise QuantcliError(f"--scale-rule {opts.scale_rule}: only MX recipes (mxfp8, mxfp4) take a scale rule")
+    return layout, recipes
 
-    errors: list[str] = []
-    warnings: list[str] = []
-    exclusions: list[Exclusion] = []
-    tensors: list[TensorPlan] = []
-    candidates: list[str] = []  # Linear and expert modules: what the patterns can select
+
+def _owned_tensors(source: Source):
+    """(shard, name, info) of every tensor, in shard order, names sorted within a shard."""
     for shard in source.shards:
         for name, info in sorted(source.headers[shard].tensors.items()):
             if source.weight_map and source.weight_map.get(name) != shard:
                 continue  # a tensor the index assigns elsewhere (duplicate) is not ours to copy
-            plain = TensorPlan(name, shard, info.dtype, info.shape, action="copy",
-                               outputs=(OutSpec(name, info.dtype, info.shape),))
-            is_linear = name.endswith(".weight") and len(info.shape) == 2
-            is_experts = len(info.shape) == 3 and "experts" in name
-            if not (is_linear or is_experts):
-                tensors.append(plain)
-                continue
-            module = module_of(name)
-            candidates.append(module)
-            reason = default_exclusion(module, source.config)
-            if reason is None and math.prod(info.shape) == 0:
-                reason = "empty tensor"  # a 0-size dimension: nothing to quantize, passed through as is
-            if reason is None and any(matches(p, module) for p in opts.ignore):
-                reason = "--ignore"
-            if reason is None and opts.targets and not any(matches(p, module) for p in opts.targets):
-                reason = "not in targets"
-            if reason is None and layout.name == "gpt-oss" and not is_experts:
-                reason = "gpt-oss layout quantizes MoE experts only"
-            if reason is None and DTYPES.get(info.dtype) not in (torch.float32, torch.float16, torch.bfloat16):
-                reason = f"dtype {info.dtype} is not a float weight"
-            recipe = recipes[_choose_recipe(module, opts)] if reason is None else None
-            transpose = bool(is_experts and TRANSPOSED_EXPERTS.search(name))
-            if recipe is not None:
-                shape = (*info.shape[:-2], info.shape[-1], info.shape[-2]) if transpose else info.shape
-                try:
-                    recipe.check(name, shape, DTYPES[info.dtype])
-                    layout.check_shape(name, recipe, shape)
-                except (RecipeError, LayoutError) as exc:
-                    reason = str(exc).split(": ", 1)[1]
-                    warnings.append(f"{name}: left unquantized: {reason}")
-                    recipe = None
-            if recipe is None:
-                if is_linear and is_dense_linear(module):
-                    exclusions.append(Exclusion(module, reason))
-                tensors.append(plain)
-                continue
-            group = fused_group_of(module) if recipe.has_global_scale else None
-            tensors.append(TensorPlan(name, shard, info.dtype, info.shape, recipe.name, module, transpose, group,
-                                      output_specs(layout, module, recipe, shape)))
-    tensors = drop_single_member_groups(tensors)
-    _check_collisions(tensors, errors)
-    if errors:
-        raise QuantcliError(f"{len(errors)} problem(s) in the plan: " + "; ".join(errors))
-    warnings += _unmatched_patterns(opts, candidates)
-    if not any(t.quantized for t in tensors):
-        raise QuantcliError(_nothing_to_quantize(source, layout, exclusions))
-    return Plan(source, layout, opts, tensors, exclusions, warnings, recipes)
+            yield shard, name, info
+
+
+def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout, recipes: dict[str, Recipe],
+                 shard: str, name: str, info) -> None:
+    """Plan one source tensor: a copy, or a quantized module, or an excluded Linear."""
+    plain = TensorPlan(name, shard, info.dtype, info.shape, action="copy",
+                       outputs=(OutSpec(name, info.dtype, info.shape),))
+    is_linear = name.endswith(".weight") and len(info.shape) == 2
+    is_experts = len(info.shape) == 3 and "experts" in name
+    if not (is_linear or is_experts):
+        found.tensors.append(plain)
+        return
+    module = module_of(name)
+    found.candidates.append(module)
+    reason = _exclusion_reason(module, info, is_experts, opts, layout, source.config)
+    transpose = bool(is_experts and TRANSPOSED_EXPERTS.search(name))
+    shape = (*info.shape[:-2], info.shape[-1], info.shape[-2]) if transpose else info.shape
+    recipe = recipes[_choose_recipe(module, opts)] if reason is None else None
+    if recipe is not None:
+        reason = _unfit_reason(recipe, layout, name, shape, info.dtype)
+        if reason is not None:
+            found.warnings.append(f"{name}: left unquantized: {reason}")
+            recipe = None
+    if recipe is None:
+        if is_linear and is_dense_linear(module):
+            found.exclusions.append(Exclusion(module, reason))
+        found.tensors.append(plain)
+        return
+    group = fused_group_of(module) if recipe.has_global_scale else None
+    found.tensors.append(TensorPlan(name, shard, info.dtype, info.shape, recipe.name, module, transpose, group,
+                                    output_specs(layout, module, recipe, shape)))
+
+
+def _exclusion_reason(module: str, info, is_experts: bool, opts: Options, layout: Layout,
+                      config: dict) -> str | None:
+    """Why a Linear or expert module stays unquantized (first reason wins), or None."""
+    reason = default_exclusion(module, config)
+    if reason is None and math.prod(info.shape) == 0:
+        reason = "empty tensor"  # a 0-size dimension: nothing to quantize, passed through as is
+    if reason is None and any(matches(p, module) for p in opts.ignore):
+        reason = "--ignore"
+    if reason is None and opts.targets and not any(matches(p, module) for p in opts.targets):
+        reason = "not in targets"
+    if reason is None and layout.name == "gpt-oss" and not is_experts:
+        reason = "gpt-oss layout quantizes MoE experts only"
+    if reason is None and DTYPES.get(info.dtype) not in (torch.float32, torch.float16, torch.bfloat16):
+        reason = f"dtype {info.dtype} is not a float weight"
+    return reason
+
+
+def _unfit_reason(recipe: Recipe, layout: Layout, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
+    """Why the recipe or the layout cannot take this weight (its shape), or None."""
+    try:
+        recipe.check(name, shape, DTYPES[dtype])
+        layout.check_shape(name, recipe, shape)
+    except (RecipeError, LayoutError) as exc:
+        return str(exc).split(": ", 1)[1]
+    return None
 
 
 def _nothing_to_quantize(source: Source, layout: Layout, exclusions: list[Exclusion]) -> str:

@@ -1,0 +1,100 @@
+"""Conversion options: a TOML recipe file (--config) checked once, merged with the command line
+into plan.Options. The command line wins over the file; --ignore patterns add to the file's."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from .errors import QuantcliError, did_you_mean, pick
+from .kernels.spec import SCALE_RULES
+from .layouts import LAYOUTS
+from .plan import Options
+from .recipes import DENSE_RECIPES, RECIPES
+
+
+def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[str], config: Path | None,
+                       scale_rule: str | None) -> Options:
+    """The options of one conversion, from the command line and the recipe file (if any)."""
+    opts = Options(recipe=recipe or "")
+    if config is not None:
+        data = load_recipe_file(config)
+        opts.recipe = recipe or data.get("recipe", "")
+        opts.layout = data.get("layout")
+        opts.scale_rule = data.get("scale_rule")
+        opts.targets = list(data.get("targets", []))
+        opts.ignore = list(data.get("ignore", []))
+        opts.overrides = [(o["pattern"], o["recipe"]) for o in data.get("override", [])]
+    opts.layout = layout or opts.layout
+    opts.scale_rule = scale_rule or opts.scale_rule
+    opts.ignore += ignore
+    if not opts.recipe:
+        raise QuantcliError(f"--recipe is required (or 'recipe' in --config): {', '.join(RECIPES)}, "
+                            f"or {'/'.join(DENSE_RECIPES)} to dequantize")
+    return opts
+
+
+def load_recipe_file(path: Path) -> dict:
+    """Read a TOML recipe file: recipe, layout, scale_rule, targets, ignore, [[override]]. Every
+    value is checked here, once, so that a wrong type is refused instead of misread (a string
+    `targets` would otherwise be iterated character by character); names come back canonical."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QuantcliError(f"--config {path}: no such file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
+        raise QuantcliError(f"--config {path}: not valid TOML ({exc})") from None
+    return _check_recipe_file(data, f"--config {path}")
+
+
+_TOML_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a float", list: "an array",
+               dict: "a table"}
+
+
+def _toml_type(value: object) -> str:
+    return _TOML_TYPES.get(type(value), "a date/time")
+
+
+def _check_recipe_file(data: dict, where: str) -> dict:
+    known = ("recipe", "layout", "scale_rule", "targets", "ignore", "override")
+    for key in data:
+        if key not in known:
+            raise QuantcliError(f"{where}: unknown key {key!r}{did_you_mean(key, known)} (allowed: {', '.join(known)})")
+
+    def string(key: str, value: object, example: str) -> str:
+        if not isinstance(value, str):
+            raise QuantcliError(f"{where}: {key} is {_toml_type(value)}; expected a string, e.g. {example}")
+        return value
+
+    def strings(key: str, example: str) -> list[str]:
+        value = data[key]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            got = _toml_type(value) if not isinstance(value, list) else "an array holding a non-string"
+            raise QuantcliError(f"{where}: {key} is {got}; expected an array of strings, e.g. {example}")
+        return list(value)
+
+    out: dict = {}
+    names = {"recipe": [*RECIPES, *DENSE_RECIPES], "layout": list(LAYOUTS), "scale_rule": list(SCALE_RULES)}
+    for key, choices in names.items():
+        if key in data:
+            value = string(key, data[key], f'{key} = "{choices[0]}"')
+            out[key] = pick(f"{where}: {key}", key.replace("_", " "), value, choices)
+    for key in ("targets", "ignore"):
+        if key in data:
+            out[key] = strings(key, f'{key} = ["*q_proj"]')
+    if "override" in data:
+        overrides = data["override"]
+        if not isinstance(overrides, list):
+            raise QuantcliError(f"{where}: override is {_toml_type(overrides)}; expected [[override]] tables "
+                                'with pattern = "GLOB" and recipe = "NAME"')
+        out["override"] = []
+        for i, o in enumerate(overrides, 1):
+            label = f"[[override]] #{i}"
+            if not isinstance(o, dict) or set(o) != {"pattern", "recipe"}:
+                raise QuantcliError(f"{where}: {label} needs exactly 'pattern' and 'recipe' "
+                                    f'(got {sorted(o) if isinstance(o, dict) else _toml_type(o)})')
+            pattern = string(f"{label} pattern", o["pattern"], 'pattern = "*mlp*"')
+            recipe = pick(f"{where}: {label} recipe", "recipe",
+                          string(f"{label} recipe", o["recipe"], 'recipe = "fp8"'), list(RECIPES))
+            out["override"].append({"pattern": pattern, "recipe": recipe})
+    return out
