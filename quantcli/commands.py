@@ -2,40 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from .errors import QuantcliError
-
-
-class _Console(Console):
-    def on_broken_pipe(self) -> None:
-        # Rich turns a closed stdout into SystemExit(1), which a pipeline would read as
-        # "verify found a problem"; let main() end it quietly with 141 instead.
-        raise BrokenPipeError
-
-
-def _console(stderr: bool = False) -> Console:
-    # soft_wrap: a line of text (a message, a FAIL line) is never broken, so grep and the "one
-    # line" promise hold in a pipe; tables still fit the width.
-    return _Console(stderr=stderr, highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-
-
-def emit_json(obj: object) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+from .render import console as _console
+from .render import emit_json, human_bytes, render_inspect, render_verify
 
 
 # ---------------------------------------------------------------- convert
@@ -178,18 +153,16 @@ def _print_plan(plan, json_out: bool) -> int:
 
 def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: bool, kv_cache: bool,
                 kv_budget: str | None, json_out: bool) -> int:
-    from .inspect import inspect_checkpoint, kv_cache_account, parse_size, render_inspect
+    from .inspect_report import inspect_checkpoint, kv_cache_account, parse_size
 
     if kv_budget is not None and not kv_cache:
         raise QuantcliError(f"--kv-budget {kv_budget}: only used by the KV-cache account; add --kv-cache")
     budget = parse_size("80GiB" if kv_budget is None else kv_budget)
     report = inspect_checkpoint(path, revision=revision, pattern=tensors, stats=stats)
     if kv_cache:
-        report["kv_cache"] = kv_cache_account(report["config"], budget)
+        report.kv_cache = kv_cache_account(report.config, budget)
     if json_out:
-        report = dict(report)
-        report.pop("config", None)
-        emit_json(report)
+        emit_json(report)  # the config it read is not part of the document
     else:
         render_inspect(report, _console())
     return 0
@@ -200,7 +173,7 @@ def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: 
 
 def run_verify(quant: str, *, reference: str | None, revision: str | None, tensors: str | None, top: int,
                exact: bool, tp: int | None, thresholds: list[str], device: str, json_out: bool) -> int:
-    from .verify import parse_thresholds, render_verify, verify_checkpoint
+    from .verify import parse_thresholds, verify_checkpoint
 
     limits = parse_thresholds(thresholds)
     if exact and reference is None:
@@ -213,4 +186,4 @@ def run_verify(quant: str, *, reference: str | None, revision: str | None, tenso
         emit_json(report)
     else:
         render_verify(report, _console(), top)
-    return 0 if report["passed"] else 1
+    return 0 if report.passed else 1

@@ -1,0 +1,74 @@
+"""`quantcli verify`: decode a quantized checkpoint tensor by tensor and prove it is right.
+
+Structural checks need no reference (structure.py, direction.py). With `--reference`, every
+quantized tensor is compared with the reference (reference.py, compare.py), and fails when its
+error exceeds quantcli's own quantization of the same reference tensor (same recipe, same global
+amax rule) by more than real producers' arithmetic ever does (measured, see limits.py): that
+catches a scale one step off or a scrambled block that an absolute threshold would let through.
+Unquantized tensors must be bit-identical. `--exact` re-quantizes and compares bytes. Each check's
+status comes from the faults filed under it (report.py).
+
+A quantized reference (the source of a re-layout or re-quantization) is decoded module by module
+through its own layout: a module of the same recipe must decode identically, another recipe is
+judged against quantcli's quantization of the decoded reference. A module convert re-quantized
+from a quantized source, checked against the original dense model, may carry both errors (the
+manifest records the second). A checkpoint with no quantized modules is checked for identity
+(unquantized.py).
+"""
+
+from __future__ import annotations
+
+from ..convert import resolve_device
+from ..detect import all_names, config_with_extras, detect
+from ..errors import QuantcliError
+from ..plan import matches
+from ..source import open_source
+from ..tensors import CheckpointTensors
+from .direction import direction_check
+from .limits import Limits, parse_thresholds
+from .reference import reference_checks
+from .report import Findings, VerifyReport, build_report
+from .structure import read_modules, structure_checks
+from .unquantized import verify_unquantized
+
+
+def verify_checkpoint(quant: str, reference: str | None = None, revision: str | None = None,
+                      pattern: str | None = None, exact: bool = False, tp: int | None = None,
+                      limits: Limits | None = None, device: str = "auto") -> VerifyReport:
+    limits = limits or Limits()
+    dev = resolve_device(device)
+    source = open_source(quant)
+    det = detect(source)
+    if det is None or not det.modules:
+        if reference is None:
+            raise QuantcliError(f"{quant}: no quantized modules found (no modelopt, compressed-tensors, fp8 or gpt-oss "
+                                f"layout detected); an unquantized (e.g. dequantized) checkpoint is checked for "
+                                f"identity with the one it came from: pass --reference SRC")
+        if pattern is not None:
+            _require_selection(pattern, source, None)
+        return verify_unquantized(source, reference, revision, pattern, dev)
+    if pattern is not None:
+        _require_selection(pattern, source, det)
+    config = config_with_extras(source, det.extra_files)
+    found = Findings()
+    rows, reference_kind = [], None
+    with CheckpointTensors(source) as qt:
+        modules = structure_checks(source, det, config, qt, pattern, found)
+        decoded_cache = read_modules(det, modules, qt, tp, found, decode=reference is None, dev=dev)
+        direction_check(decoded_cache, qt, det, found)
+        if reference is not None:
+            rows, reference_kind = reference_checks(reference, revision, det, decoded_cache, qt, pattern, exact,
+                                                    limits, dev, found)
+    return build_report(source, det.layout.name, reference, reference_kind, len(modules), found, rows)
+
+
+def _require_selection(pattern: str, source, det) -> None:
+    """A --tensors filter that selects nothing would make every check pass vacuously."""
+    modules = det.modules if det is not None else {}
+    if any(matches(pattern, m) for m in modules) or any(matches(pattern, n) for n in all_names(source)):
+        return
+    raise QuantcliError(f"--tensors {pattern!r}: matches no tensor or module in {source.label}; try a module name "
+                        f"or prefix (model.layers.0), a glob ('*q_proj') or re:REGEX")
+
+
+__all__ = ["Limits", "VerifyReport", "parse_thresholds", "verify_checkpoint"]

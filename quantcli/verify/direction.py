@@ -1,0 +1,93 @@
+"""Whether each global scale is read in the direction its layout stores it.
+
+A global scale read the wrong way round (s2 for 1/s2) scales the whole tensor by 1/s2^2. Block
+scales and codes cannot tell (they were computed relative to s2 either way), and s2 > 1 is
+legitimate (tensor amax > 2688), so no bound on s2 alone can decide. What can: the decoded
+amax 6 * max(block scale) * s2 of one module against the magnitudes of the rest of the checkpoint
+(other modules, dense weights). A module is called inverted when reading its global the other way
+round brings it closer to them by more than INVERSION_EVIDENCE (x100): a correct module with
+s2 < 10 (amax < 26880) can never be flagged; an inverted global of any tensor with amax < 270 is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from ..tensors import CheckpointTensors
+from .report import DIRECTION, Findings
+
+INVERSION_EVIDENCE = math.log(100.0)
+
+
+def _inverted(s2: float, here: float, reference: float, layout_name: str) -> str | None:
+    flipped = here - 2 * math.log(s2)  # the same module with 1/s2
+    if abs(here - reference) - abs(flipped - reference) <= INVERSION_EVIDENCE:
+        return None
+    direction = ("weight_global_scale is a divisor 2688/amax" if layout_name == "compressed-tensors"
+                 else "weight_scale_2 is a multiplier amax/2688")
+    return (f"global scale looks inverted: it decodes to amax {math.exp(here):.4g}, "
+            f"{math.exp(abs(here - reference)):.3g}x off the rest of the checkpoint, and "
+            f"{math.exp(flipped):.4g} read the other way round ({direction})")
+
+
+def direction_faults(decoded_cache: dict, qt: CheckpointTensors, det) -> Iterator[tuple[str, str]]:
+    globals_ = {m: q for m, (r, q) in decoded_cache.items() if q.global_scale is not None}
+    peers = {m: _log_amax(r, q) for m, (r, q) in decoded_cache.items()}
+    dense = _dense_log_amax(qt, det)
+    for module, q in globals_.items():
+        s2 = float(q.global_scale)
+        if not math.isfinite(s2) or s2 <= 0:
+            continue  # already a scale-check fault
+        for reference in (_median([v for m, v in peers.items() if m != module] + dense), _median(dense)):
+            if reference is None:
+                continue
+            fault = _inverted(s2, peers[module], reference, det.layout.name)
+            if fault is not None:
+                yield module, fault
+                break
+
+
+def direction_check(decoded_cache: dict, qt: CheckpointTensors, det, found: Findings) -> None:
+    """Runs (and is listed) only where a module has a global scale."""
+    if any(q.global_scale is not None for _, q in decoded_cache.values()):
+        found.record(DIRECTION, direction_faults(decoded_cache, qt, det))
+
+
+def _log_amax(recipe, q) -> float:
+    """log of the module's decoded amax, from its scales alone (within a factor ~2 of the true one)."""
+    elem_max = 6.0 if recipe.element_bits == 4 else 448.0
+    if recipe.scale_encoding == "e8m0_bias127":
+        scale = 2.0 ** (int(q.scale.max()) - 127)
+    elif recipe.scale_encoding == "e4m3fn":
+        scale = float(q.scale.view(torch.float8_e4m3fn).to(torch.float32).max())
+    else:
+        scale = float(q.scale.to(torch.float32).max())
+    g = float(q.global_scale) if q.global_scale is not None else 1.0
+    value = elem_max * scale * g
+    return math.log(value) if value > 0 and math.isfinite(value) else 0.0
+
+
+def _dense_log_amax(qt: CheckpointTensors, det, limit: int = 4) -> list[float]:
+    """log amax of a few dense 2-D float weights (not norms), smallest first: the model's own scale."""
+    quantized = set()
+    for module, recipe in det.modules.items():
+        quantized.update(d.name for d in det.layout.describe(module, det.layout.recipe_for(recipe)))
+    names = [n for n in qt.where if n not in quantized and n.endswith(".weight") and "norm" not in n
+             and qt.info(n).dtype in ("F32", "BF16", "F16") and len(qt.info(n).shape) == 2]
+    out = []
+    for name in sorted(names, key=lambda n: qt.info(n).nbytes)[:limit]:
+        amax = float(qt.get(name).abs().max())
+        qt.release(name)
+        if amax > 0 and math.isfinite(amax):
+            out.append(math.log(amax))
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2

@@ -1,0 +1,229 @@
+"""The --reference checkpoint, and the checks that compare a quantized checkpoint with it."""
+
+from __future__ import annotations
+
+import torch
+
+from ..decode import decode_module
+from ..detect import detect
+from ..errors import QuantcliError
+from ..kernels import tensor_amax
+from ..plan import TRANSPOSED_EXPERTS, fused_group_of, matches
+from ..recipes import RECIPES
+from ..source import open_source
+from ..tensors import CheckpointTensors
+from .compare import IDENTICAL, compare, compare_identical, exact_match, requantized_prior
+from .limits import Limits
+from .report import REF_ERROR, REF_IDENTICAL, REF_MODULES, REF_PRESENT, REF_SAME, FINITE, Findings, TensorRow
+from .structure import finite_check, scale_rule_of
+
+
+def source_name(module: str, rt: CheckpointTensors) -> str | None:
+    for name in (f"{module}.weight", module):
+        if name in rt:
+            return name
+    return None
+
+
+class Reference:
+    """The --reference checkpoint. Dense weights are read as stored; when the reference is itself
+    quantized (the source of a re-layout, re-quantization or dequantization), each of its modules
+    is read through its own layout (detected as inspect and convert do) and decoded, so
+    comparisons are against the values it stands for, never its packed codes."""
+
+    def __init__(self, label: str, source, rt: CheckpointTensors, dev):
+        self.label, self.source, self.rt, self.dev = label, source, rt, dev
+        found = detect(source)
+        self.det = found if found is not None and found.modules else None
+        manifest = self.det.manifest if self.det is not None else None
+        self.rules = {m.module: m.scale_rule for m in manifest.modules} if manifest else {}
+
+    @property
+    def kind(self) -> str:
+        return f"quantized ({self.det.layout.name})" if self.det is not None else "dense"
+
+    def recipe_name(self, module: str) -> str | None:
+        return self.det.modules.get(module) if self.det is not None else None
+
+    def recipe(self, module: str):
+        layout = self.det.layout
+        return layout.recipe_for(self.det.modules[module], scale_rule_of(self.rules.get(module)))
+
+    def names(self, module: str) -> list[str]:
+        """The reference's stored tensors of a quantized module."""
+        return [d.name for d in self.det.layout.describe(module, self.recipe(module))]
+
+    def read(self, module: str):
+        """The quantized module in canonical form (QuantizedTensor); QuantcliError when unreadable."""
+        try:
+            return self.det.layout.from_disk(module, self.recipe(module), self.rt.get, self.rt.where)
+        except (KeyError, RuntimeError, ValueError) as exc:  # a missing or misshapen tensor of the reference
+            raise QuantcliError(f"{self.label}: reference module {module} cannot be read back "
+                                f"({self.det.layout.name} {self.det.modules[module]}): {exc}") from None
+
+    def decoded(self, module: str, q=None) -> torch.Tensor:
+        """The reference module's FP32 weight in its logical [..., N, K] orientation, on the CPU."""
+        q = self.read(module) if q is None else q
+        return decode_module(self.det.layout, module, self.recipe(module), q, device=self.dev).cpu()
+
+    def release(self, module: str) -> None:
+        for name in self.names(module):
+            if name in self.rt:
+                self.rt.release(name)
+
+    def weight(self, module: str, transpose_hint: bool | None) -> tuple[torch.Tensor, bool] | None:
+        """(reference weight of `module` as FP32, whether the checkpoint's decode must be transposed
+        to match it), or None when the reference has no such module."""
+        if self.recipe_name(module) is not None:
+            return self.decoded(module), False  # both sides in the quantized [..., N, K] orientation
+        name = source_name(module, self.rt)
+        if name is None:
+            return None
+        transpose = transpose_hint if transpose_hint is not None else bool(TRANSPOSED_EXPERTS.search(name))
+        w = self.rt.get(name).to(torch.float32)
+        self.rt.release(name)  # memory tracks the tensor in flight, not the model
+        return w, transpose
+
+
+def reference_group_amax(decoded_cache: dict, ref: Reference, entries: dict, dev) -> dict:
+    """Fused group -> amax of the reference weights of its members (dense or decoded), for the
+    recipes with a global scale that the yardstick quantizes with (the module's own, or the source
+    recipe of a re-quantized module)."""
+    out: dict[str, torch.Tensor] = {}
+    for module, (recipe, _) in decoded_cache.items():
+        group = fused_group_of(module)
+        prior = requantized_prior(entries.get(module))
+        uses_global = recipe.has_global_scale or (prior is not None and prior[0] in RECIPES
+                                                  and RECIPES[prior[0]].has_global_scale)
+        if group is None or not uses_global or ref.recipe_name(module) == recipe.name:
+            continue
+        try:
+            got = ref.weight(module, None)
+        except QuantcliError:
+            continue  # reported when the module itself is compared
+        if got is None:
+            continue
+        amax = tensor_amax(got[0].to(dev), name=f"{ref.label}: {module}").cpu()
+        if ref.recipe_name(module) is not None:
+            ref.release(module)
+        out[group] = amax if group not in out else torch.maximum(out[group], amax)
+    # A "group" with one member behaves like a plain tensor: its own amax, as convert does.
+    return out
+
+
+class _Comparison:
+    """What every module's comparison against the reference shares."""
+
+    def __init__(self, det, ref: Reference, qt: CheckpointTensors, exact: bool, limits: Limits, dev, found: Findings):
+        self.layout, self.ref, self.qt, self.exact, self.limits, self.dev, self.found = (
+            det.layout, ref, qt, exact, limits, dev, found)
+        self.entries = {m.module: m for m in det.manifest.modules} if det.manifest else {}
+        self.group_amax: dict = {}
+
+    def consumed_names(self, module: str, recipe) -> list[str]:
+        """Names of both sides' tensors that this module's comparison accounts for."""
+        names = [d.name for d in self.layout.describe(module, recipe)]
+        if self.ref.recipe_name(module) is not None:
+            return names + self.ref.names(module)
+        name = source_name(module, self.ref.rt)
+        return names + ([name] if name else [])
+
+    def reference_weight(self, module: str) -> tuple[torch.Tensor, bool] | None:
+        entry = self.entries.get(module)
+        try:
+            got = self.ref.weight(module, entry.transposed_from_source if entry else None)
+        except QuantcliError as exc:
+            self.found.fault(REF_MODULES, module, str(exc))
+            return None
+        if got is None:
+            self.found.fault(REF_MODULES, module, "the reference has no tensor for this module: a different model?")
+        return got
+
+    def row(self, module: str, recipe, q) -> TensorRow | None:
+        got = self.reference_weight(module)
+        if got is None:
+            return None
+        w, transpose = got
+        decoded = decode_module(self.layout, module, recipe, q, transpose=transpose, device=self.dev).cpu()
+        if tuple(decoded.shape) != tuple(w.shape):
+            self.found.fault(REF_MODULES, module, f"decodes to {list(decoded.shape)} but the reference is "
+                                                  f"{list(w.shape)}: a different model or a transposed tensor")
+            return None
+        if not finite_check(module, decoded, self.found):
+            return None
+        if self.ref.recipe_name(module) == recipe.name:  # a re-layout: the same values, or corrupt
+            row, reasons = compare_identical(module, recipe, decoded, w, q, self.ref.read(module), self.ref.kind,
+                                             self.limits)
+            check = REF_SAME
+        else:
+            row, reasons = self._against_yardstick(module, recipe, q, decoded, w, transpose)
+            check = REF_ERROR
+        for r in reasons:
+            self.found.fault(check, module, r)
+        return row
+
+    def _against_yardstick(self, module, recipe, q, decoded, w, transpose) -> tuple[TensorRow, list[str]]:
+        entry = self.entries.get(module)
+        prior = requantized_prior(entry) if self.ref.det is None or self.ref.recipe_name(module) is None else None
+        row, ours, reasons = compare(module, recipe, self.layout, decoded, w, transpose, self.group_amax, self.limits,
+                                     self.dev, prior)
+        if self.exact:
+            wq = w.to(self.dev).transpose(-1, -2) if transpose else w.to(self.dev)
+            match = exact_match(self.layout, module, recipe, wq, ours.to("cpu"), q, self.qt)
+            row.exact_identical_fraction = match["exact_identical_fraction"]
+            if "scale_rule_matches" in match:
+                row.scale_rule_matches = match["scale_rule_matches"]
+        return row, reasons
+
+
+def reference_checks(reference: str, revision: str | None, det, decoded_cache: dict, qt: CheckpointTensors,
+                     pattern: str | None, exact: bool, limits: Limits, dev, found: Findings
+                     ) -> tuple[list[TensorRow], str]:
+    """Every read-back module against the reference, then the tensors neither side quantizes."""
+    rows = []
+    ref_source = open_source(reference, revision)
+    with CheckpointTensors(ref_source) as rt:
+        ref = Reference(reference, ref_source, rt, dev)
+        job = _Comparison(det, ref, qt, exact, limits, dev, found)
+        job.group_amax = reference_group_amax(decoded_cache, ref, job.entries, dev)
+        consumed = set()
+        for module, (recipe, q) in decoded_cache.items():
+            consumed.update(job.consumed_names(module, recipe))
+            row = job.row(module, recipe, q)
+            if row is None:
+                continue
+            rows.append(row)
+            if ref.recipe_name(module) is not None:
+                ref.release(module)
+            for d in det.layout.describe(module, recipe):
+                qt.release(d.name)
+        found.ran(REF_MODULES)
+        found.ran(FINITE)
+        if any(r.limit_basis == IDENTICAL for r in rows):
+            found.ran(REF_SAME)
+        if any(r.limit_basis != IDENTICAL for r in rows) or not rows:
+            found.ran(REF_ERROR)
+        _unquantized_identical(rt, qt, consumed, pattern, det.modules, found)
+    return rows, ref.kind
+
+
+def _unquantized_identical(rt: CheckpointTensors, qt: CheckpointTensors, consumed: set, pattern: str | None,
+                           quantized: dict, found: Findings) -> None:
+    """Tensors neither side quantizes: present and bit-identical."""
+    for name in sorted(rt.where):
+        if name in consumed or (pattern and not matches(pattern, name)):
+            continue
+        if name not in qt:
+            if not any(name.startswith(mod) for mod in quantized):
+                found.fault(REF_PRESENT, name, "missing from the quantized checkpoint (dropped)")
+            continue
+        ri, qi = rt.info(name), qt.info(name)
+        if ri.dtype != qi.dtype or ri.shape != qi.shape:
+            found.fault(REF_IDENTICAL, name, f"changed from {ri.dtype}{list(ri.shape)} to {qi.dtype}"
+                                             f"{list(qi.shape)} (a lossy cast or a different model)")
+        elif rt.raw(name) != qt.raw(name):
+            found.fault(REF_IDENTICAL, name, "unquantized tensor differs from the reference (not bit-identical)")
+        rt.release(name)
+        qt.release(name)
+    found.ran(REF_PRESENT)
+    found.ran(REF_IDENTICAL)

@@ -1,0 +1,184 @@
+"""Checks that need no reference: manifest, config, servability, tensor dtypes and shapes, fused
+global scales, coverage, and, per module read back, scales, TP split and finiteness. Each check
+is a function that returns its (tensor, fault) findings; the caller files them (Findings.record)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+
+import torch
+
+from ..analysis import ModuleDescription, describe_module, exclusion_list, fused_mismatches, is_excluded, linear_modules
+from ..decode import decode_module
+from ..detect import all_names
+from ..errors import QuantcliError
+from ..layouts import layouts_for
+from ..plan import matches
+from ..tensors import CheckpointTensors
+from .report import (CONFIG, COVERAGE, FINITE, FUSED, MANIFEST, SCALES, SERVABLE, TENSORS, TP, Findings)
+
+ROW_PARALLEL = re.compile(r"(o_proj|down_proj|w2|dense|out_proj|fc2|wo)$")
+Finding = tuple[str, str]  # (tensor or module, what is wrong)
+
+
+def scale_rule_of(rule: str | None) -> str | None:
+    """A manifest's recorded MX scale rule, if it is one quantcli knows."""
+    return rule if rule in ("floor", "even", "rceil") else None
+
+
+def config_problems(layout_name: str, config: dict, extras: dict) -> list[str]:
+    qc = config.get("quantization_config") or {}
+    problems = []
+    if layout_name == "modelopt":
+        section = (extras.get("hf_quant_config.json") or {}).get("quantization") or qc
+        for key in ("quant_algo", "exclude_modules" if "quantization" in (extras.get("hf_quant_config.json") or {})
+                    else "ignore"):
+            if not section.get(key):
+                problems.append(f"modelopt config lacks a non-empty {key!r} (vLLM/SGLang need it)")
+        if "NVFP4" in str(section.get("quant_algo", "")).upper():
+            if "group_size" not in section:
+                problems.append("modelopt NVFP4 config lacks 'group_size' (vLLM requires it)")
+            if "kv_cache_quant_algo" not in section and "kv_cache_scheme" not in section:
+                problems.append("modelopt NVFP4 config lacks 'kv_cache_quant_algo' (vLLM requires the key)")
+    elif layout_name == "compressed-tensors":
+        for key in ("config_groups", "format"):
+            if not qc.get(key):
+                problems.append(f"compressed-tensors quantization_config lacks {key!r}")
+    elif layout_name == "fp8":
+        if qc.get("quant_method") == "fp8" and qc.get("activation_scheme") not in ("static", "dynamic"):
+            problems.append("fp8 quantization_config lacks 'activation_scheme' (vLLM requires it)")
+    return problems
+
+
+def manifest_faults(source, det) -> Iterator[Finding]:
+    for p in det.manifest.check_headers(source.headers):
+        yield p.split(":")[0], "manifest/header mismatch: " + p.split(": ", 1)[1]
+
+
+def servable_faults(det) -> Iterator[Finding]:
+    layout = det.layout
+    for recipe_name in sorted(set(det.modules.values()) & set(layout.unservable)):
+        users = sorted(m for m, r in det.modules.items() if r == recipe_name)
+        yield (users[0] if len(users) == 1 else f"{len(users)} modules ({users[0]}, ...)",
+               f"{recipe_name} in the {layout.name} layout: no serving engine loads that (recipe, layout) pair; "
+               f"layouts that do: {', '.join(layouts_for(recipe_name))}; re-layout losslessly with "
+               f"`quantcli convert SRC DST --recipe {recipe_name} --layout {layouts_for(recipe_name)[0]}`")
+
+
+def describe_selected(det, qt: CheckpointTensors, pattern: str | None) -> dict[str, ModuleDescription]:
+    return {module: describe_module(det.layout, module, recipe_name, qt)
+            for module, recipe_name in sorted(det.modules.items()) if not pattern or matches(pattern, module)}
+
+
+def tensor_faults(modules: dict[str, ModuleDescription]) -> Iterator[Finding]:
+    for module, desc in modules.items():
+        for p in desc.problems:
+            yield module, p
+
+
+def fused_faults(modules: dict[str, ModuleDescription]) -> Iterator[Finding]:
+    for f in fused_mismatches(list(modules.values())):
+        yield f.group, f"fused group has different global scales {f.global_scales}; engines need one"
+
+
+def coverage_faults(source, det, config: dict, qt: CheckpointTensors) -> Iterator[Finding]:
+    excluded = exclusion_list(config)
+    for module in linear_modules(all_names(source), qt):
+        if module not in det.modules and not is_excluded(module, excluded):
+            yield module, "Linear is neither quantized nor in the exclusion list"
+
+
+def structure_checks(source, det, config: dict, qt: CheckpointTensors, pattern: str | None,
+                     found: Findings) -> dict[str, ModuleDescription]:
+    """Manifest, config, servability, tensor dtypes/shapes, fused globals, coverage; returns the
+    described modules (those `pattern` selects)."""
+    if det.manifest is not None:
+        found.record(MANIFEST, manifest_faults(source, det))
+    found.record(CONFIG, (("config.json", p) for p in config_problems(det.layout.name, source.config,
+                                                                      det.extra_files)))
+    found.record(SERVABLE, servable_faults(det))
+    modules = describe_selected(det, qt, pattern)
+    found.record(TENSORS, tensor_faults(modules))
+    found.record(FUSED, fused_faults(modules))
+    found.record(COVERAGE, coverage_faults(source, det, config, qt))
+    return modules
+
+
+def scale_faults(module: str, recipe, q) -> Iterator[Finding]:
+    if recipe.scale_encoding == "f32":
+        s = q.scale.to(torch.float32)
+        if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+            yield module, "block scales are not all finite and positive"
+    elif recipe.scale_encoding == "e8m0_bias127":
+        if bool((q.scale == 255).any()):
+            yield module, "E8M0 scale byte 255 (NaN) present"
+    else:
+        b = q.scale.view(torch.uint8)
+        if bool(((b & 0x7F) == 0x7F).any()) or bool((b & 0x80).any()):
+            yield module, "E4M3 block scales hold NaN or negative values"
+    if q.global_scale is not None:
+        g = float(q.global_scale)
+        if not math.isfinite(g) or g <= 0:
+            yield module, f"global scale {g} is not finite and positive"
+
+
+def tp_faults(module: str, recipe, shape, tp: int) -> Iterator[Finding]:
+    n, k = shape[-2], shape[-1]
+    if ROW_PARALLEL.search(module):
+        dim, size, block = "input dim K", k, recipe.block[1] or k
+    else:
+        dim, size, block = "output dim N", n, recipe.block[0] if recipe.block[0] > 1 else 1
+    if size % tp or (size // tp) % block:
+        yield module, (f"{dim}={size} does not split into whole {block}-blocks across --tp {tp} ranks "
+                       f"({size}/{tp} = {size / tp:g}); vLLM and SGLang refuse to load it at TP={tp}")
+
+
+def finite_faults(module: str, decoded: torch.Tensor) -> list[Finding]:
+    bad = int((~torch.isfinite(decoded)).sum())
+    if not bad:
+        return []
+    return [(module, f"decodes to {bad} non-finite value(s) (a block scale times its codes overflows "
+                     f"FP32): the checkpoint is corrupt; re-quantize it from the source weights")]
+
+
+def finite_check(module: str, decoded: torch.Tensor, found: Findings) -> bool:
+    """File the module's non-finite values under FINITE; whether it decoded to finite values only."""
+    faults = finite_faults(module, decoded)
+    for tensor, what in faults:
+        found.fault(FINITE, tensor, what)
+    return not faults
+
+
+def read_modules(det, modules: dict[str, ModuleDescription], qt: CheckpointTensors, tp: int | None,
+                 found: Findings, *, decode: bool, dev) -> dict:
+    """Read each well-formed module back; scale checks, TP split, and (without a reference, which
+    decodes them anyway) the finiteness of the decoded weights. Returns module -> (recipe, q)."""
+    layout = det.layout
+    rules = {m.module: m.scale_rule for m in det.manifest.modules} if det.manifest else {}
+    out: dict[str, tuple] = {}
+    for module, desc in modules.items():
+        if desc.problems:
+            continue
+        recipe = layout.recipe_for(desc.recipe, scale_rule_of(rules.get(module)))
+        try:
+            q = layout.from_disk(module, recipe, qt.get, qt.where)
+        except QuantcliError as exc:  # a malformed module is a finding; anything else is a bug
+            found.fault(TENSORS, module, f"cannot be read back: {exc}")
+            continue
+        for tensor, what in scale_faults(module, recipe, q):
+            found.fault(SCALES, tensor, what)
+        for tensor, what in (tp_faults(module, recipe, q.shape, tp) if tp else ()):
+            found.fault(TP.format(tp=tp), tensor, what)
+        if decode:
+            finite_check(module, decode_module(layout, module, recipe, q, device=dev), found)
+            for d in layout.describe(module, recipe):
+                qt.release(d.name)
+        out[module] = (recipe, q)
+    found.ran(SCALES)
+    if decode:
+        found.ran(FINITE)
+    if tp:
+        found.ran(TP.format(tp=tp))
+    return out
