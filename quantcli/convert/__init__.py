@@ -25,8 +25,6 @@ from .progress import PROGRESS_NAME, fingerprint
 from .records import ConvertResult, Findings, RunOptions, ShardResult
 from .shard import convert_shard
 
-Converter = ConversionJob  # the 0.1 name (commands.run_convert until it calls convert())
-
 __all__ = ["LOCK_NAME", "PROGRESS_NAME", "ConversionJob", "ConvertResult", "FilesystemError", "Findings",
            "RunOptions", "ShardResult", "StagingLock", "check_destination", "check_run_options", "convert",
            "convert_shard", "fingerprint", "learn_facts", "resolve_device", "staging_dir"]
