@@ -9,10 +9,11 @@ import math
 from dataclasses import dataclass
 
 from .layouts import LAYOUTS, Layout
+from .layouts.base import BLOCKS16
+from .recipes import RECIPES
+from .safetensors_io import dtype_name
 from .manifest import MANIFEST_NAME, Manifest
 from .source import Source, load_config
-
-MODULE_SUFFIXES = (".weight_packed", ".weight", "_blocks")
 
 
 @dataclass
@@ -63,18 +64,7 @@ def config_with_extras(source: Source, extras: dict[str, dict]) -> dict:
 def quantized_modules(source: Source, layout: Layout, manifest: Manifest | None, extras: dict[str, dict]) -> dict[str, str]:
     if manifest is not None:
         return {m.module: m.recipe for m in manifest.modules}
-    names = all_names(source)
-    config = config_with_extras(source, extras)
-    out = {}
-    for name in names:
-        for suffix in MODULE_SUFFIXES:
-            if name.endswith(suffix):
-                module = name[: -len(suffix)]
-                recipe = layout.module_recipe(module, names, config)
-                if recipe:
-                    out[module] = recipe
-                break
-    return out
+    return layout.quantized_modules(all_names(source), config_with_extras(source, extras))
 
 
 def detect(source: Source) -> Detected | None:
@@ -108,16 +98,15 @@ def stored_as_expected(expected_dtype: str, expected_shape: tuple[int, ...], dty
 
 def disk_problems(layout: Layout, module: str, recipe, logical_shape: tuple[int, ...], tensors) -> list[str]:
     """Stored tensors of `module` whose dtype or shape the layout cannot read as `recipe`."""
-    from .plan import output_specs
-
     problems = []
-    for spec in output_specs(layout, module, recipe, logical_shape):
-        if spec.name in tensors:
-            info = tensors.info(spec.name)
-            if not stored_as_expected(spec.dtype, tuple(spec.shape), info.dtype, tuple(info.shape)):
-                floats = " (or BF16/F16)" if spec.dtype == "F32" else ""
-                problems.append(f"{spec.name} is {info.dtype}{list(info.shape)}, {layout.name} {recipe.name} "
-                                f"expects {spec.dtype}{floats}{list(spec.shape)}")
+    for name, dtype, shape in layout.output_specs(module, recipe, logical_shape):
+        if name in tensors:
+            info = tensors.info(name)
+            expected = dtype_name(dtype)
+            if not stored_as_expected(expected, shape, info.dtype, tuple(info.shape)):
+                floats = " (or BF16/F16)" if expected == "F32" else ""
+                problems.append(f"{name} is {info.dtype}{list(info.shape)}, {layout.name} {recipe.name} "
+                                f"expects {expected}{floats}{list(shape)}")
     return problems
 
 
@@ -126,17 +115,17 @@ def recipes_the_tensors_allow(module: str, tensors) -> set[str]:
 
     Shapes alone can be ambiguous (a [1, 32] fp8-channel weight has a [1, 1] scale, like fp8 and
     fp8-block), so this returns a set: the config's recipe wins whenever it is in it."""
-    codes_name = next((n for n in (f"{module}.weight_packed", f"{module}.weight", f"{module}_blocks")
-                       if n in tensors), None)
-    scale_name = next((n for n in (f"{module}.weight_scale", f"{module}.weight_scale_inv", f"{module}_scales")
-                       if n in tensors), None)
-    if codes_name is None or scale_name is None:
+    codes_row = next((r for r in _rows_of("codes") if f"{module}{r.suffix}" in tensors), None)
+    scale_row = next((r for r in _rows_of("block_scale") if f"{module}{r.suffix}" in tensors), None)
+    if codes_row is None or scale_row is None:
         return set()
-    codes, scale = tensors.info(codes_name), tensors.info(scale_name)
+    codes, scale = tensors.info(f"{module}{codes_row.suffix}"), tensors.info(f"{module}{scale_row.suffix}")
     if codes.dtype == "U8":  # FP4 pairs: the group size tells NVFP4 (16) from MXFP4 (32)
-        k = codes.shape[-2] * 32 if codes_name.endswith("_blocks") else codes.shape[-1] * 2
+        k = codes.shape[-2] * 32 if codes_row.reshape == BLOCKS16 else codes.shape[-1] * 2
         group = k // max(1, scale.shape[-1]) if scale.shape else 0
         return {16: {"nvfp4"}, 32: {"mxfp4"}}.get(group, set())
+    if codes.dtype == "I8" and len(codes.shape) >= 2:
+        return {r for r in RECIPES if RECIPES[r].element.safetensors_dtype == "I8"}
     if codes.dtype != "F8_E4M3" or len(codes.shape) < 2:
         return set()
     if scale.dtype == "U8":
@@ -149,9 +138,29 @@ def recipes_the_tensors_allow(module: str, tensors) -> set[str]:
     if s in ((n,), (n, 1)):
         out.add("fp8-channel")
     nb, kb = -(-n // 128), -(-k // 128)
-    if s in ((nb, kb), (nb, 1, kb, 1)) or scale_name.endswith("_inv"):
+    if s in ((nb, kb), (nb, 1, kb, 1)) or _only_f32_recipe_named(scale_row.suffix) == "fp8-block":
         out.add("fp8-block")
     return out
+
+
+def _rows_of(role: str) -> list:
+    """Every layout's rows of `role`, one per suffix (the union over all layout tables)."""
+    rows = {}
+    for layout in LAYOUTS.values():
+        for table in layout.tables.values():
+            for row in table:
+                if row.role == role:
+                    rows.setdefault(row.suffix, row)
+    return list(rows.values())
+
+
+def _only_f32_recipe_named(scale_suffix: str) -> str | None:
+    """The one FP32-scaled recipe any layout stores under `scale_suffix` (fp8 `weight_scale_inv`
+    is fp8-block's alone), or None when several share the name."""
+    found = {r for layout in LAYOUTS.values() for r, table in layout.tables.items()
+             if any(row.suffix == scale_suffix and row.role == "block_scale" for row in table)
+             and RECIPES[r].scale_encoding == "f32"}
+    return found.pop() if len(found) == 1 else None
 
 
 def tensors_look_like(module: str, recipe: str, tensors) -> str | None:

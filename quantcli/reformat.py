@@ -15,9 +15,9 @@ import shlex
 
 import torch
 
-from .detect import Detected, all_names, config_with_extras, detect, scale_faults
+from .analysis import describe_module
+from .detect import Detected, all_names, detect, scale_faults
 from .errors import CheckpointError, LayoutError, QuantcliError, RecipeError
-from .inspect import describe_module
 from .layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for
 from .plan import (Exclusion, Options, Plan, TensorPlan, fused_group_of, is_dense_linear, make_plan,
                    drop_single_member_groups, output_specs)
@@ -27,9 +27,6 @@ from .source import Source
 from .tensors import CheckpointTensors
 
 DENSE_DTYPES = {"bf16": ("BF16", torch.bfloat16), "fp16": ("F16", torch.float16), "fp32": ("F32", torch.float32)}
-# Layouts whose codes tensor is `<module>.weight[_packed]`; the others (gpt-oss) name the stack
-# itself, stored [E, in, out] when dense.
-LINEAR_CODES_SUFFIXES = (".weight", ".weight_packed")
 
 
 def detect_quantized(source: Source) -> Detected | None:
@@ -59,60 +56,81 @@ def refuse_corrupt_scales(source: Source, layout: Layout, module: str, recipe: s
                               f"`quantcli verify {source.label}` to list every fault")
 
 
+def _target(opts: Options) -> tuple[Layout | None, object]:
+    """The layout and recipe to write (None, None for a dequantize to a plain dtype)."""
+    if opts.recipe in DENSE_RECIPES:
+        if opts.layout:
+            raise QuantcliError(f"--layout {opts.layout}: --recipe {opts.recipe} writes a plain checkpoint; "
+                                f"drop --layout")
+        return None, None
+    get_recipe(opts.recipe)  # unknown names fail here with the list
+    layout = get_layout(opts.layout or DEFAULT_LAYOUT[opts.recipe])
+    layout.require(opts.recipe, layouts_for(opts.recipe))
+    return layout, layout.recipe_for(opts.recipe, opts.scale_rule)
+
+
+def _module_plan(det: Detected, module: str, src_recipe: str, ct: CheckpointTensors, names: dict,
+                 opts: Options, layout: Layout | None, recipe, widened: set[str]) -> tuple[TensorPlan | None, list[str]]:
+    """The plan of one quantized source module (or the problems that stop it) and its disk names."""
+    src_layout = det.layout
+    desc = describe_module(src_layout, module, src_recipe, ct)
+    disk = [d.name for d in src_layout.describe(module, src_layout.recipe_for(src_recipe))]
+    if desc.problems:
+        return None, [f"{module}: {p}" for p in desc.problems]
+    codes = disk[0]
+    shape = tuple(desc.logical_shape)
+    base = dict(name=codes, shard=names[codes], dtype=ct.info(codes).dtype, shape=shape, module=module,
+                source_recipe=src_recipe, source_bytes=sum(ct.info(n).nbytes for n in disk))
+    if recipe is None:
+        out_name, transposed = src_layout.dense_name(module)
+        out_shape = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
+        return TensorPlan(**base, transpose=transposed, action="dequantize",
+                          outputs=(OutSpec(out_name, DENSE_DTYPES[opts.recipe][0], out_shape),)), []
+    try:
+        recipe.check(module, shape, torch.float32)
+        layout.check_shape(module, recipe, shape)
+    except (RecipeError, LayoutError) as exc:
+        return None, [str(exc)]
+    action = "relayout" if src_recipe == recipe.name else "requantize"
+    if action == "relayout":
+        widened.update(e.dtype for e in desc.tensors if e.role != "codes" and e.dtype in ("BF16", "F16"))
+    group = fused_group_of(module) if recipe.has_global_scale and action == "requantize" else None
+    return TensorPlan(**base, recipe=recipe.name, fused_group=group, action=action,
+                      outputs=output_specs(layout, module, recipe, shape)), []
+
+
+def _warnings(src_layout: Layout, opts: Options, source: Source, tensors: list[TensorPlan], widened: set[str]) -> list[str]:
+    warnings = []
+    if widened:
+        warnings.append(f"{src_layout.name} scales stored as {'/'.join(sorted(widened))} are written as F32, "
+                        f"which consumers expect: every {'/'.join(sorted(widened))} value is exactly an F32 value, "
+                        f"so the re-layout stays lossless")
+    if any(t.action == "requantize" for t in tensors):
+        warnings.append(f"re-quantizing {src_layout.name} weights to {opts.recipe}: the errors of both "
+                        f"quantizations add up; check the result with `quantcli verify DST --reference "
+                        f"{shlex.quote(source.label)}` (against this quantized source)")
+    return warnings
+
+
 def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
     if opts.overrides or opts.targets or opts.ignore:
         raise QuantcliError(f"{source.label}: is already quantized ({det.layout.name}); --ignore, targets and "
                             f"overrides apply to unquantized sources (modules dense in the source stay dense)")
-    dense = opts.recipe in DENSE_RECIPES
-    layout = recipe = None
-    if not dense:
-        get_recipe(opts.recipe)  # unknown names fail here with the list
-        layout = get_layout(opts.layout or DEFAULT_LAYOUT[opts.recipe])
-        layout.require(opts.recipe, layouts_for(opts.recipe))
-        recipe = layout.recipe_for(opts.recipe, opts.scale_rule)
-    elif opts.layout:
-        raise QuantcliError(f"--layout {opts.layout}: --recipe {opts.recipe} writes a plain checkpoint; drop --layout")
-    src_layout = det.layout
+    layout, recipe = _target(opts)
     names = all_names(source)
-    config = config_with_extras(source, det.extra_files)
     errors: list[str] = []
     tensors: list[TensorPlan] = []
     consumed: set[str] = set()
     widened: set[str] = set()  # float scale dtypes of the source written as F32
+    exclusions = []
     with CheckpointTensors(source) as ct:
         for module, src_recipe in sorted(det.modules.items()):
-            refuse_corrupt_scales(source, src_layout, module, src_recipe, ct)
-            desc = describe_module(src_layout, module, src_recipe, ct, config)
-            if desc["problems"]:
-                errors.extend(f"{module}: {p}" for p in desc["problems"])
-                continue
-            disk = [d.name for d in src_layout.describe(module, src_layout.recipe_for(src_recipe))]
-            consumed.update(disk)
-            codes = disk[0]
-            shape = tuple(desc["logical_shape"])
-            base = dict(name=codes, shard=names[codes], dtype=ct.info(codes).dtype, shape=shape, module=module,
-                        source_recipe=src_recipe, source_bytes=sum(ct.info(n).nbytes for n in disk))
-            if dense:
-                stack = not codes.endswith(LINEAR_CODES_SUFFIXES)  # gpt-oss: dense stacks are [E, in, out]
-                out_name = module if stack else f"{module}.weight"
-                out_shape = (*shape[:-2], shape[-1], shape[-2]) if stack else shape
-                tensors.append(TensorPlan(**base, transpose=stack, action="dequantize",
-                                          outputs=(OutSpec(out_name, DENSE_DTYPES[opts.recipe][0], out_shape),)))
-                continue
-            try:
-                recipe.check(module, shape, torch.float32)
-                layout.check_shape(module, recipe, shape)
-            except (RecipeError, LayoutError) as exc:
-                errors.append(str(exc))
-                continue
-            action = "relayout" if src_recipe == recipe.name else "requantize"
-            if action == "relayout":
-                widened.update(e["dtype"] for e in desc["tensors"]
-                               if e["role"] != "codes" and e["dtype"] in ("BF16", "F16"))
-            group = fused_group_of(module) if recipe.has_global_scale and action == "requantize" else None
-            tensors.append(TensorPlan(**base, recipe=recipe.name, fused_group=group, action=action,
-                                      outputs=output_specs(layout, module, recipe, shape)))
-        exclusions = []
+            refuse_corrupt_scales(source, det.layout, module, src_recipe, ct)
+            plan, problems = _module_plan(det, module, src_recipe, ct, names, opts, layout, recipe, widened)
+            errors.extend(problems)
+            if plan is not None:
+                tensors.append(plan)
+                consumed.update(d.name for d in det.layout.describe(module, det.layout.recipe_for(src_recipe)))
         for name, shard in names.items():
             if name in consumed:
                 continue
@@ -123,15 +141,7 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
                 exclusions.append(Exclusion(name[:-7], "dense in the source"))
     if errors:
         raise QuantcliError(f"{len(errors)} problem(s) converting {source.label}: " + "; ".join(errors))
-    warnings = []
-    if widened:
-        warnings.append(f"{src_layout.name} scales stored as {'/'.join(sorted(widened))} are written as F32, "
-                        f"which consumers expect: every {'/'.join(sorted(widened))} value is exactly an F32 value, "
-                        f"so the re-layout stays lossless")
-    if any(t.action == "requantize" for t in tensors):
-        warnings.append(f"re-quantizing {src_layout.name} weights to {opts.recipe}: the errors of both "
-                        f"quantizations add up; check the result with `quantcli verify DST --reference "
-                        f"{shlex.quote(source.label)}` (against this quantized source)")
-    return Plan(source, layout, opts, drop_single_member_groups(tensors), exclusions, warnings,
-                {recipe.name: recipe} if recipe else {}, source_layout=src_layout,
-                dense_dtype=opts.recipe if dense else None)
+    return Plan(source, layout, opts, drop_single_member_groups(tensors), exclusions,
+                _warnings(det.layout, opts, source, tensors, widened),
+                {recipe.name: recipe} if recipe else {}, source_layout=det.layout,
+                dense_dtype=opts.recipe if recipe is None else None)

@@ -1,8 +1,11 @@
-"""The Layout type: how a recipe's codes and scales are named, typed and shaped on disk.
+"""The Layout type: a table of how each recipe's codes and scales are named, typed and shaped on disk.
 
-On-disk names live only in the layout modules. A layout turns a QuantizedTensor into the tensors
-it writes (`to_disk`), reads them back (`from_disk`), describes each one for the manifest
-(`describe`), and writes the config keys its consumers need (`quantization_config`).
+On-disk names live only in the layout modules. Each layout declares, per recipe, the tensors a
+quantized module is written as (`TensorRow`: suffix, role, reshape, direction, dtype) and the
+optional per-module tensors it may also carry (activation and KV-cache scales, filled from
+ModuleFacts). `to_disk`, `from_disk`, `describe` and `output_specs` here are generic over those
+tables; the one place a global scale's direction (multiply vs divide) is applied is
+`to_direction`. A layout module adds only its table and its config writer/reader.
 """
 
 from __future__ import annotations
@@ -12,11 +15,28 @@ from typing import Callable, Mapping
 
 import torch
 
-from quantcli.errors import LayoutError
+from quantcli.errors import CheckpointError, LayoutError
+from quantcli.facts import NO_FACTS, ModuleFacts
 from quantcli.recipes import QuantizedTensor, Recipe, get_recipe
 
 # Reads one on-disk tensor by name (from a checkpoint, or a dict in tests).
 GetTensor = Callable[[str], torch.Tensor]
+
+# Reshapes between quantcli's canonical form and the disk: canonical codes [..., N, K*bits/8] and
+# scales `recipe.scale_shape` (0-d for a whole tensor, [..., N] per row).
+SAME, SCALAR, ONE, COLUMN, BLOCK4D, BLOCKS16 = "same", "scalar", "one", "column", "block4d", "blocks16"
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One on-disk tensor of a quantized module: `<module><suffix>`."""
+
+    suffix: str  # ".weight", ".weight_scale", "_blocks", ...
+    role: str  # codes | block_scale | global_scale | input_scale | input_global_scale
+    reshape: str = SAME  # SAME | SCALAR (0-d) | ONE ([1]) | COLUMN ([N] -> [N, 1]) | BLOCK4D | BLOCKS16
+    direction: str | None = None  # scales: multiply | divide (the inverse of the multiplier)
+    dtype: torch.dtype | None = None  # None: the recipe's codec decides (codes, block scales)
+    fact: str | None = None  # optional tensors: the ModuleFacts field (a multiplier) that fills it
 
 
 @dataclass(frozen=True)
@@ -25,7 +45,7 @@ class DiskTensor:
 
     name: str
     role: str  # codes | block_scale | global_scale
-    encoding: str  # e4m3fn | e2m1x2 | f32 | e8m0_bias127
+    encoding: str  # e4m3fn | e2m1x2 | int8 | f32 | e8m0_bias127
     direction: str | None  # multiply | divide (scales only)
 
 
@@ -34,15 +54,53 @@ def module_of(param: str) -> str:
     return param[: -len(".weight")] if param.endswith(".weight") else param
 
 
+def to_direction(multiplier: torch.Tensor, direction: str | None) -> torch.Tensor:
+    """A scale as stored: the multiplier itself, or its FP32 reciprocal for a divisor
+    (compressed-tensors' `weight_global_scale = 1 / weight_scale_2`). Its own inverse, so
+    `from_disk` uses it too: the ONE place the multiply <-> divide convention lives."""
+    multiplier = multiplier.to(torch.float32)
+    return 1.0 / multiplier if direction == "divide" else multiplier
+
+
+def stored_value(multiplier: float, direction: str | None) -> float:
+    """The number a scale tensor holds for a multiplier (for the manifest's `value`)."""
+    return float(to_direction(torch.tensor(multiplier, dtype=torch.float32), direction))
+
+
+def _reshape(t: torch.Tensor, rule: str) -> torch.Tensor:
+    if rule == SCALAR:
+        return t.reshape(())
+    if rule == ONE:
+        return t.reshape(1)
+    if rule == COLUMN:
+        return t.reshape(*t.shape, 1)
+    if rule == BLOCK4D:
+        nb, kb = t.shape
+        return t.reshape(nb, 1, kb, 1)
+    if rule == BLOCKS16:
+        return t.reshape(*t.shape[:-1], t.shape[-1] // 16, 16)
+    return t
+
+
 class Layout:
     name: str = ""
     consumers: str = ""
-    recipes: tuple[str, ...] = ()  # what quantcli writes in this layout
+    # recipe -> the tensors a module of that recipe is written as (codes row first)
+    tables: Mapping[str, tuple[TensorRow, ...]] = {}
+    # recipe -> optional per-module tensors, written only when the module's facts carry them
+    optional: Mapping[str, tuple[TensorRow, ...]] = {}
+    # KV-cache scales, relative to the attention module (FORMATS.md B 9); none when empty
+    kv_scales: tuple[str, ...] = ()
     # Recipes a producer writes in this layout that no serving engine loads: read (inspect,
     # verify, convert from them), never written, and verify fails them.
     unservable: tuple[str, ...] = ()
     default_scale_rule: str | None = None  # for MX recipes
     exclusion_key: str = ""
+
+    @property
+    def recipes(self) -> tuple[str, ...]:
+        """What quantcli writes in this layout."""
+        return tuple(r for r in self.tables if r not in self.unservable)
 
     def supports(self, recipe: str) -> bool:
         return recipe in self.recipes
@@ -66,16 +124,89 @@ class Layout:
                 f"{name}: {len(shape)}-D tensors have no {self.name} names for recipe "
                 f"{recipe.name}; use --layout gpt-oss with mxfp4 for 3-D experts, or --ignore it")
 
-    # --- tensors
+    # --- tensors, generic over the table
 
-    def to_disk(self, module: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+    def rows(self, recipe: str) -> tuple[TensorRow, ...]:
+        try:
+            return self.tables[recipe]
+        except KeyError:
+            raise LayoutError(f"layout {self.name} has no tensor names for recipe {recipe}") from None
+
+    def codes_suffixes(self) -> tuple[str, ...]:
+        """The suffixes that mark a quantized module's codes tensor in this layout (discovery)."""
+        return tuple(dict.fromkeys(rows[0].suffix for rows in self.tables.values()))
+
+    def to_disk(self, module: str, q: QuantizedTensor, facts: ModuleFacts = NO_FACTS) -> dict[str, torch.Tensor]:
+        recipe = get_recipe(q.recipe)
+        canonical = {"codes": q.codes, "block_scale": q.scale, "global_scale": q.global_scale}
+        out = {f"{module}{row.suffix}": self._encode(row, recipe, canonical[row.role]) for row in self.rows(q.recipe)}
+        for row in self.optional.get(q.recipe, ()):
+            value = getattr(facts, row.fact, None)
+            if value is not None:
+                out[f"{module}{row.suffix}"] = self._encode(row, recipe, torch.as_tensor(value))
+        return out
+
+    @staticmethod
+    def _encode(row: TensorRow, recipe: Recipe, t: torch.Tensor) -> torch.Tensor:
+        if row.role == "codes":
+            t = t.contiguous().view(recipe.codes_dtype)
+        elif row.role == "block_scale" and recipe.scale_codec.nbytes == 1:
+            t = t.contiguous().view(recipe.scale_codec.disk_dtype)
+        elif row.role == "block_scale":
+            t = t.to(torch.float32)
+        else:  # global, input and input_global scales: FP32 in the row's direction
+            t = to_direction(t, row.direction)
+        return _reshape(t, row.reshape).contiguous()
 
     def from_disk(self, module: str, recipe: Recipe, get: GetTensor, names: Mapping[str, object]) -> QuantizedTensor:
-        raise NotImplementedError
+        rows = self.rows(recipe.name)
+        codes_name = f"{module}{rows[0].suffix}"
+        codes = require_8bit(codes_name, get(codes_name))
+        if rows[0].reshape == BLOCKS16:
+            codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * codes.shape[-1])
+        shape = (*codes.shape[:-1], logical_k(codes, recipe))
+        scale = s2 = None
+        for row in rows[1:]:
+            name = f"{module}{row.suffix}"
+            stored = get(name)
+            if row.role == "global_scale":
+                s2 = to_direction(stored.to(torch.float32).reshape(()), row.direction)
+            elif recipe.scale_codec.nbytes == 1:
+                scale = require_8bit(name, stored)
+            else:
+                scale = stored.to(torch.float32).reshape(recipe.scale_shape(shape))
+        return QuantizedTensor(recipe.name, shape, codes, scale, s2, recipe.scale_rule)
 
     def describe(self, module: str, recipe: Recipe) -> list[DiskTensor]:
-        raise NotImplementedError
+        encoding = {"codes": recipe.element.disk_encoding, "block_scale": recipe.scale_encoding}
+        return [DiskTensor(f"{module}{row.suffix}", row.role, encoding.get(row.role, "f32"),
+                           None if row.role == "codes" else (row.direction or "multiply"))
+                for row in self.rows(recipe.name)]
+
+    def output_specs(self, module: str, recipe: Recipe, shape: tuple[int, ...]) -> list[tuple[str, torch.dtype, tuple]]:
+        """(name, dtype, shape) of each tensor `to_disk` writes for a `shape` weight, from a
+        meta-device stand-in (no data)."""
+        meta = QuantizedTensor(
+            recipe.name, tuple(shape),
+            torch.empty(recipe.codes_shape(shape), dtype=torch.uint8, device="meta"),
+            torch.empty(recipe.scale_shape(shape), dtype=recipe.scale_codec.raw_dtype, device="meta"),
+            torch.empty((), dtype=torch.float32, device="meta") if recipe.has_global_scale else None,
+            recipe.scale_rule)
+        return [(n, t.dtype, tuple(t.shape)) for n, t in self.to_disk(module, meta).items()]
+
+    def logical_shape(self, recipe: Recipe, codes_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The [..., N, K] weight shape a stored codes tensor of `recipe` holds."""
+        if self.rows(recipe.name)[0].reshape == BLOCKS16:
+            codes_shape = (*codes_shape[:-2], codes_shape[-2] * codes_shape[-1])
+        return (*codes_shape[:-1], codes_shape[-1] * 8 // recipe.element_bits)
+
+    def dense_name(self, module: str) -> tuple[str, bool]:
+        """Where a dequantized module is written, and whether it is stored transposed: Linear
+        layouts write `<module>.weight` [N, K]; layouts naming a stack itself (gpt-oss) write the
+        stack [E, in, out]."""
+        return f"{module}.weight", False
+
+    # --- discovery and config
 
     def detect(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> bool:
         raise NotImplementedError
@@ -84,7 +215,27 @@ class Layout:
         """Which recipe a module in a checkpoint of this layout was written with, or None."""
         raise NotImplementedError
 
-    # --- config
+    def quantized_modules(self, names: Mapping[str, object], config: Mapping) -> dict[str, str]:
+        """module -> recipe for every quantized module among the tensor `names`."""
+        out = {}
+        suffixes = self.codes_suffixes()
+        for name in names:
+            suffix = next((s for s in suffixes if name.endswith(s)), None)
+            if suffix is not None:
+                module = name[: -len(suffix)]
+                recipe = self.module_recipe(module, names, config)
+                if recipe:
+                    out[module] = recipe
+        return out
+
+    def excluded_modules(self, config: Mapping) -> list[str]:
+        """The modules the checkpoint's config lists as left unquantized (this layout's key)."""
+        qc = config.get("quantization_config") or {}
+        value = qc.get(self.exclusion_key) if isinstance(qc, dict) else None
+        if value and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+            raise CheckpointError(f"config.json quantization_config.{self.exclusion_key}: must be a list of module "
+                                  f"names or patterns, got {type(value).__name__} {value!r:.60}")
+        return list(value or [])
 
     def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str]) -> dict:
         raise NotImplementedError
@@ -102,15 +253,15 @@ def logical_k(codes: torch.Tensor, recipe: Recipe) -> int:
 
 
 def codes_dtype(recipe: Recipe) -> torch.dtype:
-    """Storage dtype of the element codes: FP8 recipes as F8_E4M3, FP4 pairs as U8."""
-    return torch.float8_e4m3fn if recipe.element_bits == 8 else torch.uint8
+    """Storage dtype of the element codes (kept for callers; the recipe owns it)."""
+    return recipe.codes_dtype
 
 
 def as_codes(codes: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    return codes.contiguous().view(codes_dtype(recipe))
+    return codes.contiguous().view(recipe.codes_dtype)
 
 
 def require_8bit(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.element_size() != 1:
-        raise LayoutError(f"{name}: stored as {t.dtype}, expected an 8-bit type (F8_E4M3 or U8)")
+        raise LayoutError(f"{name}: stored as {t.dtype}, expected an 8-bit type (F8_E4M3, I8 or U8)")
     return t.view(torch.uint8)

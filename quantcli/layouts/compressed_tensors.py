@@ -14,88 +14,64 @@ the fp8 recipes are declared dynamic (per token / per 128-group), which needs no
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
-import torch
+from .base import COLUMN, ONE, Layout, TensorRow
 
-from quantcli.recipes import QuantizedTensor, Recipe, get_recipe
-
-from .base import DiskTensor, GetTensor, Layout, as_codes, logical_k, require_8bit
-
-FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized",
-          "fp8": "float-quantized", "fp8-channel": "float-quantized", "fp8-block": "float-quantized"}
-PACKED = ("nvfp4", "mxfp4")
-
+_SCALE = TensorRow(".weight_scale", "block_scale", direction="multiply")
+_CODES = TensorRow(".weight", "codes")
+_PACKED = TensorRow(".weight_packed", "codes")
+# The divisor convention: weight_global_scale = 1 / weight_scale_2, one FP32 division.
+_GLOBAL = TensorRow(".weight_global_scale", "global_scale", ONE, "divide")
 _FLOAT = {"type": "float", "symmetric": True, "dynamic": False}
-WEIGHTS = {
-    "nvfp4": {"num_bits": 4, **_FLOAT, "strategy": "tensor_group", "group_size": 16,
-              "scale_dtype": "torch.float8_e4m3fn"},
-    "mxfp4": {"num_bits": 4, **_FLOAT, "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"},
-    "mxfp8": {"num_bits": 8, **_FLOAT, "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"},
-    "fp8": {"num_bits": 8, **_FLOAT, "strategy": "tensor"},
-    "fp8-channel": {"num_bits": 8, **_FLOAT, "strategy": "channel"},
-    "fp8-block": {"num_bits": 8, **_FLOAT, "strategy": "block", "block_structure": [128, 128]},
-}
 _DYNAMIC = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
-INPUTS = {
-    "fp8": {**_DYNAMIC, "strategy": "token"},
-    "fp8-channel": {**_DYNAMIC, "strategy": "token"},
-    "fp8-block": {**_DYNAMIC, "strategy": "group", "group_size": 128},
-}
 
+
+@dataclass(frozen=True)
+class Scheme:
+    """One recipe in compressed-tensors: its disk tensors and its config group."""
+
+    tensors: tuple[TensorRow, ...]
+    format: str
+    weights: dict
+    input_activations: dict | None = None
+
+
+SCHEMES = {
+    "nvfp4": Scheme((_PACKED, _SCALE, _GLOBAL), "nvfp4-pack-quantized",
+                    {"num_bits": 4, **_FLOAT, "strategy": "tensor_group", "group_size": 16,
+                     "scale_dtype": "torch.float8_e4m3fn"}),
+    "mxfp4": Scheme((_PACKED, _SCALE), "mxfp4-pack-quantized",
+                    {"num_bits": 4, **_FLOAT, "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}),
+    "mxfp8": Scheme((_CODES, _SCALE), "mxfp8-quantized",
+                    {"num_bits": 8, **_FLOAT, "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}),
+    "fp8": Scheme((_CODES, TensorRow(".weight_scale", "block_scale", ONE, "multiply")), "float-quantized",
+                  {"num_bits": 8, **_FLOAT, "strategy": "tensor"}, {**_DYNAMIC, "strategy": "token"}),
+    "fp8-channel": Scheme((_CODES, TensorRow(".weight_scale", "block_scale", COLUMN, "multiply")), "float-quantized",
+                          {"num_bits": 8, **_FLOAT, "strategy": "channel"}, {**_DYNAMIC, "strategy": "token"}),
+    "fp8-block": Scheme((_CODES, _SCALE), "float-quantized",
+                        {"num_bits": 8, **_FLOAT, "strategy": "block", "block_structure": [128, 128]},
+                        {**_DYNAMIC, "strategy": "group", "group_size": 128}),
+}
+TABLES = {recipe: scheme.tensors for recipe, scheme in SCHEMES.items()}
+FORMAT = {recipe: scheme.format for recipe, scheme in SCHEMES.items()}
+WEIGHTS = {recipe: scheme.weights for recipe, scheme in SCHEMES.items()}
+INPUTS = {recipe: scheme.input_activations for recipe, scheme in SCHEMES.items() if scheme.input_activations}
+# Static activation scales (FORMATS.md B 3.2, 6.2): filled from ModuleFacts when a calibration
+# pass learns them; `input_global_scale` is a divisor like `weight_global_scale`.
+_INPUT = TensorRow(".input_scale", "input_scale", ONE, "multiply", fact="input_scale")
+OPTIONAL = {"fp8": (_INPUT,), "fp8-channel": (_INPUT,),
+            "nvfp4": (TensorRow(".input_global_scale", "input_global_scale", ONE, "divide", fact="input_scale"),)}
 
 class CompressedTensorsLayout(Layout):
     name = "compressed-tensors"
     consumers = "vLLM, SGLang, transformers"
-    recipes = ("nvfp4", "mxfp4", "mxfp8", "fp8", "fp8-channel", "fp8-block")
+    tables = TABLES
+    optional = OPTIONAL
+    kv_scales = ("k_scale", "v_scale")  # on the attention module: `...self_attn.k_scale`
     default_scale_rule = "even"
     exclusion_key = "ignore"
-
-    def to_disk(self, module: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
-        recipe = get_recipe(q.recipe)
-        codes_name = "weight_packed" if q.recipe in PACKED else "weight"
-        out = {f"{module}.{codes_name}": as_codes(q.codes, recipe)}
-        if q.recipe == "nvfp4":
-            out[f"{module}.weight_scale"] = q.scale.contiguous().view(torch.float8_e4m3fn)
-            # The divisor convention: 1 / weight_scale_2, one FP32 division.
-            out[f"{module}.weight_global_scale"] = (1.0 / q.global_scale.to(torch.float32)).reshape(1)
-        elif q.recipe == "fp8":
-            out[f"{module}.weight_scale"] = q.scale.to(torch.float32).reshape(1)
-        elif q.recipe == "fp8-channel":
-            out[f"{module}.weight_scale"] = q.scale.to(torch.float32).reshape(*q.scale.shape, 1).contiguous()
-        else:
-            out[f"{module}.weight_scale"] = q.scale.contiguous()
-        return out
-
-    def from_disk(self, module: str, recipe: Recipe, get: GetTensor, names: Mapping[str, object]) -> QuantizedTensor:
-        codes_name = f"{module}.weight_packed" if recipe.name in PACKED else f"{module}.weight"
-        codes = require_8bit(codes_name, get(codes_name))
-        shape = (*codes.shape[:-1], logical_k(codes, recipe))
-        scale = get(f"{module}.weight_scale")
-        s2 = None
-        if recipe.name == "nvfp4":
-            scale = require_8bit(f"{module}.weight_scale", scale)
-            g = get(f"{module}.weight_global_scale").to(torch.float32).reshape(())
-            s2 = 1.0 / g
-        elif recipe.name in ("mxfp4", "mxfp8"):
-            scale = require_8bit(f"{module}.weight_scale", scale)
-        elif recipe.name == "fp8":
-            scale = scale.to(torch.float32).reshape(())
-        elif recipe.name == "fp8-channel":
-            scale = scale.to(torch.float32).reshape(shape[:-1])
-        else:
-            scale = scale.to(torch.float32)
-        return QuantizedTensor(recipe.name, shape, codes, scale, s2, recipe.scale_rule)
-
-    def describe(self, module: str, recipe: Recipe) -> list[DiskTensor]:
-        packed = recipe.name in PACKED
-        out = [DiskTensor(f"{module}.weight_packed" if packed else f"{module}.weight", "codes",
-                          "e2m1x2" if packed else "e4m3fn", None)]
-        enc = {"nvfp4": "e4m3fn", "mxfp4": "e8m0_bias127", "mxfp8": "e8m0_bias127"}.get(recipe.name, "f32")
-        out.append(DiskTensor(f"{module}.weight_scale", "block_scale", enc, "multiply"))
-        if recipe.name == "nvfp4":
-            out.append(DiskTensor(f"{module}.weight_global_scale", "global_scale", "f32", "divide"))
-        return out
 
     def detect(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> bool:
         qc = config.get("quantization_config") or {}
@@ -115,7 +91,8 @@ class CompressedTensorsLayout(Layout):
             return "mxfp8"
         if bits == 8 and w.get("type") == "float":
             return {"tensor": "fp8", "channel": "fp8-channel", "block": "fp8-block"}.get(strategy)
-        return None
+        # Any other recipe: the one whose config group this is (its defining keys agree).
+        return next((r for r, scheme in SCHEMES.items() if _same_weights(w, scheme.weights)), None)
 
     @staticmethod
     def scheme_of(module: str, config: Mapping) -> dict | None:
@@ -141,3 +118,7 @@ class CompressedTensorsLayout(Layout):
                 "config_groups": config_groups, "ignore": excluded, "kv_cache_scheme": None,
                 "global_compression_ratio": None, "sparsity_config": {}}
 
+
+
+def _same_weights(found: Mapping, ours: Mapping) -> bool:
+    return all(found.get(key) == ours.get(key) for key in ("num_bits", "type", "strategy", "group_size"))

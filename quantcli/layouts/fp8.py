@@ -13,44 +13,26 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import torch
-
 from quantcli.errors import LayoutError
-from quantcli.recipes import QuantizedTensor, Recipe, get_recipe
 
-from .base import DiskTensor, GetTensor, Layout, as_codes, require_8bit
+from .base import SCALAR, Layout, TensorRow
 
-SCALE_NAME = {"fp8": "weight_scale", "fp8-block": "weight_scale_inv", "mxfp8": "weight_scale_inv"}
-
+_CODES = TensorRow(".weight", "codes")
+_SCALE_INV = TensorRow(".weight_scale_inv", "block_scale", direction="multiply")
+TABLES = {
+    "fp8": (_CODES, TensorRow(".weight_scale", "block_scale", SCALAR, "multiply")),
+    "fp8-block": (_CODES, _SCALE_INV),
+    "mxfp8": (_CODES, _SCALE_INV),
+}
+OPTIONAL = {"fp8": (TensorRow(".input_scale", "input_scale", SCALAR, "multiply", fact="input_scale"),)}
 
 class Fp8Layout(Layout):
     name = "fp8"
     consumers = "vLLM, SGLang, transformers (FineGrainedFP8)"
-    recipes = ("fp8", "fp8-block", "mxfp8")
+    tables = TABLES
+    optional = OPTIONAL
     default_scale_rule = "rceil"
     exclusion_key = "ignored_layers"
-
-    def to_disk(self, module: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
-        recipe = get_recipe(q.recipe)
-        scale = q.scale.to(torch.float32).reshape(()) if q.recipe == "fp8" else q.scale.contiguous()
-        return {f"{module}.weight": as_codes(q.codes, recipe), f"{module}.{SCALE_NAME[q.recipe]}": scale}
-
-    def from_disk(self, module: str, recipe: Recipe, get: GetTensor, names: Mapping[str, object]) -> QuantizedTensor:
-        codes = require_8bit(f"{module}.weight", get(f"{module}.weight"))
-        name = f"{module}.{SCALE_NAME[recipe.name]}"
-        scale = get(name)
-        if recipe.name == "mxfp8":
-            scale = require_8bit(name, scale)
-        elif recipe.name == "fp8":
-            scale = scale.to(torch.float32).reshape(())
-        else:
-            scale = scale.to(torch.float32)
-        return QuantizedTensor(recipe.name, tuple(codes.shape), codes, scale, None, recipe.scale_rule)
-
-    def describe(self, module: str, recipe: Recipe) -> list[DiskTensor]:
-        enc = "e8m0_bias127" if recipe.name == "mxfp8" else "f32"
-        return [DiskTensor(f"{module}.weight", "codes", "e4m3fn", None),
-                DiskTensor(f"{module}.{SCALE_NAME[recipe.name]}", "block_scale", enc, "multiply")]
 
     def detect(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> bool:
         qc = config.get("quantization_config") or {}

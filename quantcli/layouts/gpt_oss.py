@@ -11,18 +11,17 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import torch
-
 from quantcli.errors import LayoutError
-from quantcli.recipes import QuantizedTensor, Recipe
+from quantcli.recipes import Recipe
 
-from .base import DiskTensor, GetTensor, Layout, require_8bit
+from .base import BLOCKS16, Layout, TensorRow
 
+TABLES = {"mxfp4": (TensorRow("_blocks", "codes", BLOCKS16), TensorRow("_scales", "block_scale", direction="multiply"))}
 
 class GptOssLayout(Layout):
     name = "gpt-oss"
     consumers = "vLLM, SGLang, transformers (MoE experts only)"
-    recipes = ("mxfp4",)
+    tables = TABLES
     default_scale_rule = "rceil"
     exclusion_key = "modules_to_not_convert"
 
@@ -31,22 +30,8 @@ class GptOssLayout(Layout):
             raise LayoutError(f"{name}: --layout gpt-oss quantizes 3-D MoE expert stacks only "
                               f"(got {len(shape)}-D); use --layout compressed-tensors for Linears")
 
-    def to_disk(self, module: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
-        e, n, k = q.shape
-        return {f"{module}_blocks": q.codes.reshape(e, n, k // 32, 16).contiguous(),
-                f"{module}_scales": q.scale.contiguous()}
-
-    def from_disk(self, module: str, recipe: Recipe, get: GetTensor, names: Mapping[str, object]) -> QuantizedTensor:
-        blocks = require_8bit(f"{module}_blocks", get(f"{module}_blocks"))
-        scales = require_8bit(f"{module}_scales", get(f"{module}_scales"))
-        *lead, kb, sixteen = blocks.shape
-        shape = (*lead, kb * 32)
-        return QuantizedTensor("mxfp4", shape, blocks.reshape(*lead, kb * sixteen), scales, None,
-                               recipe.scale_rule)
-
-    def describe(self, module: str, recipe: Recipe) -> list[DiskTensor]:
-        return [DiskTensor(f"{module}_blocks", "codes", "e2m1x2", None),
-                DiskTensor(f"{module}_scales", "block_scale", "e8m0_bias127", "multiply")]
+    def dense_name(self, module: str) -> tuple[str, bool]:
+        return module, True  # dense expert stacks are stored [E, in, out] under the stack's name
 
     def detect(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> bool:
         qc = config.get("quantization_config") or {}

@@ -14,13 +14,24 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import torch
-
 from quantcli import __version__
 from quantcli.errors import LayoutError
-from quantcli.recipes import QuantizedTensor, Recipe
+from quantcli.recipes import Recipe
 
-from .base import DiskTensor, GetTensor, Layout, as_codes, logical_k, require_8bit, scalar_f32
+from .base import BLOCK4D, SCALAR, Layout, TensorRow
+
+_CODES = TensorRow(".weight", "codes")
+_SCALE = TensorRow(".weight_scale", "block_scale", direction="multiply")
+TABLES = {
+    "nvfp4": (_CODES, _SCALE, TensorRow(".weight_scale_2", "global_scale", SCALAR, "multiply")),
+    "fp8-channel": (_CODES, _SCALE),
+    "fp8-block": (_CODES, TensorRow(".weight_scale", "block_scale", BLOCK4D, "multiply")),
+    "mxfp8": (_CODES, _SCALE),
+    "mxfp4": (_CODES, _SCALE),  # read only (unservable)
+}
+# Static activation scales, multipliers (FORMATS.md B 3.1, 6.1): filled from ModuleFacts.
+_INPUT = TensorRow(".input_scale", "input_scale", SCALAR, "multiply", fact="input_scale")
+OPTIONAL = {"nvfp4": (_INPUT,), "fp8-channel": (_INPUT,)}
 
 QUANT_ALGO = {"nvfp4": "W4A16_NVFP4", "fp8-channel": "FP8_PER_CHANNEL_PER_TOKEN",
               "fp8-block": "FP8_PB_WO", "mxfp8": "MXFP8"}
@@ -33,7 +44,9 @@ GROUP_SIZE = {"nvfp4": 16, "mxfp8": 32}
 class ModelOptLayout(Layout):
     name = "modelopt"
     consumers = "vLLM, SGLang, TensorRT-LLM"
-    recipes = ("nvfp4", "fp8-channel", "fp8-block", "mxfp8")
+    tables = TABLES
+    optional = OPTIONAL
+    kv_scales = ("k_proj.k_scale", "v_proj.v_scale")  # relative to the attention module
     unservable = ("mxfp4",)
     default_scale_rule = "rceil"
     exclusion_key = "exclude_modules"
@@ -44,46 +57,6 @@ class ModelOptLayout(Layout):
             raise LayoutError(
                 f"{name}: shape {list(shape)} is not a multiple of 128 in both dims, which vLLM's "
                 f"modelopt FP8_PB_WO loader requires; use --layout fp8 or compressed-tensors")
-
-    def to_disk(self, module: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
-        from quantcli.recipes import get_recipe
-
-        recipe = get_recipe(q.recipe)
-        out = {f"{module}.weight": as_codes(q.codes, recipe)}
-        if q.recipe == "nvfp4":
-            out[f"{module}.weight_scale"] = q.scale.contiguous().view(torch.float8_e4m3fn)
-            out[f"{module}.weight_scale_2"] = scalar_f32(q.global_scale, ())
-        elif q.recipe == "fp8-block":
-            nb, kb = q.scale.shape
-            out[f"{module}.weight_scale"] = q.scale.reshape(nb, 1, kb, 1).contiguous()
-        else:  # fp8-channel [N] F32, mxfp8 [N, K/32] U8
-            out[f"{module}.weight_scale"] = q.scale.contiguous()
-        return out
-
-    def from_disk(self, module: str, recipe: Recipe, get: GetTensor, names: Mapping[str, object]) -> QuantizedTensor:
-        codes = require_8bit(f"{module}.weight", get(f"{module}.weight"))
-        scale = get(f"{module}.weight_scale")
-        shape = (*codes.shape[:-1], logical_k(codes, recipe))
-        s2 = None
-        if recipe.name == "nvfp4":
-            scale = require_8bit(f"{module}.weight_scale", scale)
-            s2 = get(f"{module}.weight_scale_2").to(torch.float32).reshape(())
-        elif recipe.name in ("mxfp8", "mxfp4"):
-            scale = require_8bit(f"{module}.weight_scale", scale)
-        elif recipe.name == "fp8-block":
-            scale = scale.to(torch.float32).reshape(-(-shape[0] // 128), -(-shape[1] // 128))
-        else:
-            scale = scale.to(torch.float32).reshape(*shape[:-1])
-        return QuantizedTensor(recipe.name, shape, codes, scale, s2, recipe.scale_rule)
-
-    def describe(self, module: str, recipe: Recipe) -> list[DiskTensor]:
-        codes = "e2m1x2" if recipe.element_bits == 4 else "e4m3fn"
-        scale_enc = {"nvfp4": "e4m3fn", "mxfp8": "e8m0_bias127", "mxfp4": "e8m0_bias127"}.get(recipe.name, "f32")
-        out = [DiskTensor(f"{module}.weight", "codes", codes, None),
-               DiskTensor(f"{module}.weight_scale", "block_scale", scale_enc, "multiply")]
-        if recipe.name == "nvfp4":
-            out.append(DiskTensor(f"{module}.weight_scale_2", "global_scale", "f32", "multiply"))
-        return out
 
     def detect(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> bool:
         qc = config.get("quantization_config") or {}
