@@ -50,6 +50,8 @@ class Recipe:
 
     name: str
     spec: QuantSpec
+    # FORMATS.md A.1: the layout this recipe is written in unless --layout says otherwise
+    default_layout: str = "compressed-tensors"
 
     # --- facts derived from the scheme (stated once, in the spec)
 

@@ -16,4 +16,4 @@ from quantcli.kernels.spec import E4M3, F32_SCALE, TENSOR, QuantSpec
 
 from .base import Recipe
 
-RECIPE = Recipe(name="fp8", spec=QuantSpec(TENSOR, E4M3, F32_SCALE))
+RECIPE = Recipe(name="fp8", spec=QuantSpec(TENSOR, E4M3, F32_SCALE), default_layout="fp8")

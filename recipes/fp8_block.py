@@ -18,4 +18,4 @@ from quantcli.kernels.spec import BLOCK, E4M3, F32_SCALE, QuantSpec
 
 from .base import Recipe
 
-RECIPE = Recipe(name="fp8-block", spec=QuantSpec(BLOCK, E4M3, F32_SCALE))
+RECIPE = Recipe(name="fp8-block", spec=QuantSpec(BLOCK, E4M3, F32_SCALE), default_layout="fp8")

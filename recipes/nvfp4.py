@@ -24,4 +24,4 @@ from quantcli.kernels.spec import E2M1, E4M3_GLOBAL_SCALE, GROUP, QuantSpec
 
 from .base import Recipe
 
-RECIPE = Recipe(name="nvfp4", spec=QuantSpec(GROUP, E2M1, E4M3_GLOBAL_SCALE, group=16))
+RECIPE = Recipe(name="nvfp4", spec=QuantSpec(GROUP, E2M1, E4M3_GLOBAL_SCALE, group=16), default_layout="modelopt")

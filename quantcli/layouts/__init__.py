@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from quantcli.errors import LayoutError
+from quantcli.recipes import RECIPES
 
 from .base import DiskTensor, Layout, module_of
 from .compressed_tensors import CompressedTensorsLayout
@@ -14,9 +15,8 @@ LAYOUTS: dict[str, Layout] = {
     layout.name: layout for layout in (ModelOptLayout(), CompressedTensorsLayout(), Fp8Layout(), GptOssLayout())
 }
 
-# FORMATS.md A.1: the layout each recipe is written in unless --layout says otherwise.
-DEFAULT_LAYOUT = {"nvfp4": "modelopt", "fp8": "fp8", "fp8-block": "fp8", "fp8-channel": "compressed-tensors",
-                  "mxfp4": "compressed-tensors", "mxfp8": "compressed-tensors"}
+# FORMATS.md A.1: the layout each recipe is written in unless --layout says otherwise (the recipe says).
+DEFAULT_LAYOUT = {name: recipe.default_layout for name, recipe in RECIPES.items()}
 
 __all__ = ["DEFAULT_LAYOUT", "DiskTensor", "LAYOUTS", "Layout", "get_layout", "layouts_for", "module_of"]
 
