@@ -16,7 +16,7 @@ import torch
 from . import patterns
 from .errors import LayoutError, QuantcliError, RecipeError
 from .layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
-from .recipes import RECIPES, QuantizedTensor, Recipe, get_recipe
+from .recipes import RECIPES, Recipe, get_recipe
 from .safetensors_io import DTYPES, ITEMSIZE, OutSpec, dtype_name
 from .source import Source
 
@@ -199,15 +199,8 @@ def fused_group_of(module: str) -> str | None:
 
 
 def output_specs(layout: Layout, module: str, recipe: Recipe, shape: tuple[int, ...]) -> tuple[OutSpec, ...]:
-    """Names, dtypes and shapes the layout will write, from a meta-device stand-in."""
-    scale_dtype = torch.float32 if recipe.scale_encoding == "f32" else torch.uint8
-    meta = QuantizedTensor(
-        recipe.name, shape,
-        torch.empty(recipe.codes_shape(shape), dtype=torch.uint8, device="meta"),
-        torch.empty(recipe.scale_shape(shape), dtype=scale_dtype, device="meta"),
-        torch.empty((), dtype=torch.float32, device="meta") if recipe.has_global_scale else None,
-        recipe.scale_rule)
-    return tuple(OutSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in layout.to_disk(module, meta).items())
+    """Names, dtypes and shapes the layout will write for a `shape` weight (no data read)."""
+    return tuple(OutSpec(n, dtype_name(dtype), shp) for n, dtype, shp in layout.output_specs(module, recipe, shape))
 
 
 def _choose_recipe(module: str, opts: Options) -> str:

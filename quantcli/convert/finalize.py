@@ -8,9 +8,8 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from .. import __version__
+from ..layouts.base import stored_value
 from ..manifest import MANIFEST_NAME, DiskEntry, Manifest, ModuleEntry
 from ..plan import Plan, TensorPlan
 from ..source import INDEX
@@ -83,8 +82,7 @@ def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:
         o = specs[d.name]
         value = None
         if d.role == "global_scale":
-            s2 = found.globals[t.module]
-            value = s2 if d.direction == "multiply" else float(1.0 / torch.tensor(s2, dtype=torch.float32))
+            value = stored_value(found.globals[t.module], d.direction)
         disk.append(DiskEntry(d.name, d.role, o.dtype, o.shape, d.encoding, d.direction, value))
     entry = module_entry(t, recipe, tuple(disk))
     if t.action == "relayout" and recipe.scale_rules:  # the bytes are the source producer's

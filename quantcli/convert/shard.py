@@ -16,6 +16,7 @@ from typing import Mapping
 import torch
 
 from ..facts import NO_FACTS, ModuleFacts
+from ..layouts.base import to_direction
 from ..plan import TensorPlan
 from ..recipes import QuantizedTensor
 from ..safetensors_io import DTYPES, ShardWriter, tensor_bytes
@@ -106,7 +107,7 @@ def produce(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts) -> tuple[di
         return {t.name: reader.tensors.raw(t.name)}, Learned()  # bit-identical pass-through
     if t.action == "relayout":  # codes and block scales carried over byte for byte
         q = reader.source_quantized(t)
-        out = plan.layout.to_disk(t.module, q)
+        out = plan.layout.to_disk(t.module, q, facts=facts)
         return out, Learned(_global_of(q), note=_inversion_note(reader, t, out))
     w = reader.weight(t)
     if t.action == "dequantize":
@@ -119,7 +120,7 @@ def produce(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts) -> tuple[di
     if t.action == "requantize":  # the combined error, against the decoded source
         d = recipe.dequantize(q, backend=reader.backend)
         error = float((d - w).float().norm() / w.float().norm().clamp_min(1e-30))
-    return plan.layout.to_disk(t.module, q.to("cpu")), Learned(_global_of(q), error=error)
+    return plan.layout.to_disk(t.module, q.to("cpu"), facts=facts), Learned(_global_of(q), error=error)
 
 
 def _global_of(q: QuantizedTensor) -> float | None:
@@ -135,7 +136,7 @@ def _inversion_note(reader: ModuleReader, t: TensorPlan, out: dict[str, torch.Te
     if before is None or after is None:
         return None
     (b, b_dir), (a, a_dir) = before, after
-    back = a if a_dir == b_dir else 1.0 / a
+    back = a if a_dir == b_dir else to_direction(a, "divide")  # the stored value in the source's direction
     if torch.equal(back, b):
         return None
     return (f"{t.module}: global scale {float(b)!r} ({b_dir}) has no exact FP32 reciprocal; "
