@@ -158,11 +158,15 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- scale codecs
 
 
-def f32_scale(amax: torch.Tensor, divisor: float) -> torch.Tensor:
+def f32_scale(amax: torch.Tensor, divisor: float, cap: float | None = None) -> torch.Tensor:
     """`amax / divisor`, and 1.0 for an all-zero block (never a zero scale); at least the
     smallest normal FP32, so that an FP32-subnormal amax cannot give a zero scale (x / 0: NaN
-    codes). At the top max_elem * (amax / max_elem) stays finite."""
+    codes). At the top E4M3's 448 * (amax / 448) stays finite; INT8's -128 * (amax / 127.5)
+    does not for amax above ~3.39e38 (bf16 max included), so its scale is capped at
+    FP32_MAX / 128 (`cap`) and such a row saturates like an MX block."""
     scale = (amax / divisor).clamp_min(FP32_MIN_NORMAL)
+    if cap is not None:
+        scale = scale.clamp_max(cap)
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 
 
@@ -187,7 +191,7 @@ def encode_scale(amax: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None) -
     """Block amax -> (the stored scale, the FP32 divisor the elements are scaled by)."""
     encoding = spec.scale.encoding
     if encoding == "f32":
-        scale = f32_scale(amax, spec.element.scale_divisor)
+        scale = f32_scale(amax, spec.element.scale_divisor, spec.element.scale_cap)
         return scale, scale
     if encoding == "e8m0_bias127":
         # Saturate: no byte whose largest code would decode to Inf (see E8M0_MAX_FINITE_BYTE).

@@ -58,6 +58,9 @@ class ElementCodec:
     disk_encoding: str  # the manifest's codes `encoding`
     code_min: int = 0
     code_max: int = 0
+    # Largest FP32 scale whose every code decodes finitely (INT8: -128 * scale <= FP32 max), for
+    # codecs where amax / scale_divisor can exceed it; None when it never can (E4M3: 448 * amax/448).
+    scale_cap: float | None = None
 
     @property
     def packed(self) -> bool:
@@ -73,7 +76,8 @@ class ElementCodec:
 
 E4M3 = ElementCodec("e4m3", 8, E4M3_MAX, E4M3_MAX, 8, torch.float8_e4m3fn, "F8_E4M3", "e4m3fn", "e4m3fn")
 E2M1 = ElementCodec("e2m1", 4, E2M1_MAX, E2M1_MAX, 2, torch.uint8, "U8", "e2m1", "e2m1x2")
-INT8 = ElementCodec("int8", 8, 127.0, 127.5, 0, torch.int8, "I8", "int8", "int8", -128, 127)
+FP32_MAX = torch.finfo(torch.float32).max
+INT8 = ElementCodec("int8", 8, 127.0, 127.5, 0, torch.int8, "I8", "int8", "int8", -128, 127, FP32_MAX / 128)
 ELEMENTS = {e.name: e for e in (E4M3, E2M1, INT8)}
 
 # Largest power-of-two exponent of the element format (OCP emax_elem): E2M1 2, E4M3 8.

@@ -140,10 +140,11 @@ def _decode(c, ELEM: tl.constexpr):
 
 
 @triton.jit
-def _f32_scale(amax, DIVISOR: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """reference.f32_scale: amax / DIVISOR, at least MIN_SCALE (smallest normal FP32), 1.0 for 0."""
+def _f32_scale(amax, DIVISOR: tl.constexpr, MIN_SCALE: tl.constexpr, CAP: tl.constexpr):
+    """reference.f32_scale: amax / DIVISOR, at least MIN_SCALE (smallest normal FP32), at most
+    CAP (FP32 max where no cap applies: a no-op for a finite scale), 1.0 for 0."""
     scale = tl.math.div_rn(amax, tl.full(amax.shape, DIVISOR, tl.float32))
-    return tl.where(amax == 0.0, 1.0, tl.maximum(scale, MIN_SCALE))
+    return tl.where(amax == 0.0, 1.0, tl.minimum(tl.maximum(scale, MIN_SCALE), CAP))
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .spec import BLOCK, FP8_BLOCK, FP32_MIN_NORMAL, GROUP, ROW, TENSOR, NonFiniteInput, QuantResult, QuantSpec
+from .spec import BLOCK, FP8_BLOCK, FP32_MAX, FP32_MIN_NORMAL, GROUP, ROW, TENSOR, NonFiniteInput, QuantResult, QuantSpec
 from .triton_codecs import (
     ELEM_IDS,
     RULE_IDS,
@@ -74,7 +74,7 @@ def _tensor_kernel(x_ptr, scale_ptr, codes_ptr, M, K, sxm, sxk, TM: tl.constexpr
 
 @triton.jit
 def _row_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, M, K, sxm, sxk, TM: tl.constexpr, TK: tl.constexpr,
-                ELEM: tl.constexpr, DIVISOR: tl.constexpr):
+                ELEM: tl.constexpr, DIVISOR: tl.constexpr, CAP: tl.constexpr):
     """One program per TM rows: pass 1 the row amax, pass 2 quantize (rows stay in L2)."""
     pm = tl.program_id(0)
     rows = pm * TM + tl.arange(0, TM)
@@ -85,7 +85,7 @@ def _row_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, M, K, sxm, sxk, TM: tl.co
         x, _ = _load_tile(x_ptr, rows, cols, M, K, sxm, sxk)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         bad += _nonfinite(x)
-    scale = _f32_scale(amax, DIVISOR, MIN_SCALE)
+    scale = _f32_scale(amax, DIVISOR, MIN_SCALE, CAP)
     tl.store(scale_ptr + rows, scale, mask=rows < M)
     tl.store(flag_ptr + pm, bad)
     for k0 in range(0, K, TK):
@@ -97,7 +97,7 @@ def _row_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, M, K, sxm, sxk, TM: tl.co
 
 @triton.jit
 def _block_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, N, K, NB, KB, sxb, sxn, sxk, B: tl.constexpr,
-                  ELEM: tl.constexpr, DIVISOR: tl.constexpr):
+                  ELEM: tl.constexpr, DIVISOR: tl.constexpr, CAP: tl.constexpr):
     """One program per B x B block of one matrix; edge blocks are partial (masked as zeros)."""
     pb = tl.program_id(0)  # matrix index * NB + block row
     pk = tl.program_id(1)
@@ -108,7 +108,7 @@ def _block_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, N, K, NB, KB, sxb, sxn,
     mask = (rows[:, None] < N) & (cols[None, :] < K)
     x = tl.load(x_ptr + mat * sxb + rows[:, None] * sxn + cols[None, :] * sxk, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    scale = _f32_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0), DIVISOR, MIN_SCALE)
+    scale = _f32_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0), DIVISOR, MIN_SCALE, CAP)
     tl.store(scale_ptr + pb * KB + pk, scale)
     tl.store(flag_ptr + pb * KB + pk, _nonfinite(x))
     y = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
@@ -213,9 +213,13 @@ def _single_level_f32(spec: QuantSpec) -> None:
                                   f"got {spec.scale.encoding}; use backend torch")
 
 
+def _cap(spec: QuantSpec) -> float:
+    return FP32_MAX if spec.element.scale_cap is None else spec.element.scale_cap
+
+
 def _tensor(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
     _single_level_f32(spec)
-    scale = reference.f32_scale(tensor_amax(x), spec.element.scale_divisor)
+    scale = reference.f32_scale(tensor_amax(x), spec.element.scale_divisor, spec.element.scale_cap)
     x2 = _rows(x)
     m, k = x2.shape
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
@@ -234,7 +238,8 @@ def _row(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     flags = torch.empty(triton.cdiv(m, tm), dtype=torch.int32, device=x.device)
     _row_kernel[(triton.cdiv(m, tm),)](x2, codes, scale, flags, m, k, x2.stride(0), x2.stride(1), TM=tm, TK=256,
-                                       ELEM=ELEM_IDS[spec.element.name], DIVISOR=spec.element.scale_divisor)
+                                       ELEM=ELEM_IDS[spec.element.name], DIVISOR=spec.element.scale_divisor,
+                                       CAP=_cap(spec))
     _check_flags(flags)
     return QuantResult(codes.reshape(x.shape), scale.reshape(x.shape[:-1]))
 
@@ -250,7 +255,7 @@ def _block(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
     flags = torch.empty(nmat * nb * kb, dtype=torch.int32, device=x.device)
     _block_kernel[(nmat * nb, kb)](x3, codes, scale, flags, n, k, nb, kb, x3.stride(0), x3.stride(1),
                                    x3.stride(2), B=FP8_BLOCK, ELEM=ELEM_IDS[spec.element.name],
-                                   DIVISOR=spec.element.scale_divisor)
+                                   DIVISOR=spec.element.scale_divisor, CAP=_cap(spec))
     _check_flags(flags)
     return QuantResult(codes.reshape(x.shape), scale.reshape(*lead, nb, kb))
 
