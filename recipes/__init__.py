@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from quantcli.errors import RecipeError
 
-from . import fp8, fp8_block, fp8_channel, mxfp4, mxfp8, nvfp4
+from . import fp8, fp8_block, fp8_channel, int8_channel, mxfp4, mxfp8, nvfp4
 from .base import QuantizedTensor, Recipe
 
-RECIPES: dict[str, Recipe] = {m.RECIPE.name: m.RECIPE for m in (fp8, fp8_channel, fp8_block, mxfp8, mxfp4, nvfp4)}
+RECIPES: dict[str, Recipe] = {m.RECIPE.name: m.RECIPE for m in (fp8, fp8_channel, fp8_block, mxfp8, mxfp4, nvfp4,
+                                                          int8_channel)}
 
 # Plain dtypes a quantized checkpoint can be decoded to (convert --recipe bf16).
 DENSE_RECIPES = ("bf16", "fp16", "fp32")

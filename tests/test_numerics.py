@@ -262,7 +262,8 @@ def test_lossless_on_representable_values():
         assert torch.equal(r.dequantize(r.quantize("w", vals)), vals)
 
 
-BOUNDS = {"fp8": 0.08, "fp8-channel": 0.05, "fp8-block": 0.05, "mxfp8": 0.05, "mxfp4": 0.2, "nvfp4": 0.13}
+BOUNDS = {"fp8": 0.08, "fp8-channel": 0.05, "fp8-block": 0.05, "mxfp8": 0.05, "mxfp4": 0.2, "nvfp4": 0.13,
+          "int8-channel": 0.05}
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

@@ -7,6 +7,7 @@
     fp8          weight F8_E4M3, weight_scale F32 [1]                           float-quantized
     fp8-channel  weight F8_E4M3, weight_scale F32 [N, 1]                        float-quantized
     fp8-block    weight F8_E4M3, weight_scale F32 [ceil(N/128), ceil(K/128)]    float-quantized
+    int8-channel weight I8 [N, K], weight_scale F32 [N, 1]                      int-quantized
 FP8-family scales are written in FP32 (the producer writes the dense dtype, usually BF16, which
 would round the scale the codes were computed with); consumers cast on load. Activations of
 the fp8 recipes are declared dynamic (per token / per 128-group), which needs no calibration.
@@ -53,6 +54,11 @@ SCHEMES = {
     "fp8-block": Scheme((_CODES, _SCALE), "float-quantized",
                         {"num_bits": 8, **_FLOAT, "strategy": "block", "block_structure": [128, 128]},
                         {**_DYNAMIC, "strategy": "group", "group_size": 128}),
+    # W8A8 with dynamic per-token INT8 activations: vLLM's CompressedTensorsW8A8Int8 (an
+    # int-quantized group with input_activations null matches no vLLM scheme).
+    "int8-channel": Scheme((_CODES, TensorRow(".weight_scale", "block_scale", COLUMN, "multiply")), "int-quantized",
+                           {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": "channel"},
+                           {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}),
 }
 TABLES = {recipe: scheme.tensors for recipe, scheme in SCHEMES.items()}
 FORMAT = {recipe: scheme.format for recipe, scheme in SCHEMES.items()}
