@@ -141,3 +141,43 @@ def test_manifest_json_round_trip_and_header_check(tiny_llama, tmp_path, run_cli
     assert bad.check_headers(src.headers) and "manifest says U8[1, 2]" in bad.check_headers(src.headers)[0]
     with pytest.raises(Exception, match="schema_version"):
         Manifest.from_json(json.dumps({**obj, "schema_version": 99}))
+
+
+# ---------------------------------------------------------------- layout tables
+
+
+def test_tables_round_trip_every_pair_and_direction_lives_in_one_place():
+    """Every (layout, recipe) row of every table: to_disk -> from_disk gives the same canonical
+    tensor, and a global scale is stored as the multiplier or its FP32 reciprocal by direction."""
+    from quantcli.layouts.base import stored_value, to_direction
+
+    w = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(3))
+    for layout in LAYOUTS.values():
+        for name in layout.tables:
+            recipe = layout.recipe_for(name)
+            x = w if layout.name == "gpt-oss" else w[0]
+            q = recipe.quantize("m", x)
+            disk = layout.to_disk("m", q)
+            assert [n for n in disk] == [d.name for d in layout.describe("m", recipe)]
+            back = layout.from_disk("m", recipe, disk.__getitem__, disk)
+            assert torch.equal(back.codes, q.codes) and torch.equal(back.scale, q.scale), (layout.name, name)
+            assert back.shape == q.shape == layout.logical_shape(recipe, tuple(next(iter(disk.values())).shape))
+            for d in layout.describe("m", recipe):
+                if d.role == "global_scale":
+                    assert torch.equal(disk[d.name].reshape(()), to_direction(q.global_scale, d.direction))
+                    assert stored_value(float(q.global_scale), d.direction) == float(disk[d.name].reshape(()))
+    assert get_recipe("nvfp4").has_global_scale
+
+
+def test_optional_tensors_are_written_only_when_facts_carry_them():
+    """The tables declare activation scales; to_disk writes one only when the module's facts have
+    it (ModuleFacts carries none yet), in the layout's direction."""
+    from types import SimpleNamespace
+
+    q = get_recipe("nvfp4").quantize("m", torch.randn(16, 64))
+    ct, mo = get_layout("compressed-tensors"), get_layout("modelopt")
+    assert "m.input_global_scale" not in ct.to_disk("m", q)
+    facts = SimpleNamespace(input_scale=torch.tensor(0.25))
+    assert float(ct.to_disk("m", q, facts)["m.input_global_scale"]) == 4.0  # a divisor
+    assert float(mo.to_disk("m", q, facts)["m.input_scale"]) == 0.25  # a multiplier, 0-d
+    assert mo.kv_scales == ("k_proj.k_scale", "v_proj.v_scale") and ct.kv_scales == ("k_scale", "v_scale")
