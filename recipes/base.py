@@ -10,7 +10,7 @@ import torch
 from quantcli.errors import RecipeError
 from quantcli.facts import NO_FACTS, ModuleFacts
 from quantcli.kernels import NonFiniteInput, QuantResult, QuantSpec
-from quantcli.kernels.reference import e8m0_to_float
+from quantcli.kernels.reference import e8m0_to_float, unpack_nibbles
 from quantcli.kernels.spec import NVFP4_GLOBAL_DIVISOR, ElementCodec, ScaleCodec
 from quantcli.kernels import dequantize as kernel_dequantize
 from quantcli.kernels import quantize as kernel_quantize
@@ -205,3 +205,15 @@ class Recipe:
         direction check compares it across modules)."""
         g = float(q.global_scale) if q.global_scale is not None else 1.0
         return self.element_max * float(self.scale_values(q).max()) * g
+
+    def saturated_fraction(self, q: QuantizedTensor) -> float:
+        """Share of codes at the element's largest magnitude (E2M1 6, E4M3 448, INT8 127/-128)."""
+        name = self.element.name
+        if name == "e2m1":
+            hit = (unpack_nibbles(q.codes) & 7) == 7
+        elif name == "int8":
+            c = q.codes.view(torch.int8)
+            hit = (c == 127) | (c == -128)
+        else:
+            hit = (q.codes.view(torch.uint8) & 0x7F) == 0x7E
+        return float(hit.float().mean()) if hit.numel() else 0.0
