@@ -21,7 +21,6 @@ from .spec import (
     EMAX_ELEM,
     FP8_BLOCK,
     FP32_MIN_NORMAL,
-    GROUP,
     MAX_ELEM,
     NVFP4_GLOBAL_DIVISOR,
     ROW,

@@ -21,7 +21,6 @@ from . import patterns
 from .decode import decode_module
 from .detect import Detected, disk_problems, tensors_look_like
 from .errors import CheckpointError
-from .kernels.reference import unpack_nibbles
 from .layouts import Layout, layouts_for
 from .plan import fused_group_of, is_dense_linear
 from .reports import OMITTED
@@ -135,14 +134,6 @@ def _disk_entries(layout: Layout, module: str, recipe, tensors: CheckpointTensor
     return entries, nbytes, problems
 
 
-def _logical_shape(codes_name: str, codes_shape: tuple[int, ...], element_bits: int) -> list[int]:
-    """The weight's shape from its stored codes: gpt-oss `_blocks` hold 32 values per block row,
-    packed FP4 two per byte."""
-    if codes_name.endswith("_blocks"):
-        return [*codes_shape[:-2], codes_shape[-2] * 32]
-    return [*codes_shape[:-1], codes_shape[-1] * 8 // element_bits]
-
-
 def describe_module(layout: Layout, module: str, recipe_name: str, tensors: CheckpointTensors,
                     scale_rule: str | None = None) -> ModuleDescription:
     recipe = layout.recipe_for(recipe_name, scale_rule if scale_rule in SCALE_RULES else None)
@@ -151,46 +142,33 @@ def describe_module(layout: Layout, module: str, recipe_name: str, tensors: Chec
     codes = tensors.info(codes_name) if codes_name in tensors else None
     logical = None
     if codes is not None:
-        logical = _logical_shape(codes_name, codes.shape, recipe.element_bits)
+        logical = list(layout.logical_shape(recipe, tuple(codes.shape)))
         problems.extend(disk_problems(layout, module, recipe, tuple(logical), tensors))
     looks_like = tensors_look_like(module, recipe.name, tensors)
     if looks_like and looks_like != recipe.name:
         problems.append(f"config says {recipe.name} but the tensors look like {looks_like}")
     numel = math.prod(logical) if logical else 0
-    fp4 = recipe.element_bits == 4
+    element = recipe.element
     return ModuleDescription(
         module=module, recipe=recipe.name, tensors_look_like=looks_like, logical_shape=logical,
-        logical_dtype="e2m1" if fp4 else "e4m3fn", storage_dtype=codes.dtype if codes else None,
-        storage_shape=list(codes.shape) if codes else None, packing="e2m1x2 low_first" if fp4 else None,
+        logical_dtype=element.manifest_name, storage_dtype=codes.dtype if codes else None,
+        storage_shape=list(codes.shape) if codes else None,
+        packing=f"{element.packing} low_first" if element.packed else None,
         block=list(recipe.block), scale_rule=recipe.scale_rule, tensors=entries, bytes=nbytes, params=numel,
         bits_per_param=round(8 * nbytes / numel, 4) if numel else None, problems=problems)
-
-
-def _scale_stats(recipe, scale: torch.Tensor) -> ModuleStats:
-    if recipe.scale_encoding == "e8m0_bias127":
-        hist = torch.bincount(scale.reshape(-1).long(), minlength=256)
-        return ModuleStats(e8m0_histogram={str(int(i) - 127): int(hist[i]) for i in torch.nonzero(hist).flatten()},
-                           e8m0_255_count=int(hist[255]))
-    s = scale.to(torch.float32) if recipe.scale_encoding == "f32" else scale.view(torch.float8_e4m3fn).to(torch.float32)
-    return ModuleStats(scale_min=float(s.min()), scale_max=float(s.max()),
-                       scale_nonfinite=int((~torch.isfinite(s)).sum()))
 
 
 def module_stats(layout: Layout, module: str, recipe_name: str, tensors: CheckpointTensors) -> ModuleStats:
     recipe = layout.recipe_for(recipe_name)
     q = layout.from_disk(module, recipe, tensors.get, tensors.where)
-    out = _scale_stats(recipe, q.scale)
+    out = ModuleStats(**recipe.scale_stats(q))
     w = decode_module(layout, module, recipe, q)
     out.nonfinite_values = int((~torch.isfinite(w)).sum())
     blocks = recipe.block[1] or w.shape[-1]
     if w.shape[-1] % blocks == 0:
         g = w.reshape(-1, blocks)
         out.zero_block_fraction = round(float((g.abs().amax(dim=1) == 0).float().mean()), 6)
-    if recipe.element_bits == 4:
-        codes = unpack_nibbles(q.codes)
-        out.saturated_fraction = round(float(((codes & 7) == 7).float().mean()), 6)
-    else:
-        out.saturated_fraction = round(float(((q.codes & 0x7F) == 0x7E).float().mean()), 6)
+    out.saturated_fraction = round(recipe.saturated_fraction(q), 6)
     return out
 
 

@@ -200,7 +200,7 @@ def _first(bad, values, what: str, rule: str) -> str | None:
     return f"{what} {value!r} at {index} ({int(bad.sum())} such value(s); {rule})"
 
 
-def _block_scale_fault(encoding: str, stored) -> str | None:
+def block_scale_fault(encoding: str, stored) -> str | None:
     import torch
 
     if encoding == "e8m0_bias127":
@@ -235,7 +235,7 @@ def scale_faults(layout: Layout, module: str, recipe, tensors) -> list[tuple[str
             values = stored.to(torch.float32).reshape(-1)
             fault = next((f for f in map(global_scale_fault, values.tolist()) if f), None)
         else:
-            fault = _block_scale_fault(d.encoding, stored)
+            fault = block_scale_fault(d.encoding, stored)
         tensors.release(d.name)
         if fault:
             faults.append((d.name, fault))

@@ -341,9 +341,9 @@ def _unmatched_patterns(opts: Options, modules: list[str]) -> list[str]:
     """A pattern that selects no Linear or expert module is most likely a typo: said before the work."""
     example = f" (module names look like {modules[0]!r})" if modules else ""
     out = []
-    for label, patterns in (("ignore", opts.ignore), ("targets", opts.targets),
-                            ("override", [p for p, _ in opts.overrides])):
-        for p in patterns:
+    for label, given in (("ignore", opts.ignore), ("targets", opts.targets),
+                         ("override", [p for p, _ in opts.overrides])):
+        for p in given:
             if not any(matches(p, m) for m in modules):
                 out.append(f"{label} pattern {p!r} matches no Linear or expert module, so it has no effect{example}")
     return out

@@ -170,26 +170,6 @@ class Recipe:
             return q.scale.view(torch.float8_e4m3fn).to(torch.float32)
         return q.scale.to(torch.float32)
 
-    def scale_fault(self, q: QuantizedTensor) -> str | None:
-        """What is wrong with the decoded scales of `q` (block and global), or None."""
-        encoding = self.scale_encoding
-        if encoding == "e8m0_bias127":
-            bad = bool((q.scale.view(torch.uint8) == 255).any())
-            fault = "E8M0 scale byte 255 (NaN) present" if bad else None
-        elif encoding == "e4m3fn":
-            b = q.scale.view(torch.uint8)
-            bad = bool(((b & 0x7F) == 0x7F).any()) or bool((b & 0x80).any())
-            fault = "E4M3 block scales hold NaN or negative values" if bad else None
-        else:
-            s = q.scale.to(torch.float32)
-            bad = not bool(torch.isfinite(s).all()) or not bool((s > 0).all())
-            fault = "block scales are not all finite and positive" if bad else None
-        if fault is None and q.global_scale is not None:
-            g = float(q.global_scale)
-            if not math.isfinite(g) or g <= 0:
-                fault = f"global scale {g} is not finite and positive"
-        return fault
-
     def scale_stats(self, q: QuantizedTensor) -> dict:
         """inspect --stats: min/max of the scales, or the E8M0 exponent histogram."""
         if self.scale_encoding == "e8m0_bias127":

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import quantcli.convert.job as job_mod
-from quantcli.convert import PROGRESS_NAME, RunOptions, convert_shard, learn_facts
+from quantcli.convert import PROGRESS_NAME, convert_shard, learn_facts
 from quantcli.convert.reading import ModuleReader
 from quantcli.plan import Options
 from quantcli.planner import plan_conversion

@@ -93,12 +93,9 @@ def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:
 
 
 def module_entry(t: TensorPlan, recipe, disk: tuple[DiskEntry, ...]) -> ModuleEntry:
-    fp4 = recipe.element_bits == 4
-    rule = recipe.scale_rule or ("amax/2688" if recipe.has_global_scale else "amax/448")
-    zero = {"e8m0_bias127": "byte 0", "e4m3fn": "block scale 1.0 (0x38)"}.get(recipe.scale_encoding, "scale 1.0")
+    """The manifest entry: where the tensor came from (the plan), what was computed (the
+    recipe's own description of its element, block and scales) and what is on disk."""
     return ModuleEntry(
         module=t.module, source_name=t.name, source_dtype=t.dtype, logical_shape=t.logical_shape,
-        recipe=recipe.name, block=recipe.block, axis=-1, element="e2m1" if fp4 else "e4m3fn",
-        packing="e2m1x2" if fp4 else None, nibble_order="low_first" if fp4 else None, scale_rule=rule,
-        element_rounding="rne_sat", zero_block_policy=zero, scale_layout="linear",
-        transposed_from_source=t.transpose, fused_group=t.fused_group, tensors=disk)
+        recipe=recipe.name, transposed_from_source=t.transpose, fused_group=t.fused_group, tensors=disk,
+        **recipe.manifest_fields())

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-import torch
 
 from ..tensors import CheckpointTensors
 from .report import DIRECTION, Findings
@@ -22,12 +21,17 @@ from .report import DIRECTION, Findings
 INVERSION_EVIDENCE = math.log(100.0)
 
 
-def _inverted(s2: float, here: float, reference: float, layout_name: str) -> str | None:
+def _stored_direction(layout, module: str, recipe) -> str:
+    """How the layout stores this module's global scale, in words (from the layout's table)."""
+    d = next(d for d in layout.describe(module, recipe) if d.role == "global_scale")
+    suffix = d.name.rsplit(".", 1)[-1]
+    return f"{suffix} is a multiplier amax/2688" if d.direction == "multiply" else f"{suffix} is a divisor 2688/amax"
+
+
+def _inverted(s2: float, here: float, reference: float, direction: str) -> str | None:
     flipped = here - 2 * math.log(s2)  # the same module with 1/s2
     if abs(here - reference) - abs(flipped - reference) <= INVERSION_EVIDENCE:
         return None
-    direction = ("weight_global_scale is a divisor 2688/amax" if layout_name == "compressed-tensors"
-                 else "weight_scale_2 is a multiplier amax/2688")
     return (f"global scale looks inverted: it decodes to amax {math.exp(here):.4g}, "
             f"{math.exp(abs(here - reference)):.3g}x off the rest of the checkpoint, and "
             f"{math.exp(flipped):.4g} read the other way round ({direction})")
@@ -44,7 +48,8 @@ def direction_faults(decoded_cache: dict, qt: CheckpointTensors, det) -> Iterato
         for reference in (_median([v for m, v in peers.items() if m != module] + dense), _median(dense)):
             if reference is None:
                 continue
-            fault = _inverted(s2, peers[module], reference, det.layout.name)
+            fault = _inverted(s2, peers[module], reference,
+                              _stored_direction(det.layout, module, decoded_cache[module][0]))
             if fault is not None:
                 yield module, fault
                 break
@@ -58,15 +63,7 @@ def direction_check(decoded_cache: dict, qt: CheckpointTensors, det, found: Find
 
 def _log_amax(recipe, q) -> float:
     """log of the module's decoded amax, from its scales alone (within a factor ~2 of the true one)."""
-    elem_max = 6.0 if recipe.element_bits == 4 else 448.0
-    if recipe.scale_encoding == "e8m0_bias127":
-        scale = 2.0 ** (int(q.scale.max()) - 127)
-    elif recipe.scale_encoding == "e4m3fn":
-        scale = float(q.scale.view(torch.float8_e4m3fn).to(torch.float32).max())
-    else:
-        scale = float(q.scale.to(torch.float32).max())
-    g = float(q.global_scale) if q.global_scale is not None else 1.0
-    value = elem_max * scale * g
+    value = recipe.decoded_amax_bound(q)
     return math.log(value) if value > 0 and math.isfinite(value) else 0.0
 
 

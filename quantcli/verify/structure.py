@@ -4,7 +4,6 @@ is a function that returns its (tensor, fault) findings; the caller files them (
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator
 
@@ -12,7 +11,7 @@ import torch
 
 from ..analysis import ModuleDescription, describe_module, exclusion_list, fused_mismatches, is_excluded, linear_modules
 from ..decode import decode_module
-from ..detect import all_names
+from ..detect import all_names, block_scale_fault, global_scale_fault
 from ..errors import QuantcliError
 from ..layouts import layouts_for
 from ..plan import matches
@@ -107,21 +106,15 @@ def structure_checks(source, det, config: dict, qt: CheckpointTensors, pattern: 
 
 
 def scale_faults(module: str, recipe, q) -> Iterator[Finding]:
-    if recipe.scale_encoding == "f32":
-        s = q.scale.to(torch.float32)
-        if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
-            yield module, "block scales are not all finite and positive"
-    elif recipe.scale_encoding == "e8m0_bias127":
-        if bool((q.scale == 255).any()):
-            yield module, "E8M0 scale byte 255 (NaN) present"
-    else:
-        b = q.scale.view(torch.uint8)
-        if bool(((b & 0x7F) == 0x7F).any()) or bool((b & 0x80).any()):
-            yield module, "E4M3 block scales hold NaN or negative values"
+    """The values no correct producer writes, by the one rule convert also refuses a source by
+    (detect.py): NaN or negative block scales, E8M0 255, a global scale not finite and > 0."""
+    block = block_scale_fault(recipe.scale_encoding, q.scale)
+    if block is not None:
+        yield module, block
     if q.global_scale is not None:
-        g = float(q.global_scale)
-        if not math.isfinite(g) or g <= 0:
-            yield module, f"global scale {g} is not finite and positive"
+        fault = global_scale_fault(float(q.global_scale))
+        if fault is not None:
+            yield module, fault
 
 
 def tp_faults(module: str, recipe, shape, tp: int) -> Iterator[Finding]:
