@@ -123,7 +123,7 @@ def recipes_the_tensors_allow(module: str, tensors) -> set[str]:
     if codes.dtype == "U8":  # FP4 pairs: the group size tells NVFP4 (16) from MXFP4 (32)
         k = codes.shape[-2] * 32 if codes_row.reshape == BLOCKS16 else codes.shape[-1] * 2
         group = k // max(1, scale.shape[-1]) if scale.shape else 0
-        return {16: {"nvfp4"}, 32: {"mxfp4"}}.get(group, set())
+        return {r for r, recipe in RECIPES.items() if recipe.element.packed and recipe.block == (1, group)}
     if codes.dtype == "I8" and len(codes.shape) >= 2:
         return {r for r in RECIPES if RECIPES[r].element.safetensors_dtype == "I8"}
     if codes.dtype != "F8_E4M3" or len(codes.shape) < 2:

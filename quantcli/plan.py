@@ -309,8 +309,8 @@ def _exclusion_reason(module: str, info, is_experts: bool, opts: Options, layout
         reason = "--ignore"
     if reason is None and opts.targets and not any(matches(p, module) for p in opts.targets):
         reason = "not in targets"
-    if reason is None and layout.name == "gpt-oss" and not is_experts:
-        reason = "gpt-oss layout quantizes MoE experts only"
+    if reason is None and layout.experts_only and not is_experts:
+        reason = f"{layout.name} layout quantizes MoE experts only"
     if reason is None and DTYPES.get(info.dtype) not in (torch.float32, torch.float16, torch.bfloat16):
         reason = f"dtype {info.dtype} is not a float weight"
     return reason
@@ -328,8 +328,8 @@ def _unfit_reason(recipe: Recipe, layout: Layout, name: str, shape: tuple[int, .
 
 def _nothing_to_quantize(source: Source, layout: Layout, exclusions: list[Exclusion]) -> str:
     """Why a conversion would write an unquantized copy, which nobody asks for on purpose."""
-    if layout.name == "gpt-oss":
-        return (f"{source.label}: --layout gpt-oss quantizes 3-D MoE expert stacks only, and this checkpoint has "
+    if layout.experts_only:
+        return (f"{source.label}: --layout {layout.name} quantizes 3-D MoE expert stacks only, and this checkpoint has "
                 f"none; use --layout compressed-tensors for dense Linears")
     reasons = sorted({e.reason for e in exclusions})
     why = f" (left dense: {'; '.join(reasons[:3])})" if reasons else " (no Linear or expert weights found)"

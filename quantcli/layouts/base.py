@@ -96,6 +96,7 @@ class Layout:
     unservable: tuple[str, ...] = ()
     default_scale_rule: str | None = None  # for MX recipes
     exclusion_key: str = ""
+    experts_only = False  # the layout names 3-D MoE expert stacks only (gpt-oss)
 
     @property
     def recipes(self) -> tuple[str, ...]:
@@ -116,6 +117,10 @@ class Layout:
         if r.scale_rules:
             return r.with_scale_rule(scale_rule or self.default_scale_rule or r.scale_rule)
         return r
+
+    def config_problems(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> list[str]:
+        """Config keys this layout's loaders need that the checkpoint lacks (verify)."""
+        return []
 
     def check_shape(self, name: str, recipe: Recipe, shape: tuple[int, ...]) -> None:
         """Layout-specific shape limits beyond the recipe's own (raise LayoutError)."""

@@ -79,6 +79,11 @@ class CompressedTensorsLayout(Layout):
     default_scale_rule = "even"
     exclusion_key = "ignore"
 
+    def config_problems(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> list[str]:
+        qc = config.get("quantization_config") or {}
+        return [f"compressed-tensors quantization_config lacks {key!r}" for key in ("config_groups", "format")
+                if not qc.get(key)]
+
     def detect(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> bool:
         qc = config.get("quantization_config") or {}
         return qc.get("quant_method") == "compressed-tensors"

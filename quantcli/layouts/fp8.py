@@ -34,6 +34,12 @@ class Fp8Layout(Layout):
     default_scale_rule = "rceil"
     exclusion_key = "ignored_layers"
 
+    def config_problems(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> list[str]:
+        qc = config.get("quantization_config") or {}
+        if qc.get("quant_method") == "fp8" and qc.get("activation_scheme") not in ("static", "dynamic"):
+            return ["fp8 quantization_config lacks 'activation_scheme' (vLLM requires it)"]
+        return []
+
     def detect(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> bool:
         qc = config.get("quantization_config") or {}
         return qc.get("quant_method") in ("fp8", "mxfp8")

@@ -24,6 +24,7 @@ class GptOssLayout(Layout):
     tables = TABLES
     default_scale_rule = "rceil"
     exclusion_key = "modules_to_not_convert"
+    experts_only = True
 
     def check_shape(self, name: str, recipe: Recipe, shape: tuple[int, ...]) -> None:
         if len(shape) != 3:

@@ -58,6 +58,20 @@ class ModelOptLayout(Layout):
                 f"{name}: shape {list(shape)} is not a multiple of 128 in both dims, which vLLM's "
                 f"modelopt FP8_PB_WO loader requires; use --layout fp8 or compressed-tensors")
 
+    def config_problems(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> list[str]:
+        qc = config.get("quantization_config") or {}
+        hq = extra_files.get("hf_quant_config.json") or {}
+        section = hq.get("quantization") or qc
+        problems = [f"modelopt config lacks a non-empty {key!r} (vLLM/SGLang need it)"
+                    for key in ("quant_algo", "exclude_modules" if "quantization" in hq else "ignore")
+                    if not section.get(key)]
+        if "NVFP4" in str(section.get("quant_algo", "")).upper():
+            if "group_size" not in section:
+                problems.append("modelopt NVFP4 config lacks 'group_size' (vLLM requires it)")
+            if "kv_cache_quant_algo" not in section and "kv_cache_scheme" not in section:
+                problems.append("modelopt NVFP4 config lacks 'kv_cache_quant_algo' (vLLM requires the key)")
+        return problems
+
     def detect(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> bool:
         qc = config.get("quantization_config") or {}
         return "hf_quant_config.json" in extra_files or qc.get("quant_method") == "modelopt"

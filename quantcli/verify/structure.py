@@ -27,30 +27,6 @@ def scale_rule_of(rule: str | None) -> str | None:
     return rule if rule in ("floor", "even", "rceil") else None
 
 
-def config_problems(layout_name: str, config: dict, extras: dict) -> list[str]:
-    qc = config.get("quantization_config") or {}
-    problems = []
-    if layout_name == "modelopt":
-        section = (extras.get("hf_quant_config.json") or {}).get("quantization") or qc
-        for key in ("quant_algo", "exclude_modules" if "quantization" in (extras.get("hf_quant_config.json") or {})
-                    else "ignore"):
-            if not section.get(key):
-                problems.append(f"modelopt config lacks a non-empty {key!r} (vLLM/SGLang need it)")
-        if "NVFP4" in str(section.get("quant_algo", "")).upper():
-            if "group_size" not in section:
-                problems.append("modelopt NVFP4 config lacks 'group_size' (vLLM requires it)")
-            if "kv_cache_quant_algo" not in section and "kv_cache_scheme" not in section:
-                problems.append("modelopt NVFP4 config lacks 'kv_cache_quant_algo' (vLLM requires the key)")
-    elif layout_name == "compressed-tensors":
-        for key in ("config_groups", "format"):
-            if not qc.get(key):
-                problems.append(f"compressed-tensors quantization_config lacks {key!r}")
-    elif layout_name == "fp8":
-        if qc.get("quant_method") == "fp8" and qc.get("activation_scheme") not in ("static", "dynamic"):
-            problems.append("fp8 quantization_config lacks 'activation_scheme' (vLLM requires it)")
-    return problems
-
-
 def manifest_faults(source, det) -> Iterator[Finding]:
     for p in det.manifest.check_headers(source.headers):
         yield p.split(":")[0], "manifest/header mismatch: " + p.split(": ", 1)[1]
@@ -95,8 +71,7 @@ def structure_checks(source, det, config: dict, qt: CheckpointTensors, pattern: 
     described modules (those `pattern` selects)."""
     if det.manifest is not None:
         found.record(MANIFEST, manifest_faults(source, det))
-    found.record(CONFIG, (("config.json", p) for p in config_problems(det.layout.name, source.config,
-                                                                      det.extra_files)))
+    found.record(CONFIG, (("config.json", p) for p in det.layout.config_problems(source.config, det.extra_files)))
     found.record(SERVABLE, servable_faults(det))
     modules = describe_selected(det, qt, pattern)
     found.record(TENSORS, tensor_faults(modules))
