@@ -152,6 +152,16 @@ def convert(
     scale_rule: Annotated[Optional[str], typer.Option(
         metavar="RULE", callback=_one_of("--scale-rule", "MX scale rule", _scale_rule_names),
         help=f"MX scale exponent rule: {', '.join(SCALE_RULE_NAMES)} (default: the layout's producer).")] = None,
+    activations: Annotated[Optional[str], typer.Option(
+        metavar="MODE", callback=_one_of("--activations", "activation scheme", lambda: ["static", "dynamic"]),
+        help="static: calibrated activation scales (nvfp4 W4A4, fp8); needs --calibration.")] = None,
+    kv_cache: Annotated[Optional[str], typer.Option(
+        metavar="DTYPE", callback=_one_of("--kv-cache", "KV-cache dtype", lambda: ["fp8", "none"]),
+        help="fp8: write calibrated k_scale/v_scale; needs --calibration.")] = None,
+    calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help="Calibration samples: .txt or .jsonl (text, messages or input_ids).")] = None,
+    calibration_samples: Annotated[Optional[int], typer.Option(metavar="N", help="Samples to use.  [default: 128]")] = None,
+    calibration_seq_len: Annotated[Optional[int], typer.Option(metavar="L", help="Tokens per sample, at most.  [default: 512]")] = None,
+    calibration_batch: Annotated[Optional[int], typer.Option(metavar="B", help="Samples per forward.  [default: 1]")] = None,
     revision: Revision = None,
     device: Device = "auto",
     backend: Annotated[str, typer.Option(
@@ -169,7 +179,10 @@ def convert(
     if not dry_run:
         ctx.meta[INTERRUPT_LINE] = RESUME_LINE
     code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
-                       scale_rule=scale_rule, revision=revision, device=device, backend=backend,
+                       scale_rule=scale_rule, calibrate=dict(
+                           activations=activations, kv_cache=kv_cache, calibration=calibration,
+                           calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
+                           calibration_batch=calibration_batch), revision=revision, device=device, backend=backend,
                        dry_run=dry_run, resume=resume, overwrite=overwrite, quiet=quiet, json_out=json_out)
     raise typer.Exit(code)
 

@@ -18,13 +18,15 @@ from .render import emit_json, human_bytes, render_inspect, render_verify
 
 def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
                 config: Path | None, scale_rule: str | None, revision: str | None, device: str, backend: str,
-                dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool) -> int:
+                dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool,
+                calibrate: dict | None = None) -> int:
     from .convert import RunOptions, check_destination, check_run_options, convert
     from .planner import plan_conversion
     from .recipe_file import conversion_options
     from .source import open_source
 
-    opts = conversion_options(recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule)
+    opts = conversion_options(recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule,
+                              calibrate=calibrate)
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
     if not dry_run:  # device, backend and destination problems before anything is read or written

@@ -19,6 +19,22 @@ class ModuleFacts:
     # max |w| over the module's fused group (q/k/v, gate/up, ...): one NVFP4 global scale for the
     # group, as the engines that fuse the GEMM require (FORMATS A.3). None: the module's own amax.
     group_amax: torch.Tensor | None = None
+    # Calibrated (quantcli/calibrate), multipliers: the activation scale of a static-activation
+    # recipe (amax_x / 448 for FP8, amax_x / 2688 for NVFP4, shared across the fused group) and
+    # the FP8 KV-cache scales amax / 448, carried by the k_proj (k_scale) and v_proj (v_scale).
+    input_scale: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `--calibration` asks for: the data file and how much of it to run."""
+
+    data: str
+    samples: int = 128
+    seq_len: int = 512
+    batch: int = 1
 
 
 NO_FACTS = ModuleFacts()

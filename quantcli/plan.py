@@ -15,6 +15,7 @@ import torch
 
 from . import patterns
 from .errors import LayoutError, QuantcliError, RecipeError
+from .facts import Calibration
 from .layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
 from .recipes import RECIPES, Recipe, get_recipe
 from .safetensors_io import DTYPES, ITEMSIZE, OutSpec, dtype_name
@@ -92,6 +93,9 @@ class Options:
     targets: list[str] = field(default_factory=list)  # empty: every eligible Linear
     overrides: list[tuple[str, str]] = field(default_factory=list)  # (pattern, recipe), first match wins
     scale_rule: str | None = None
+    activations: str | None = None  # "static": calibrated activation scales (nvfp4 W4A4, fp8)
+    kv_cache: str | None = None  # "fp8": calibrated k_scale / v_scale
+    calibration: Calibration | None = None
 
 
 @dataclass

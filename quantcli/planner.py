@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from .calibrate.plan import checked_plan
 from .plan import Options, Plan
 from .reformat import detect_quantized, plan_for
 from .source import Source
@@ -10,4 +11,4 @@ from .source import Source
 
 def plan_conversion(source: Source, opts: Options) -> Plan:
     """The plan for converting `source` with `opts`, from headers (and a quantized source's scales)."""
-    return plan_for(source, opts, detect_quantized(source))
+    return checked_plan(plan_for(source, opts, detect_quantized(source)))

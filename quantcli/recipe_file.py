@@ -6,7 +6,9 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+from .calibrate.plan import check_options
 from .errors import QuantcliError, did_you_mean, pick
+from .facts import Calibration
 from .kernels.spec import SCALE_RULES
 from .layouts import LAYOUTS
 from .plan import Options
@@ -14,9 +16,11 @@ from .recipes import DENSE_RECIPES, RECIPES
 
 
 def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[str], config: Path | None,
-                       scale_rule: str | None) -> Options:
-    """The options of one conversion, from the command line and the recipe file (if any)."""
+                       scale_rule: str | None, calibrate: dict | None = None) -> Options:
+    """The options of one conversion, from the command line and the recipe file (if any);
+    `calibrate`: the command line's activations, kv_cache, calibration and calibration_* values."""
     opts = Options(recipe=recipe or "")
+    data: dict = {}
     if config is not None:
         data = load_recipe_file(config)
         opts.recipe = recipe or data.get("recipe", "")
@@ -28,10 +32,33 @@ def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[s
     opts.layout = layout or opts.layout
     opts.scale_rule = scale_rule or opts.scale_rule
     opts.ignore += ignore
+    _calibration_options(opts, data, calibrate or {})
     if not opts.recipe:
         raise QuantcliError(f"--recipe is required (or 'recipe' in --config): {', '.join(RECIPES)}, "
                             f"or {'/'.join(DENSE_RECIPES)} to dequantize")
     return opts
+
+
+_CALIBRATION_KEYS = {"activations": ("static", "dynamic"), "kv_cache": ("fp8", "none"), "calibration": None,
+                     "calibration_samples": 128, "calibration_seq_len": 512, "calibration_batch": 1}
+
+
+def _calibration_options(opts: Options, data: dict, given: dict) -> None:
+    """--activations, --kv-cache, --calibration*: the command line over the file; checked once."""
+    merged = {k: given[k] if given.get(k) is not None else data.get(k) for k in _CALIBRATION_KEYS}
+    opts.activations = merged["activations"] if merged["activations"] == "static" else None
+    opts.kv_cache = merged["kv_cache"] if merged["kv_cache"] == "fp8" else None
+    cal = None
+    if merged["calibration"] is not None:
+        sizes = {k: merged[k] if merged[k] is not None else _CALIBRATION_KEYS[k] for k in _CALIBRATION_KEYS
+                 if k.startswith("calibration_")}
+        for k, v in sizes.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise QuantcliError(f"--{k.replace('_', '-')}: must be a positive integer, got {v!r}")
+        cal = Calibration(str(merged["calibration"]), sizes["calibration_samples"], sizes["calibration_seq_len"],
+                          sizes["calibration_batch"])
+    opts.calibration = cal
+    check_options(opts.activations, opts.kv_cache, cal)
 
 
 def load_recipe_file(path: Path) -> dict:
@@ -56,7 +83,7 @@ def _toml_type(value: object) -> str:
 
 
 def _check_recipe_file(data: dict, where: str) -> dict:
-    known = ("recipe", "layout", "scale_rule", "targets", "ignore", "override")
+    known = ("recipe", "layout", "scale_rule", "targets", "ignore", "override", *_CALIBRATION_KEYS)
     for key in data:
         if key not in known:
             raise QuantcliError(f"{where}: unknown key {key!r}{did_you_mean(key, known)} (allowed: {', '.join(known)})")
@@ -79,6 +106,12 @@ def _check_recipe_file(data: dict, where: str) -> dict:
         if key in data:
             value = string(key, data[key], f'{key} = "{choices[0]}"')
             out[key] = pick(f"{where}: {key}", key.replace("_", " "), value, choices)
+    for key, choices in _CALIBRATION_KEYS.items():
+        if key in data and isinstance(choices, tuple):
+            out[key] = pick(f"{where}: {key}", key.replace("_", " "), string(key, data[key], f'{key} = "{choices[0]}"'),
+                            list(choices))
+        elif key in data:
+            out[key] = data[key] if key != "calibration" else string(key, data[key], 'calibration = "data.jsonl"')
     for key in ("targets", "ignore"):
         if key in data:
             out[key] = strings(key, f'{key} = ["*q_proj"]')

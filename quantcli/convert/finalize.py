@@ -42,7 +42,12 @@ def _write_configs(plan: Plan, stage: Path) -> dict:
     config.pop("quantization_config", None)
     if plan.layout is not None and any(t.quantized for t in plan.tensors):
         config["quantization_config"] = plan.layout.quantization_config(groups, excluded)
-        for name, obj in plan.layout.extra_files(groups, excluded).items():
+        extra = plan.layout.extra_files(groups, excluded)
+        opts = plan.options
+        if opts.activations == "static" or opts.kv_cache == "fp8":
+            plan.layout.declare_calibration(config["quantization_config"], extra, groups,
+                                            static=opts.activations == "static", kv_fp8=opts.kv_cache == "fp8")
+        for name, obj in extra.items():
             write_json_atomic(stage / name, obj)
     return config
 

@@ -31,7 +31,23 @@ def fused_group_amax(reader: ModuleReader) -> dict[str, dict[str, object]]:
     return out
 
 
-PASSES: tuple[Pass, ...] = (fused_group_amax,)
+def calibrated_scales(reader: ModuleReader) -> dict[str, dict[str, object]]:
+    """With --calibration: static activation scales and KV-cache scales from running the source
+    model layer by layer over the calibration data (quantcli/calibrate)."""
+    cal = reader.plan.options.calibration
+    if cal is None:
+        return {}
+    from ..calibrate.data import token_ids
+    from ..calibrate.engine import collect
+    from ..calibrate.scales import scale_facts
+
+    ids = token_ids(cal, reader.plan.source.root)
+    stats = collect(reader.plan.source.config, reader.tensors.get, reader.tensors.release, ids, cal.batch,
+                    reader.device)
+    return scale_facts(reader.plan, stats)
+
+
+PASSES: tuple[Pass, ...] = (fused_group_amax, calibrated_scales)
 
 
 def learn_facts(reader: ModuleReader, passes: tuple[Pass, ...] = PASSES) -> dict[str, ModuleFacts]:

@@ -31,6 +31,11 @@ def fingerprint(plan: Plan) -> str:
                  f"{t.source_recipe}".encode())
     for name, r in sorted(plan.recipes.items()):
         h.update(f"{name}:{r.scale_rule}".encode())
+    opts = plan.options
+    if opts.calibration is not None:  # the data's bytes count, not only its name
+        c = opts.calibration
+        h.update(f"calibration|{opts.activations}|{opts.kv_cache}|{c.samples}|{c.seq_len}|{c.batch}".encode())
+        h.update(hashlib.sha256(Path(c.data).read_bytes()).hexdigest().encode())
     for shard in plan.source.shards:
         header = plan.source.headers[shard]
         h.update(json.dumps({n: [i.start, i.end] for n, i in sorted(header.tensors.items())}).encode())

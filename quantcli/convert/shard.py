@@ -16,7 +16,7 @@ from typing import Mapping
 import torch
 
 from ..facts import NO_FACTS, ModuleFacts
-from ..layouts.base import to_direction
+from ..layouts.base import module_of, to_direction
 from ..plan import TensorPlan
 from ..recipes import QuantizedTensor
 from ..safetensors_io import DTYPES, ShardWriter, tensor_bytes
@@ -77,7 +77,10 @@ def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], fact
         for spec in writer.order:
             if spec.name not in pending:
                 t = producer[spec.name]
-                outputs, found = produce(reader, t, facts.get(t.module, NO_FACTS))
+                module = t.module or module_of(t.name)
+                outputs, found = produce(reader, t, facts.get(module, NO_FACTS))
+                outputs.update(reader.plan.layout.kv_to_disk(module, facts.get(module, NO_FACTS))
+                               if reader.plan.layout is not None else {})
                 if t.module is not None:
                     learned[t.module] = found
                 pending.update(outputs)

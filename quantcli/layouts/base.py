@@ -91,6 +91,7 @@ class Layout:
     optional: Mapping[str, tuple[TensorRow, ...]] = {}
     # KV-cache scales, relative to the attention module (FORMATS.md B 9); none when empty
     kv_scales: tuple[str, ...] = ()
+    kv_scale_shape: tuple[int, ...] = ()  # F32, 0-d (modelopt) or [1] (compressed-tensors)
     # Recipes a producer writes in this layout that no serving engine loads: read (inspect,
     # verify, convert from them), never written, and verify fails them.
     unservable: tuple[str, ...] = ()
@@ -150,6 +151,24 @@ class Layout:
             if value is not None:
                 out[f"{module}{row.suffix}"] = self._encode(row, recipe, torch.as_tensor(value))
         return out
+
+    def kv_names(self, module: str) -> dict[str, str]:
+        """The KV-cache scale a k_proj / v_proj module carries: {ModuleFacts field: tensor name}."""
+        attn, _, leaf = module.rpartition(".")
+        fields = {"k_proj": ("k_scale", 0), "v_proj": ("v_scale", 1)}
+        if leaf not in fields or not self.kv_scales:
+            return {}
+        fact, i = fields[leaf]
+        return {fact: f"{attn}.{self.kv_scales[i]}"}
+
+    def kv_to_disk(self, module: str, facts: ModuleFacts) -> dict[str, torch.Tensor]:
+        """The calibrated KV-cache scales (multipliers, F32) that `facts` hold for this module."""
+        return {name: scalar_f32(getattr(facts, fact), self.kv_scale_shape)
+                for fact, name in self.kv_names(module).items() if getattr(facts, fact) is not None}
+
+    def declare_calibration(self, config: dict, extra: dict[str, dict], groups: Mapping[str, list[str]],
+                            static: bool, kv_fp8: bool) -> None:
+        """Declare calibrated static activations / an FP8 KV cache in the configs (in place)."""
 
     @staticmethod
     def _encode(row: TensorRow, recipe: Recipe, t: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,7 @@ class CompressedTensorsLayout(Layout):
     tables = TABLES
     optional = OPTIONAL
     kv_scales = ("k_scale", "v_scale")  # on the attention module: `...self_attn.k_scale`
+    kv_scale_shape = (1,)
     default_scale_rule = "even"
     exclusion_key = "ignore"
 
@@ -129,6 +130,23 @@ class CompressedTensorsLayout(Layout):
                 "config_groups": config_groups, "ignore": excluded, "kv_cache_scheme": None,
                 "global_compression_ratio": None, "sparsity_config": {}}
 
+    def declare_calibration(self, config: dict, extra: dict[str, dict], groups: Mapping[str, list[str]],
+                            static: bool, kv_fp8: bool) -> None:
+        if static:  # FORMATS B 3.2 (FP8 static) and 6.2 (NVFP4 W4A4 preset)
+            for group in config["config_groups"].values():
+                recipe = next(r for r, s in SCHEMES.items() if s.format == group["format"]
+                              and _same_weights(group["weights"], s.weights))
+                if recipe in STATIC_INPUTS:
+                    group["input_activations"] = dict(STATIC_INPUTS[recipe])
+        if kv_fp8:  # FORMATS B 9
+            config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                         "symmetric": True}
+
+
+_STATIC_FP8 = {"num_bits": 8, **_FLOAT, "strategy": "tensor"}
+STATIC_INPUTS = {"fp8": _STATIC_FP8, "fp8-channel": _STATIC_FP8,
+                 "nvfp4": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+                           "group_size": 16, "dynamic": "local", "scale_dtype": "torch.float8_e4m3fn"}}
 
 
 def _same_weights(found: Mapping, ours: Mapping) -> bool:

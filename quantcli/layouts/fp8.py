@@ -65,3 +65,8 @@ class Fp8Layout(Layout):
         elif recipe == "mxfp8":
             cfg["weight_block_size"] = [1, 32]
         return cfg
+
+    def declare_calibration(self, config: dict, extra: dict[str, dict], groups: Mapping[str, list[str]],
+                            static: bool, kv_fp8: bool) -> None:
+        if static:  # FORMATS B 3.3: per-tensor input_scale
+            config["activation_scheme"] = "static"

@@ -112,6 +112,16 @@ class ModelOptLayout(Layout):
         return cfg
 
 
+    def declare_calibration(self, config: dict, extra: dict[str, dict], groups: Mapping[str, list[str]],
+                            static: bool, kv_fp8: bool) -> None:
+        section = extra["hf_quant_config.json"]["quantization"]
+        if static and section["quant_algo"] == "W4A16_NVFP4":  # W4A4: FORMATS B 6.1 input_scale
+            section["quant_algo"] = config["quant_algo"] = "NVFP4"
+        if kv_fp8:  # FORMATS B 9
+            section["kv_cache_quant_algo"] = "FP8"
+            config["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+
+
 def _producer() -> dict:
     return {"name": "quantcli", "version": __version__}
 

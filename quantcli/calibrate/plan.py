@@ -1,0 +1,65 @@
+"""Up-front checks of a calibrated conversion, and the tensors it adds to the plan."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import QuantcliError
+from ..layouts import LAYOUTS, module_of
+from ..layouts.base import ONE, SCALAR
+from ..plan import Plan
+from ..safetensors_io import OutSpec
+from .data import read_samples
+
+# Decoder-only architectures whose layers engine.py runs (dense Llama-style attention + MLP).
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_SHAPES = {SCALAR: (), ONE: (1,)}
+
+
+def check_options(activations: str | None, kv_cache: str | None, calibration) -> None:
+    """Flags that need --calibration, refused before the source is opened."""
+    for flag, value in (("--activations static", activations == "static"), ("--kv-cache fp8", kv_cache == "fp8")):
+        if value and calibration is None:
+            raise QuantcliError(f"{flag} needs --calibration DATA (a .txt or .jsonl of calibration samples)")
+    if calibration is not None and activations != "static" and kv_cache != "fp8":
+        raise QuantcliError("--calibration: nothing to calibrate; add --activations static and/or --kv-cache fp8")
+
+
+def checked_plan(plan: Plan) -> Plan:
+    """`plan` with the calibrated tensors added to its outputs; every refusal before any work."""
+    opts = plan.options
+    if opts.calibration is None:
+        return plan
+    if plan.layout is None or plan.source_layout is not None:
+        raise QuantcliError(f"--calibration: {plan.source.label} is already quantized; calibrate from the dense "
+                            f"(BF16/FP16/FP32) checkpoint")
+    arch = (plan.source.config.get("architectures") or ["(none in config.json)"])[0]
+    if arch not in SUPPORTED:
+        raise QuantcliError(f"--calibration: architecture {arch} is not supported (supported: {', '.join(SUPPORTED)})")
+    read_samples(opts.calibration)  # a missing or empty file is refused here
+    if opts.kv_cache == "fp8" and not plan.layout.kv_scales:
+        able = [name for name, layout in LAYOUTS.items() if layout.kv_scales]
+        raise QuantcliError(f"--kv-cache fp8: layout {plan.layout.name} has no KV-cache scale tensors; use "
+                            f"--layout {' or '.join(able)}")
+    tensors = [replace(t, outputs=t.outputs + _added(plan, t)) for t in plan.tensors]
+    kv_names = {o.name for t in tensors for o in t.outputs} - {o.name for t in plan.tensors for o in t.outputs}
+    if opts.kv_cache == "fp8" and not any(n.endswith(plan.layout.kv_scales) for n in kv_names):
+        raise QuantcliError(f"--kv-cache fp8: {plan.source.label} has no self_attn.k_proj/v_proj weights")
+    return replace(plan, tensors=tensors, warnings=plan.warnings[len(plan.source.warnings):])
+
+
+def _added(plan: Plan, t) -> tuple[OutSpec, ...]:
+    opts, layout = plan.options, plan.layout
+    out: list[OutSpec] = []
+    if opts.activations == "static" and t.quantized:
+        rows = layout.optional.get(t.recipe, ())
+        if not rows:
+            able = sorted({r for name in LAYOUTS for r in LAYOUTS[name].optional if r in LAYOUTS[name].recipes})
+            raise QuantcliError(f"--activations static: recipe {t.recipe} in layout {layout.name} has no static "
+                                f"activation scale (recipes that do: {', '.join(able)})")
+        out += [OutSpec(f"{t.module}{row.suffix}", "F32", _SHAPES[row.reshape]) for row in rows]
+    if opts.kv_cache == "fp8" and t.name.endswith(".weight"):
+        module = module_of(t.name)
+        if ".self_attn." in module or module.startswith("self_attn."):
+            out += [OutSpec(name, "F32", layout.kv_scale_shape) for name in layout.kv_names(module).values()]
+    return tuple(out)
