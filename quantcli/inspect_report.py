@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from . import patterns
 from .analysis import (FusedMismatch, ModuleDescription, describe_module, exclusion_list, fused_mismatches,
                        is_excluded, linear_modules, module_stats, unservable_problems)
+from .calibrated import CalibratedScales, calibrated_scales, missing_kv, scale_names
 from .detect import Detected, all_names, config_with_extras, detect, global_scale_fault
 from .errors import LayoutError, QuantcliError, RecipeError
 from .plan import matches
@@ -93,6 +94,8 @@ class InspectReport:
     warnings: list[str]
     config: dict = field(metadata=NOT_IN_JSON)  # config.json (+ extras) as read, for --kv-cache
     kv_cache: KvCacheAccount = OMITTED
+    # activation scheme, static input scales, KV-cache scales (quantized checkpoints only)
+    calibrated: CalibratedScales = OMITTED
 
 
 def inspect_checkpoint(path: str, revision: str | None = None, pattern: str | None = None,
@@ -179,6 +182,8 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
     config = config_with_extras(source, det.extra_files if det else {})
     with CheckpointTensors(source) as tensors:
         modules, consumed = _quantized_modules(det, tensors, pattern, stats)
+        scales = _calibrated(det, config, modules, names, tensors, pattern)
+        consumed |= scale_names(scales) if scales is not OMITTED else set()
         dense = _dense_totals(names, tensors, consumed, pattern)
         if pattern and not modules and not dense:
             raise QuantcliError(f"--tensors {pattern!r}: matches no tensor or module in {source.label}; try a "
@@ -187,6 +192,8 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
         excluded = exclusion_list(config)
         unlisted = _unlisted_linears(det, names, tensors, excluded)
     by_format = _format_totals(modules, dense)
+    if scales is not OMITTED:
+        _count_scales(by_format, scales, tensors_bytes=4)
     total_params = sum(f.params for f in by_format.values())
     total_bytes = sum(f.bytes for f in by_format.values())
     return InspectReport(
@@ -197,7 +204,37 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
         size_vs_bf16=round(total_bytes / (2 * total_params), 4) if total_params else None,
         exclusion_list=excluded, unlisted_linears=unlisted, fused_mismatches=fused_mismatches(modules),
         problems=[f"{m.module}: {p}" for m in modules for p in m.problems] + unservable_problems(det, modules),
-        warnings=list(source.warnings), config=config)
+        warnings=list(source.warnings) + _kv_warnings(scales), config=config, calibrated=scales)
+
+
+def _calibrated(det: Detected | None, config: dict, modules: list[ModuleDescription], names,
+                tensors: CheckpointTensors, pattern: str | None) -> CalibratedScales:
+    if det is None:
+        return OMITTED
+    scales = calibrated_scales(det.layout, config, {m.module: m.recipe for m in modules}, names, tensors)
+    if pattern:
+        scales.kv = [r for r in scales.kv if matches(pattern, r.attention)]
+    return scales
+
+
+def _count_scales(by_format: dict[str, FormatTotals], scales: CalibratedScales, tensors_bytes: int) -> None:
+    """Input and KV-cache scales are their own line in the totals, not a dense f32 format."""
+    for key, count in (("input scales", len(scales.inputs)),
+                       ("kv scales", sum((r.k_scale is not None) + (r.v_scale is not None) for r in scales.kv))):
+        if count:
+            by_format[key] = FormatTotals(params=count, bytes=count * tensors_bytes)
+
+
+def _kv_warnings(scales: CalibratedScales) -> list[str]:
+    """The engines' silent fallback: an FP8 KV cache declared, its scales absent."""
+    if scales is OMITTED:
+        return []
+    missing = missing_kv(scales)
+    if not missing:
+        return []
+    return [f"the config declares an FP8 KV cache ({scales.kv_cache}) but {len(missing)} KV-cache scale tensor(s) "
+            f"are missing (e.g. {missing[0]}); vLLM and SGLang fall back to a scale of 1.0, which clips or wastes "
+            f"FP8 range: re-convert with --kv-cache fp8 --calibration DATA"]
 
 
 def _config_int(text: dict, key: str, default: int | None = None, minimum: int = 1) -> int:

@@ -82,6 +82,26 @@ def _kv_table(kv) -> Table:
     return t
 
 
+def _scales_tables(cal, con: Console) -> None:
+    """The activation scheme, each module's static input scale, the KV-cache scales per layer."""
+    con.print(f"activations: {cal.activation_scheme}"
+              + (f"; FP8 KV cache declared ({cal.kv_cache})" if cal.kv_cache else ""))
+    if cal.inputs:
+        t = Table(title="input scales")
+        for col in ("tensor", "value", "direction", "implied amax"):
+            t.add_column(col)
+        for s in cal.inputs:
+            t.add_row(s.tensor, f"{s.value:.6g}", s.direction, f"{s.amax:.6g}")
+        con.print(t)
+    if cal.kv:
+        t = Table(title="KV-cache scales")
+        for col in ("attention", "k_scale", "v_scale"):
+            t.add_column(col)
+        for r in cal.kv:
+            t.add_row(r.attention, *("missing" if v is None else f"{v:.6g}" for v in (r.k_scale, r.v_scale)))
+        con.print(t)
+
+
 def render_inspect(report, con: Console) -> None:
     con.print(f"{report.source}: layout [bold]{report.layout}[/bold] (loads in {report.consumers})"
               + ("; quantcli manifest present" if report.has_manifest else ""))
@@ -90,6 +110,8 @@ def render_inspect(report, con: Console) -> None:
         for m in report.modules:
             if m.stats is not OMITTED:
                 con.print(f"  {m.module}: {to_json(m.stats)}")
+    if report.calibrated is not OMITTED:
+        _scales_tables(report.calibrated, con)
     con.print(_totals_table(report.by_format))
     if report.params:
         con.print(f"{report.params:,} params in {human_bytes(report.bytes)}: {report.bits_per_param:.3f} "

@@ -170,6 +170,19 @@ class Layout:
                             static: bool, kv_fp8: bool) -> None:
         """Declare calibrated static activations / an FP8 KV cache in the configs (in place)."""
 
+    def activation_scheme(self, config: Mapping) -> str:
+        """What the config (with extras merged, detect.config_with_extras) declares for the
+        activations: static (calibrated input scales), dynamic (per token / group) or none."""
+        return "none"
+
+    def kv_cache_declared(self, config: Mapping) -> str | None:
+        """How the config declares an FP8 KV cache with checkpoint scales (which key), or None."""
+        return None
+
+    def input_scale_rows(self, recipe: str) -> tuple[TensorRow, ...]:
+        """The optional activation-scale rows a module of `recipe` may carry."""
+        return tuple(r for r in self.optional.get(recipe, ()) if r.role in ("input_scale", "input_global_scale"))
+
     @staticmethod
     def _encode(row: TensorRow, recipe: Recipe, t: torch.Tensor) -> torch.Tensor:
         if row.role == "codes":

@@ -142,6 +142,19 @@ class CompressedTensorsLayout(Layout):
             config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                          "symmetric": True}
 
+    def activation_scheme(self, config: Mapping) -> str:
+        groups = ((config.get("quantization_config") or {}).get("config_groups") or {}).values()
+        inputs = [g.get("input_activations") for g in groups if isinstance(g, dict)]
+        if any(isinstance(i, dict) and i.get("dynamic") in (False, "local") for i in inputs):
+            return "static"  # nvfp4's "local": a static global scale, dynamic per-group scales
+        return "dynamic" if any(isinstance(i, dict) for i in inputs) else "none"
+
+    def kv_cache_declared(self, config: Mapping) -> str | None:
+        kv = (config.get("quantization_config") or {}).get("kv_cache_scheme")
+        if isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float":
+            return "kv_cache_scheme (8-bit float)"
+        return None
+
 
 _STATIC_FP8 = {"num_bits": 8, **_FLOAT, "strategy": "tensor"}
 STATIC_INPUTS = {"fp8": _STATIC_FP8, "fp8-channel": _STATIC_FP8,

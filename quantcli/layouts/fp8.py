@@ -70,3 +70,7 @@ class Fp8Layout(Layout):
                             static: bool, kv_fp8: bool) -> None:
         if static:  # FORMATS B 3.3: per-tensor input_scale
             config["activation_scheme"] = "static"
+
+    def activation_scheme(self, config: Mapping) -> str:
+        scheme = (config.get("quantization_config") or {}).get("activation_scheme")
+        return scheme if scheme in ("static", "dynamic") else "none"

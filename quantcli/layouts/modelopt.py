@@ -122,6 +122,23 @@ class ModelOptLayout(Layout):
             config["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
 
 
+    def activation_scheme(self, config: Mapping) -> str:
+        algo = _quant_algo(config)
+        if algo in STATIC_ALGOS:
+            return "static"
+        return "dynamic" if algo in DYNAMIC_ALGOS else "none"
+
+    def kv_cache_declared(self, config: Mapping) -> str | None:
+        qc = config.get("quantization_config") or {}
+        section = config.get("hf_quant_config", {}).get("quantization", {}) or qc
+        algo = str(section.get("kv_cache_quant_algo") or "").upper()
+        return f"kv_cache_quant_algo {algo}" if algo.startswith("FP8") else None
+
+
+STATIC_ALGOS = ("NVFP4", "FP8", "W4A8_MXFP4_FP8")  # FORMATS B 3.1, 6.1: input_scale per Linear
+DYNAMIC_ALGOS = ("FP8_PER_CHANNEL_PER_TOKEN", "MXFP8")
+
+
 def _producer() -> dict:
     return {"name": "quantcli", "version": __version__}
 

@@ -24,6 +24,7 @@ from ..errors import QuantcliError
 from ..plan import matches
 from ..source import open_source
 from ..tensors import CheckpointTensors
+from .calibrated import calibrated_check
 from .direction import direction_check
 from .limits import Limits, parse_thresholds
 from .reference import reference_checks
@@ -56,6 +57,7 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
         modules = structure_checks(source, det, config, qt, pattern, found)
         decoded_cache = read_modules(det, modules, qt, tp, found, decode=reference is None, dev=dev)
         direction_check(decoded_cache, qt, det, found)
+        calibrated_check(source, det, config, modules, qt, found)
         if reference is not None:
             rows, reference_kind = reference_checks(reference, revision, det, decoded_cache, qt, pattern, exact,
                                                     limits, dev, found)

@@ -19,6 +19,8 @@ FUSED = "fused groups share one global scale"
 COVERAGE = "every Linear is quantized or excluded"
 SCALES = "scales finite, positive, no E8M0 255"
 FINITE = "every quantized module decodes to finite values"
+CALIBRATED = ("activation and KV-cache scales present where the config declares them, finite, positive, in the "
+              "layout's direction, equal across fused groups")
 DIRECTION = "global scales agree in direction with the rest of the checkpoint"
 TP = "quantized dims split into whole blocks across {tp} ranks"
 REF_MODULES = "every quantized module has a reference tensor of the same shape"
