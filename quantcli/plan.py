@@ -7,15 +7,17 @@ read, and reported all at once.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from . import patterns
 from .errors import LayoutError, QuantcliError, RecipeError
 from .facts import Calibration
+from .fused import FUSED_SETS, drop_single_member_groups, fused_group_of, one_precision_per_fused_group  # noqa: F401
 from .layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
 from .recipes import RECIPES, Recipe, get_recipe
 from .safetensors_io import DTYPES, ITEMSIZE, OutSpec, dtype_name
@@ -30,9 +32,6 @@ DEFAULT_EXCLUDES: list[tuple[str, re.Pattern]] = [
     ("vision tower", re.compile(r"vision_tower|(^|\.)visual(\.|$)|vision_model|multi_modal_projector|embed_vision")),
     ("MTP head", re.compile(r"(^|\.)mtp(\.|$)")),
 ]
-# Projections that engines fuse into one GEMM and that must share one global scale (A.3).
-FUSED_SETS = [("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("gate_proj", "up_proj"),
-              ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa")]
 # 3-D expert parameters without a `.weight` suffix (gpt-oss, Llama 4) are stored [E, in, out].
 TRANSPOSED_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")
 
@@ -194,14 +193,6 @@ def is_dense_linear(module: str) -> bool:
     return default_exclusion(module, {}) not in ("embedding", "norm")
 
 
-def fused_group_of(module: str) -> str | None:
-    parent, _, leaf = module.rpartition(".")
-    for members in FUSED_SETS:
-        if leaf in members:
-            return f"{parent}.{{{','.join(members)}}}"
-    return None
-
-
 def output_specs(layout: Layout, module: str, recipe: Recipe, shape: tuple[int, ...]) -> tuple[OutSpec, ...]:
     """Names, dtypes and shapes the layout will write for a `shape` weight (no data read)."""
     return tuple(OutSpec(n, dtype_name(dtype), shp) for n, dtype, shp in layout.output_specs(module, recipe, shape))
@@ -221,6 +212,8 @@ def make_plan(source: Source, opts: Options) -> Plan:
     found = _Planned()
     for shard, name, info in _owned_tensors(source):
         _plan_tensor(found, source, opts, layout, recipes, shard, name, info)
+    one_precision_per_fused_group(found.tensors, lambda m, why: found.exclusions.append(Exclusion(m, why)),
+                                  found.warnings)
     tensors = drop_single_member_groups(found.tensors)
     errors: list[str] = []
     _check_collisions(tensors, errors)
@@ -342,24 +335,17 @@ def _nothing_to_quantize(source: Source, layout: Layout, exclusions: list[Exclus
 
 
 def _unmatched_patterns(opts: Options, modules: list[str]) -> list[str]:
-    """A pattern that selects no Linear or expert module is most likely a typo: said before the work."""
-    example = f" (module names look like {modules[0]!r})" if modules else ""
+    """A pattern that selects no Linear or expert module is most likely a typo: said before the
+    work, with the module name closest to it (difflib) as the likely intent."""
     out = []
     for label, given in (("ignore", opts.ignore), ("targets", opts.targets),
                          ("override", [p for p, _ in opts.overrides])):
         for p in given:
             if not any(matches(p, m) for m in modules):
-                out.append(f"{label} pattern {p!r} matches no Linear or expert module, so it has no effect{example}")
+                close = difflib.get_close_matches(p.removeprefix("re:"), modules, n=1, cutoff=0.0)
+                hint = f" (closest module name: {close[0]!r})" if close else ""
+                out.append(f"{label} pattern {p!r} matches no Linear or expert module, so it has no effect{hint}")
     return out
-
-
-def drop_single_member_groups(tensors: list[TensorPlan]) -> list[TensorPlan]:
-    """Fused groups only matter when they have two or more quantized members."""
-    counts: dict[str, int] = {}
-    for t in tensors:
-        if t.fused_group:
-            counts[t.fused_group] = counts.get(t.fused_group, 0) + 1
-    return [t if not t.fused_group or counts[t.fused_group] > 1 else replace(t, fused_group=None) for t in tensors]
 
 
 def _check_collisions(tensors: list[TensorPlan], errors: list[str]) -> None:

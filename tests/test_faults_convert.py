@@ -435,7 +435,7 @@ def test_zero_size_linear_passes_through_as_excluded(tmp_path, run_cli, recipe):
         "model.layers.0.mlp.down_proj.weight": torch.zeros(64, 0, dtype=torch.bfloat16),
         "model.layers.0.mlp.gate_proj.weight": torch.zeros(0, 64, dtype=torch.bfloat16),
         "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(0, 64, 128, dtype=torch.bfloat16),
-        "model.layers.0.mlp.up_proj.weight": torch.randn(64, 64).bfloat16()})
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(64, 64).bfloat16()})
     code, out, err = convert(run_cli, src, tmp_path / "o", "--dry-run", "--json", recipe=recipe)
     assert code == 0, err
     excluded = {e["module"]: e["reason"] for e in json.loads(out)["excluded"]}
@@ -469,3 +469,25 @@ def test_dst_without_a_name_is_refused(src, tmp_path, run_cli, monkeypatch, dst,
     code, out, err = run_cli("convert", src, dst, "--recipe", RECIPE)
     assert_one_line_error(code, out, err, needle)
     assert tree_state(tmp_path) == before
+
+
+def test_fused_group_with_a_dense_member_is_left_dense_whole(llama, tmp_path, run_cli):
+    # vLLM refuses a fused qkv layer whose parts differ in precision: never write one
+    code, out, err = run_cli("convert", llama, tmp_path / "o", "--recipe", "nvfp4", "--ignore",
+                             "model.layers.0.self_attn.q_proj", "--dry-run", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    excluded = {e["module"]: e["reason"] for e in doc["excluded"]}
+    for member in ("k_proj", "v_proj"):
+        assert excluded[f"model.layers.0.self_attn.{member}"] == "fused with q_proj, which stay dense"
+    assert any("left dense as a whole" in w for w in doc["warnings"])
+
+
+def test_fused_group_given_two_recipes_is_refused(llama, tmp_path, run_cli):
+    cfg = tmp_path / "r.toml"
+    cfg.write_text('recipe = "nvfp4"\n[[override]]\npattern = "re:.*q_proj$"\nrecipe = "fp8-block"\n')
+    before = tree_state(llama)
+    code, out, err = run_cli("convert", llama, tmp_path / "o", "--config", cfg, "--layout", "compressed-tensors")
+    assert_one_line_error(code, out, err, "q_proj,k_proj,v_proj", "one precision", "fp8-block, nvfp4")
+    assert tree_state(llama) == before
+    assert_nothing_left(tmp_path / "o")

@@ -14,7 +14,7 @@ from ..decode import decode_module
 from ..detect import all_names, block_scale_fault, global_scale_fault
 from ..errors import QuantcliError
 from ..layouts import layouts_for
-from ..plan import matches
+from ..plan import fused_group_of, matches
 from ..tensors import CheckpointTensors
 from .report import (CONFIG, COVERAGE, FINITE, FUSED, MANIFEST, SCALES, SERVABLE, TENSORS, TP, Findings)
 
@@ -58,6 +58,20 @@ def fused_faults(modules: dict[str, ModuleDescription]) -> Iterator[Finding]:
         yield f.group, f"fused group has different global scales {f.global_scales}; engines need one"
 
 
+def fused_precision_faults(source, det, qt: CheckpointTensors) -> Iterator[Finding]:
+    """Engines run a fused group (q/k/v, gate/up, w1/w3) as one GEMM of one precision: a group that
+    mixes quantized and dense members, or two recipes, does not load (vLLM refuses the layer)."""
+    groups: dict[str, dict[str, str]] = {}
+    for module in set(linear_modules(all_names(source), qt)) | set(det.modules):
+        group = fused_group_of(module)
+        if group is not None:
+            groups.setdefault(group, {})[module] = det.modules.get(module, "dense")
+    for group, members in sorted(groups.items()):
+        if len(set(members.values())) > 1:
+            kinds = ", ".join(f"{m.rsplit('.', 1)[-1]} {r}" for m, r in sorted(members.items()))
+            yield group, f"fused group mixes precisions ({kinds}); engines run it as one GEMM of one precision"
+
+
 def coverage_faults(source, det, config: dict, qt: CheckpointTensors) -> Iterator[Finding]:
     excluded = exclusion_list(config)
     for module in linear_modules(all_names(source), qt):
@@ -76,6 +90,7 @@ def structure_checks(source, det, config: dict, qt: CheckpointTensors, pattern: 
     modules = describe_selected(det, qt, pattern)
     found.record(TENSORS, tensor_faults(modules))
     found.record(FUSED, fused_faults(modules))
+    found.record(FUSED, fused_precision_faults(source, det, qt))
     found.record(COVERAGE, coverage_faults(source, det, config, qt))
     return modules
 
