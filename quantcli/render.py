@@ -28,7 +28,16 @@ def console(stderr: bool = False) -> Console:
 
 def emit_json(obj: object) -> None:
     """A report (dataclass) or a plain document as indented JSON on stdout."""
-    sys.stdout.write(json.dumps(to_json(obj), indent=2, default=str) + "\n")
+    text = json.dumps(to_json(obj), indent=2, default=str) + "\n"
+    # In pieces, each flushed: a reader that stopped early (`| head -1`) surfaces here as a
+    # BrokenPipeError (main exits 141). One large write can lose it: Python's buffered writer
+    # drops the EPIPE that follows the kernel's partial write of a big block, and reports success.
+    for start in range(0, len(text), JSON_CHUNK):
+        sys.stdout.write(text[start:start + JSON_CHUNK])
+        sys.stdout.flush()
+
+
+JSON_CHUNK = 1 << 16
 
 
 def human_bytes(n: float) -> str:

@@ -289,6 +289,19 @@ def assign_owners(source: Source) -> None:
                                f"kept, read from the shard that holds them (the index is stale)")
 
 
+def _refuse_one_shard(path: Path, label: str) -> None:
+    """A single file that its folder's index lists among two or more shards is half a model."""
+    try:  # a broken index next to a lone file: the file opens as it always did
+        wm = _load_json(path.parent / INDEX).get("weight_map") if (path.parent / INDEX).is_file() else None
+    except CheckpointError:
+        wm = None
+    shards = {v for v in wm.values() if isinstance(v, str)} if isinstance(wm, dict) else set()
+    if path.name in shards and len(shards) >= 2:
+        folder = path.parent.as_posix() if str(path.parent) else "."
+        raise CheckpointError(f"{label}: is one shard of the sharded checkpoint in {folder} (the index lists "
+                              f"{len(shards)} shards); pass the folder {folder}")
+
+
 def open_local(path: Path, label: str) -> Source:
     if not path.is_file() and not path.is_dir():
         raise CheckpointError(f"{label}: is neither a regular file nor a folder (a FIFO, socket or device?); "
@@ -298,6 +311,7 @@ def open_local(path: Path, label: str) -> Source:
             if path.name.endswith(PICKLE_SUFFIXES):
                 raise CheckpointError(f"{label}: is a pickle file; quantcli never unpickles. Convert it to safetensors first")
             raise CheckpointError(f"{label}: not a .safetensors file")
+        _refuse_one_shard(path, label)
         header = read_header(path)
         config = load_config(path.parent / "config.json")
         return Source(label, path.parent, [path.name], {path.name: header}, config, single_file=True)

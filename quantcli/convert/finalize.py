@@ -30,8 +30,26 @@ def write_side_files(plan: Plan, stage: Path) -> None:
         shutil.copyfile(source.root / rel, target)
     write_json_atomic(stage / "config.json", _write_configs(plan, stage))
     readme = stage / "README.md"
-    text = readme.read_text() if readme.exists() else ""
-    readme.write_text(text + ("\n" if text and not text.endswith("\n") else "") + model_card(plan))
+    readme.write_text(with_model_card(readme.read_text() if readme.exists() else "", model_card(plan)))
+
+
+CARD_HEADING = "## Quantization (quantcli)"
+
+
+def with_model_card(text: str, card: str) -> str:
+    """`text` (the source's README) with `card` appended, or in place of the quantcli section a
+    quantized source already carries (from its heading to the next '## ' heading or the end)."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == CARD_HEADING), None)
+    if start is None:
+        return text + ("\n" if text and not text.endswith("\n") else "") + card
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    while start > 0 and not lines[start - 1].strip():  # the card brings its own blank line
+        start -= 1
+    head, tail = "".join(lines[:start]), "".join(lines[end:])
+    if tail:
+        card = card.rstrip("\n") + "\n\n"
+    return head + card + tail
 
 
 def _write_configs(plan: Plan, stage: Path) -> dict:

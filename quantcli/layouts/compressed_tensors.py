@@ -83,11 +83,18 @@ class CompressedTensorsLayout(Layout):
     def config_problems(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> list[str]:
         qc = config.get("quantization_config") or {}
         return [f"compressed-tensors quantization_config lacks {key!r}" for key in ("config_groups", "format")
-                if not qc.get(key)]
+                if not qc.get(key)] + _group_size_problems(qc)
 
     def detect(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> bool:
         qc = config.get("quantization_config") or {}
-        return qc.get("quant_method") == "compressed-tensors"
+        if qc.get("quant_method") != "compressed-tensors":
+            return False
+        _check_targets(qc)
+        return True
+
+    def quantized_modules(self, names: Mapping[str, object], config: Mapping) -> dict[str, str]:
+        _check_targets(config.get("quantization_config") or {})  # also when a manifest named the layout
+        return super().quantized_modules(names, config)
 
     def module_recipe(self, module: str, names: Mapping[str, object], config: Mapping) -> str | None:
         if f"{module}.weight_global_scale" in names:
@@ -164,3 +171,30 @@ STATIC_INPUTS = {"fp8": _STATIC_FP8, "fp8-channel": _STATIC_FP8,
 
 def _same_weights(found: Mapping, ours: Mapping) -> bool:
     return all(found.get(key) == ours.get(key) for key in ("num_bits", "type", "strategy", "group_size"))
+
+
+def _check_targets(qc: Mapping) -> None:
+    """Every `config_groups.*.targets` pattern compiles; one line naming config.json and the key."""
+    from quantcli.patterns import validate
+
+    for name, group in (qc.get("config_groups") or {}).items():
+        for target in (group.get("targets") or []) if isinstance(group, dict) else []:
+            validate(target, f"config.json: quantization_config.config_groups.{name}.targets")
+
+
+def _group_size_problems(qc: Mapping) -> list[str]:
+    """Config groups whose weights.group_size is not the block of the recipe their format names
+    (nvfp4 16, mxfp4 and mxfp8 32): loaders would read the scales with the wrong block."""
+    from quantcli.recipes import get_recipe
+
+    by_format = {s.format: r for r, s in SCHEMES.items() if s.weights.get("group_size")}
+    problems = []
+    for name, group in (qc.get("config_groups") or {}).items():
+        if not isinstance(group, dict):
+            continue
+        recipe = by_format.get(group.get("format") or qc.get("format"))
+        declared = (group.get("weights") or {}).get("group_size")
+        if recipe and declared is not None and declared != get_recipe(recipe).block[1]:
+            problems.append(f"config_groups.{name}.weights.group_size is {declared}, but {recipe} blocks hold "
+                            f"{get_recipe(recipe).block[1]} elements; set it to {get_recipe(recipe).block[1]}")
+    return problems

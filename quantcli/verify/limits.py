@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import QuantcliError
+from ..errors import QuantcliError, did_you_mean
 
 METRICS = ("rel_err", "sqnr_db", "cosine", "margin")
 ABS_FLOOR = 1e-6  # slack for tensors whose own error is ~0 (exactly representable weights)
@@ -64,16 +64,28 @@ class Limits:
     cosine: float | None = None  # minimum
 
 
+# metric -> (whether a value is in range, the range in words)
+RANGES = {"margin": (lambda v: v >= 0, "0 or more"), "rel_err": (lambda v: v > 0, "more than 0"),
+          "cosine": (lambda v: 0 < v <= 1, "in (0, 1]"), "sqnr_db": (lambda v: True, "a finite number of dB")}
+
+
 def parse_thresholds(items: list[str]) -> Limits:
     limits = Limits()
     for item in items:
         key, _, value = item.partition("=")
         if key not in METRICS or not value:
-            raise QuantcliError(f"--threshold {item!r}: write METRIC=VALUE with METRIC one of {', '.join(METRICS)}")
+            hint = did_you_mean(key, METRICS) if key not in METRICS else ""
+            raise QuantcliError(f"--threshold {item!r}: write METRIC=VALUE with METRIC one of "
+                                f"{', '.join(METRICS)}{hint}")
         try:
-            setattr(limits, key, float(value))
+            number = float(value)
         except ValueError:
             raise QuantcliError(f"--threshold {item!r}: {value!r} is not a number") from None
+        ok, words = RANGES[key]
+        if not math.isfinite(number) or not ok(number):
+            raise QuantcliError(f"--threshold {item!r}: {key} must be {words if math.isfinite(number) else 'a finite number'}, got {value}; "
+                                f"give a value in range")
+        setattr(limits, key, number)
     return limits
 
 
