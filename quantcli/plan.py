@@ -17,7 +17,7 @@ import torch
 from . import patterns
 from .errors import LayoutError, QuantcliError, RecipeError
 from .facts import Calibration
-from .fused import FUSED_SETS, drop_single_member_groups, fused_group_of, one_precision_per_fused_group  # noqa: F401
+from .fused import drop_single_member_groups, fused_group_of, one_precision_per_fused_group  # noqa: F401 (re-exported)
 from .layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
 from .recipes import RECIPES, Recipe, get_recipe
 from .safetensors_io import DTYPES, ITEMSIZE, OutSpec, dtype_name
