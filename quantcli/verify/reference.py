@@ -207,16 +207,24 @@ def reference_checks(reference: str, revision: str | None, det, decoded_cache: d
     return rows, ref.kind
 
 
-def _unquantized_identical(rt: CheckpointTensors, qt: CheckpointTensors, consumed: set, pattern: str | None,
-                           quantized: dict, found: Findings) -> None:
-    """Tensors neither side quantizes: present and bit-identical."""
+def remaining_reference_tensors(rt: CheckpointTensors, qt: CheckpointTensors, consumed: set, pattern: str | None,
+                                quantized: dict, found: Findings, checked: str):
+    """The reference's tensors not compared yet (not in `consumed`) that `pattern` selects and
+    that `checked` (the checkpoint under test) also holds; one it lacks is a REF_PRESENT fault,
+    unless it belongs to a module the reference quantized (those are compared as modules)."""
     for name in sorted(rt.where):
         if name in consumed or (pattern and not matches(pattern, name)):
             continue
-        if name not in qt:
-            if not any(name.startswith(mod) for mod in quantized):
-                found.fault(REF_PRESENT, name, "missing from the quantized checkpoint (dropped)")
-            continue
+        if name in qt:
+            yield name
+        elif not any(name.startswith(mod) for mod in quantized):
+            found.fault(REF_PRESENT, name, f"missing from {checked} (dropped)")
+
+
+def _unquantized_identical(rt: CheckpointTensors, qt: CheckpointTensors, consumed: set, pattern: str | None,
+                           quantized: dict, found: Findings) -> None:
+    """Tensors neither side quantizes: present and bit-identical."""
+    for name in remaining_reference_tensors(rt, qt, consumed, pattern, quantized, found, "the quantized checkpoint"):
         ri, qi = rt.info(name), qt.info(name)
         if ri.dtype != qi.dtype or ri.shape != qi.shape:
             found.fault(REF_IDENTICAL, name, f"changed from {ri.dtype}{list(ri.shape)} to {qi.dtype}"

@@ -11,7 +11,7 @@ from ..source import open_source
 from ..tensors import CheckpointTensors
 from .compare import raw_bytes
 from .limits import metrics
-from .reference import Reference
+from .reference import Reference, remaining_reference_tensors
 from .report import REF_DEQUANT, REF_IDENTICAL, REF_PRESENT, Findings, TensorRow, VerifyReport, build_report
 
 UNQUANTIZED_NOTE = ("no quantized modules: an unquantized checkpoint is checked for identity with the reference, "
@@ -29,13 +29,7 @@ def verify_unquantized(source, reference: str, revision: str | None, pattern: st
         ref = Reference(reference, ref_source, rt, dev)
         consumed = _dequantized_rows(ref, qt, pattern, rows, found)
         quantized = ref.det.modules if ref.det is not None else {}
-        for name in sorted(rt.where):
-            if name in consumed or (pattern and not matches(pattern, name)):
-                continue
-            if name not in qt:
-                if not any(name.startswith(mod) for mod in quantized):
-                    found.fault(REF_PRESENT, name, "missing from the checkpoint (dropped)")
-                continue
+        for name in remaining_reference_tensors(rt, qt, consumed, pattern, quantized, found, "the checkpoint"):
             row = _identity_row(name, rt, qt, ref, found)
             if row is not None:
                 rows.append(row)
