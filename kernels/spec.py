@@ -78,7 +78,6 @@ E4M3 = ElementCodec("e4m3", 8, E4M3_MAX, E4M3_MAX, 8, torch.float8_e4m3fn, "F8_E
 E2M1 = ElementCodec("e2m1", 4, E2M1_MAX, E2M1_MAX, 2, torch.uint8, "U8", "e2m1", "e2m1x2")
 FP32_MAX = torch.finfo(torch.float32).max
 INT8 = ElementCodec("int8", 8, 127.0, 127.5, 0, torch.int8, "I8", "int8", "int8", -128, 127, FP32_MAX / 128)
-ELEMENTS = {e.name: e for e in (E4M3, E2M1, INT8)}
 
 # Largest power-of-two exponent of the element format (OCP emax_elem): E2M1 2, E4M3 8.
 EMAX_ELEM = {"e2m1": E2M1.emax, "e4m3": E4M3.emax}

@@ -78,9 +78,10 @@ def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], fact
             if spec.name not in pending:
                 t = producer[spec.name]
                 module = t.module or module_of(t.name)
-                outputs, found = produce(reader, t, facts.get(module, NO_FACTS))
-                outputs.update(reader.plan.layout.kv_to_disk(module, facts.get(module, NO_FACTS))
-                               if reader.plan.layout is not None else {})
+                module_facts = facts.get(module, NO_FACTS)
+                outputs, found = produce(reader, t, module_facts)
+                if reader.plan.layout is not None and module_facts is not NO_FACTS:  # KV scales come from facts
+                    outputs.update(reader.plan.layout.kv_to_disk(module, module_facts))
                 if t.module is not None:
                     learned[t.module] = found
                 pending.update(outputs)

@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from quantcli.errors import CheckpointError, LayoutError
+from quantcli.errors import LayoutError
 from quantcli.facts import NO_FACTS, ModuleFacts
 from quantcli.recipes import QuantizedTensor, Recipe, get_recipe
 
@@ -265,15 +265,6 @@ class Layout:
                     out[module] = recipe
         return out
 
-    def excluded_modules(self, config: Mapping) -> list[str]:
-        """The modules the checkpoint's config lists as left unquantized (this layout's key)."""
-        qc = config.get("quantization_config") or {}
-        value = qc.get(self.exclusion_key) if isinstance(qc, dict) else None
-        if value and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
-            raise CheckpointError(f"config.json quantization_config.{self.exclusion_key}: must be a list of module "
-                                  f"names or patterns, got {type(value).__name__} {value!r:.60}")
-        return list(value or [])
-
     def quantization_config(self, groups: Mapping[str, list[str]], excluded: list[str]) -> dict:
         raise NotImplementedError
 
@@ -287,15 +278,6 @@ def scalar_f32(value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 def logical_k(codes: torch.Tensor, recipe: Recipe) -> int:
     return codes.shape[-1] * 8 // recipe.element_bits
-
-
-def codes_dtype(recipe: Recipe) -> torch.dtype:
-    """Storage dtype of the element codes (kept for callers; the recipe owns it)."""
-    return recipe.codes_dtype
-
-
-def as_codes(codes: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    return codes.contiguous().view(recipe.codes_dtype)
 
 
 def require_8bit(name: str, t: torch.Tensor) -> torch.Tensor:

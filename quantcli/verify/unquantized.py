@@ -11,7 +11,7 @@ from ..source import open_source
 from ..tensors import CheckpointTensors
 from .compare import raw_bytes
 from .limits import metrics
-from .reference import Reference, remaining_reference_tensors
+from .reference import Reference, remaining_reference_tensors, source_name
 from .report import REF_DEQUANT, REF_IDENTICAL, REF_PRESENT, Findings, TensorRow, VerifyReport, build_report
 
 UNQUANTIZED_NOTE = ("no quantized modules: an unquantized checkpoint is checked for identity with the reference, "
@@ -60,8 +60,8 @@ def _dequantized_rows(ref: Reference, qt: CheckpointTensors, pattern: str | None
 def _dequantized_row(module: str, ref: Reference, qt: CheckpointTensors, found: Findings) -> TensorRow | None:
     # convert writes a dequantized Linear as `<module>.weight`, a gpt-oss expert stack as `<module>`
     # in its dense [E, in, out] orientation.
-    name, transpose = next(((n, t) for n, t in ((f"{module}.weight", False), (module, True)) if n in qt),
-                           (None, False))
+    name = source_name(module, qt)
+    transpose = name == module
     if name is None:
         found.fault(REF_PRESENT, module, f"the reference quantizes this module but the checkpoint has no "
                                          f"{module}.weight: a different model?")
