@@ -25,6 +25,9 @@ class ModuleFacts:
     input_scale: torch.Tensor | None = None
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    # What the user must know about how a fact was found (an MoE expert no calibration token
+    # reached took its block's max): reported in the summary and the manifest's notes.
+    note: str | None = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcli.testing import make_llama, make_moe
+from quantcli.testing import make_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,15 +153,16 @@ def test_refusals_one_line_write_nothing(src, data, tmp_path, run_cli, args, nee
     assert not list(tmp_path.glob("out*"))
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory) -> Path:
-    return make_moe(tmp_path_factory.mktemp("cal") / "moe", hidden=64, layers=1, shards=1)
+def test_unsupported_architecture_refused(src, tmp_path, data, run_cli):
+    import shutil
 
-
-def test_unsupported_architecture_refused(moe, tmp_path, data, run_cli):
-    code, _, err = run_cli("convert", str(moe), str(tmp_path / "out"), "--recipe", "nvfp4", "--kv-cache", "fp8",
+    other = tmp_path / "falcon"
+    shutil.copytree(src, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"]}))
+    code, _, err = run_cli("convert", str(other), str(tmp_path / "out"), "--recipe", "nvfp4", "--kv-cache", "fp8",
                            "--calibration", str(data))
-    assert code == 2 and "architecture MixtralForCausalLM is not supported" in err
+    assert code == 2 and "architecture FalconForCausalLM is not supported" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 

@@ -3,7 +3,8 @@
 The model is built by transformers on the meta device (no memory). Layer 0's inputs (hidden
 states, position embeddings, mask) are captured with only the embedding materialized; then each
 layer in turn gets its weights from the source through quantcli's reader (FP32), runs every
-batch, records max |input| of each Linear (a forward pre-hook) and max |key| after rotary / max
+batch, records max |input| of each Linear (a forward pre-hook; MoE experts per expert, from the
+router's choice) and its mean squared input per channel, and max |key| after rotary / max
 |value| (a recording cache passed to the attention, whose `update()` sees what a serving engine
 stores), hands its outputs on as the next layer's inputs and goes back to meta. Peak memory:
 one layer's weights + the activation buffer + a constant, whatever the depth.
@@ -17,14 +18,40 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import QuantcliError
+from .buffer import ActivationBuffer, budget_bytes
 from .data import EXTRA
+from .weights import ExpertModules, WeightMap, experts_blocks
+
+EMBEDDING, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head"
 
 
 @dataclass
 class Stats:
-    inputs: dict[str, float] = field(default_factory=dict)  # Linear module -> max |x|
+    inputs: dict[str, float] = field(default_factory=dict)  # checkpoint module -> max |x| of its input
+    # checkpoint module -> sum over tokens of x^2 per input channel (FP64), and the token count:
+    # diag(X^T X) / N, the weight of each input channel's error in an activation-aware search.
+    sumsq: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
     keys: dict[str, float] = field(default_factory=dict)  # attention module -> max |k| after rotary
     values: dict[str, float] = field(default_factory=dict)  # attention module -> max |v|
+    # checkpoint expert module -> its experts block and role ("layers.0.mlp.experts:down"): an
+    # expert no token was routed to takes the max of its block's experts in that role.
+    expert_roles: dict[str, str] = field(default_factory=dict)
+
+    def add(self, module: str, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1])
+        if x.shape[0] == 0:
+            return
+        self.inputs[module] = max(self.inputs.get(module, 0.0), float(x.abs().amax()))
+        sq = x.double().square().sum(0).cpu()
+        self.sumsq[module] = self.sumsq[module] + sq if module in self.sumsq else sq
+        self.tokens[module] = self.tokens.get(module, 0) + x.shape[0]
+
+    def channel_ms(self, module: str) -> torch.Tensor | None:
+        """Mean squared input per channel (FP32), or None when nothing reached the module."""
+        if module not in self.sumsq:
+            return None
+        return (self.sumsq[module] / self.tokens[module]).to(torch.float32)
 
 
 class RecordingCache:
@@ -72,19 +99,21 @@ def batches(ids: list[list[int]], size: int) -> list[torch.Tensor]:
     return [torch.tensor(b, dtype=torch.long) for b in out]
 
 
-def capture_inputs(model, get, device: torch.device, input_batches: list[torch.Tensor]) -> list[tuple]:
-    """(hidden_states, kwargs) of decoder layer 0 per batch, with only the embedding loaded."""
+def capture_inputs(model, get, device: torch.device, input_batches: list[torch.Tensor],
+                   buffer: ActivationBuffer) -> list[dict]:
+    """Layer 0's hidden states per batch (into `buffer`) and its other arguments (position
+    embeddings, mask), with only the embedding loaded."""
     body = model.model
-    body.embed_tokens.load_state_dict({"weight": get("model.embed_tokens.weight").to(device, torch.float32)},
-                                      assign=True)
+    body.embed_tokens.load_state_dict({"weight": get(EMBEDDING).to(device, torch.float32)}, assign=True)
     with torch.device(device):  # its inv_freq buffer is computed, not read: build it for real
         body.rotary_emb = type(body.rotary_emb)(config=model.config)
-    captured: list[tuple] = []
+    captured: list[dict] = []
 
     def catch(module, args, kwargs):
         kwargs = dict(kwargs)
         hidden = args[0] if args else kwargs.pop("hidden_states")
-        captured.append((hidden, kwargs))
+        buffer.write(len(captured), hidden)
+        captured.append(kwargs)
         raise _Stop
 
     hook = body.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
@@ -105,48 +134,96 @@ def _cache_kwarg(layer) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def run_layer(layer, prefix: str, get, device: torch.device, captured: list[tuple], stats: Stats) -> None:
+def run_layer(layer, prefix: str, get, weights: WeightMap, buffer: ActivationBuffer, captured: list[dict],
+              stats: Stats) -> list[str]:
     """Load one decoder layer from the source, run every batch through it (its outputs replace
-    `captured` in place), record its statistics, and send it back to the meta device."""
+    its inputs in `buffer`), record its statistics, and send it back to the meta device. Returns
+    the checkpoint tensors it read."""
+    experts = experts_blocks(layer, prefix, weights)
     names = list(layer.state_dict())
-    layer.load_state_dict({n: get(prefix + n).to(device, torch.float32) for n in names}, assign=True)
+    layer.load_state_dict({n: weights.tensor(prefix + n, get, experts).to(buffer.device, torch.float32)
+                           for n in names}, assign=True)
     hooks = []
     for sub, mod in layer.named_modules():
         if isinstance(mod, torch.nn.Linear):
-            hooks.append(mod.register_forward_pre_hook(_recorder(stats.inputs, prefix + sub)))
+            hooks.append(mod.register_forward_pre_hook(_recorder(stats, weights.checkpoint_module(prefix + sub))))
+        elif prefix + sub in experts:
+            hooks.append(mod.register_forward_pre_hook(_expert_recorder(stats, experts[prefix + sub]),
+                                                       with_kwargs=True))
+            _expert_roles(stats, prefix + sub, experts[prefix + sub])
     cache, key = RecordingCache(), _cache_kwarg(layer)
     try:
-        for j, (hidden, kwargs) in enumerate(captured):
-            out = layer(hidden, **{**kwargs, key: cache, "use_cache": False})
-            captured[j] = (out[0] if isinstance(out, tuple) else out, kwargs)
+        for j, kwargs in enumerate(captured):
+            out = layer(buffer.read(j), **{**kwargs, key: cache, "use_cache": False})
+            buffer.write(j, out[0] if isinstance(out, tuple) else out)
     finally:
         for h in hooks:
             h.remove()
-    attn = prefix + "self_attn"
+    attn = weights.checkpoint_module(prefix + "self_attn")
     stats.keys[attn], stats.values[attn] = cache.k, cache.v
     layer.to("meta")
+    return [src for n in names for src in weights.sources(prefix + n, experts)]
 
 
-def _recorder(found: dict[str, float], name: str):
-    def record(module, args):
-        amax = float(args[0].detach().abs().amax())
-        found[name] = max(found.get(name, 0.0), amax)
+def _recorder(stats: Stats, module: str):
+    def record(mod, args):
+        stats.add(module, args[0])
     return record
 
 
-def collect(config_dict: dict, get, release, ids: list[list[int]], batch: int, device: torch.device,
+def _expert_recorder(stats: Stats, modules: ExpertModules):
+    """Per expert: the tokens the router sent it, their max |x| (its gate and up inputs) and
+    max |act(gate) * up| (its down input), computed as the experts block computes them."""
+    def record(block, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        for e in range(block.gate_up_proj.shape[0]):
+            tokens = (index == e).any(-1)
+            if not bool(tokens.any()):
+                continue
+            x = hidden[tokens]
+            gate, up = torch.nn.functional.linear(x, block.gate_up_proj[e]).chunk(2, dim=-1)
+            gate_mod, up_mod, down_mod = modules.of(e)
+            stats.add(gate_mod, x)
+            if up_mod != gate_mod:
+                stats.add(up_mod, x)
+            stats.add(down_mod, block.act_fn(gate) * up)
+    return record
+
+
+def _expert_roles(stats: Stats, path: str, modules: ExpertModules) -> None:
+    for role, names in (("gate_up", (*modules.gate, *modules.up)), ("down", modules.down)):
+        for m in names:
+            stats.expert_roles[m] = f"{path}:{role}"
+
+
+def collect(config_dict: dict, get, release, names, ids: list[list[int]], batch: int, device: torch.device,
             progress=None) -> Stats:
-    """Statistics of the unquantized model over `ids`, layer by layer."""
+    """Statistics of the unquantized model over `ids`, layer by layer. `progress(done, total,
+    samples)` is called after each decoder layer."""
     model = meta_model(config_dict)
-    stats = Stats()
-    with torch.inference_mode():
-        captured = capture_inputs(model, get, device, batches(ids, batch))
-        release("model.embed_tokens.weight")
-        for i, layer in enumerate(model.model.layers):
-            prefix = f"model.layers.{i}."
-            run_layer(layer, prefix, get, device, captured, stats)
-            for n in layer.state_dict():
-                release(prefix + n)
+    weights, stats = WeightMap(names), Stats()
+    input_batches = batches(ids, batch)
+    shapes = [(*b.shape, model.config.hidden_size) for b in input_batches]
+    with torch.inference_mode(), ActivationBuffer(shapes, device, budget_bytes()) as buffer:
+        captured = capture_inputs(model, get, device, input_batches, buffer)
+        release(EMBEDDING)
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            for name in run_layer(layer, f"model.layers.{i}.", get, weights, buffer, captured, stats):
+                release(name)
             if progress is not None:
-                progress(i + 1, len(model.model.layers))
+                progress(i + 1, len(layers), len(ids))
+        _record_head_input(model, get, buffer, len(captured), stats)
+        release(FINAL_NORM)
     return stats
+
+
+def _record_head_input(model, get, buffer: ActivationBuffer, count: int, stats: Stats) -> None:
+    """lm_head's input (the final norm of the last layer's output), for a quantized head."""
+    norm = model.model.norm
+    norm.load_state_dict({n: get(f"model.norm.{n}").to(buffer.device, torch.float32) for n in norm.state_dict()},
+                         assign=True)
+    for j in range(count):
+        stats.add(HEAD, norm(buffer.read(j)))
+    norm.to("meta")

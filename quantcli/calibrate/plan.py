@@ -7,12 +7,17 @@ from dataclasses import replace
 from ..errors import QuantcliError
 from ..layouts import LAYOUTS, module_of
 from ..layouts.base import ONE, SCALAR
-from ..plan import Plan
+from ..plan import Exclusion, Plan, TensorPlan, fused_group_of
 from ..safetensors_io import OutSpec
+from .buffer import budget_bytes
 from .data import read_samples
 
-# Decoder-only architectures whose layers engine.py runs (dense Llama-style attention + MLP).
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Decoder-only architectures whose layers engine.py runs: dense Llama-style attention + MLP, and
+# MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters (weights.py).
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+HEAD = "lm_head.weight"
+UNREACHED = "not in the model's forward (no calibration statistics)"
 _SHAPES = {SCALAR: (), ONE: (1,)}
 
 
@@ -37,10 +42,12 @@ def checked_plan(plan: Plan) -> Plan:
     if arch not in SUPPORTED:
         raise QuantcliError(f"--calibration: architecture {arch} is not supported (supported: {', '.join(SUPPORTED)})")
     read_samples(opts.calibration)  # a missing or empty file is refused here
+    budget_bytes()  # so is a malformed activation-buffer budget
     if opts.kv_cache == "fp8" and not plan.layout.kv_scales:
         able = [name for name, layout in LAYOUTS.items() if layout.kv_scales]
         raise QuantcliError(f"--kv-cache fp8: layout {plan.layout.name} has no KV-cache scale tensors; use "
                             f"--layout {' or '.join(able)}")
+    plan = _without_unreached(plan, reached_tensors(plan))
     tensors = [replace(t, outputs=t.outputs + _added(plan, t)) for t in plan.tensors]
     kv_names = {o.name for t in tensors for o in t.outputs} - {o.name for t in plan.tensors for o in t.outputs}
     if opts.kv_cache == "fp8" and not any(n.endswith(plan.layout.kv_scales) for n in kv_names):
@@ -63,3 +70,41 @@ def _added(plan: Plan, t) -> tuple[OutSpec, ...]:
         if ".self_attn." in module or module.startswith("self_attn."):
             out += [OutSpec(name, "F32", layout.kv_scale_shape) for name in layout.kv_names(module).values()]
     return tuple(out)
+
+
+def reached_tensors(plan: Plan) -> set[str]:
+    """The checkpoint tensors the transformers model of the source's architecture is built from
+    (built on the meta device: no weights read)."""
+    from .engine import meta_model
+    from .weights import WeightMap, experts_blocks
+
+    model = meta_model(plan.source.config)
+    weights = WeightMap({n for header in plan.source.headers.values() for n in header.tensors})
+    reached = {HEAD} & weights.names  # the engine records the final norm's output, lm_head's input
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        experts = experts_blocks(layer, prefix, weights)
+        for n in layer.state_dict():
+            reached.update(weights.sources(prefix + n, experts))
+    return reached
+
+
+def _without_unreached(plan: Plan, reached: set[str]) -> Plan:
+    """With static activations, a quantized weight the model's forward never runs (a layer
+    beyond num_hidden_layers, an MTP head) gets no made-up input scale: it is left dense, with
+    its whole fused group (one precision per group), and listed with the reason."""
+    if plan.options.activations != "static":
+        return plan
+    dense = {t.module for t in plan.tensors if t.quantized and t.name not in reached}
+    groups = {fused_group_of(m) for m in dense} - {None}
+    dense |= {t.module for t in plan.tensors if t.quantized and fused_group_of(t.module) in groups}
+    if not dense:
+        return plan
+    tensors = [t if t.module not in dense else
+               TensorPlan(t.name, t.shard, t.dtype, t.shape, action="copy", outputs=(OutSpec(t.name, t.dtype, t.shape),))
+               for t in plan.tensors]
+    exclusions = [*plan.exclusions, *(Exclusion(m, UNREACHED) for m in sorted(dense))]
+    if not any(t.quantized for t in tensors):
+        raise QuantcliError(f"--calibration: none of the quantized weights of {plan.source.label} is in the "
+                            f"forward of its config's architecture; nothing can be calibrated")
+    return replace(plan, tensors=tensors, exclusions=exclusions, warnings=plan.warnings[len(plan.source.warnings):])

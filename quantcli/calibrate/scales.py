@@ -22,23 +22,58 @@ def scale_facts(plan: Plan, stats: Stats) -> dict[str, dict[str, object]]:
     """{module: {ModuleFacts field: value}} for the calibrated tensors the plan writes."""
     out: dict[str, dict[str, object]] = {}
     if plan.options.activations == "static":
-        group_max: dict[str, float] = {}
-        quantized = [t for t in plan.tensors if t.quantized]
-        missing = [t.module for t in quantized if t.module not in stats.inputs]
-        if missing:
-            raise QuantcliError(f"--calibration: the model's forward never reached {len(missing)} quantized "
-                                f"module(s) (first: {missing[0]}); --ignore them")
-        for t in quantized:
-            g = fused_group_of(t.module) or t.module
-            group_max[g] = max(group_max.get(g, 0.0), stats.inputs[t.module])
-        for t in quantized:
-            amax = group_max[fused_group_of(t.module) or t.module]
-            out[t.module] = {"input_scale": _f32(_positive(amax) / ACTIVATION_DIVISOR[t.recipe])}
+        _input_scales(plan, stats, out)
     if plan.options.kv_cache == "fp8":
         for attn, k in stats.keys.items():
             out.setdefault(f"{attn}.k_proj", {})["k_scale"] = _f32(_positive(k) / E4M3_MAX)
             out.setdefault(f"{attn}.v_proj", {})["v_scale"] = _f32(_positive(stats.values[attn]) / E4M3_MAX)
+    if getattr(plan.options, "scale_search", None) == "mse":  # activation-weighted search
+        for t in plan.tensors:
+            ms = stats.channel_ms(t.module) if t.quantized else None
+            if ms is not None:
+                out.setdefault(t.module, {})["input_channel_ms"] = ms
     return out
+
+
+def _input_scales(plan: Plan, stats: Stats, out: dict[str, dict[str, object]]) -> None:
+    """Static activation scales, the max over each fused group; an expert no calibration token
+    was routed to takes the max over its experts block in the same role, with a note."""
+    quantized = [t for t in plan.tensors if t.quantized]
+    amax = dict(stats.inputs)
+    unrouted = _fill_unrouted_experts(quantized, stats, amax)
+    missing = [t.module for t in quantized if t.module not in amax]
+    if missing:
+        raise QuantcliError(f"--calibration: the model's forward never reached {len(missing)} quantized "
+                            f"module(s) (first: {missing[0]}); --ignore them")
+    group_max: dict[str, float] = {}
+    for t in quantized:
+        g = fused_group_of(t.module) or t.module
+        group_max[g] = max(group_max.get(g, 0.0), amax[t.module])
+    noted: set[str] = set()
+    for t in quantized:
+        found = out.setdefault(t.module, {})
+        found["input_scale"] = _f32(_positive(group_max[fused_group_of(t.module) or t.module])
+                                    / ACTIVATION_DIVISOR[t.recipe])
+        expert = t.module.rpartition(".")[0]  # one note per expert, on its first module
+        if t.module in unrouted and expert not in noted:
+            noted.add(expert)
+            found["note"] = (f"{expert}: no calibration token was routed to this expert; its input scales are the "
+                             f"max over {unrouted[t.module]}'s experts")
+
+
+def _fill_unrouted_experts(quantized, stats: Stats, amax: dict[str, float]) -> dict[str, str]:
+    """Give each unreached expert module its block-and-role max; {module: experts block}."""
+    role_max: dict[str, float] = {}
+    for module, role in stats.expert_roles.items():
+        if module in stats.inputs:
+            role_max[role] = max(role_max.get(role, 0.0), stats.inputs[module])
+    unrouted = {}
+    for t in quantized:
+        role = stats.expert_roles.get(t.module)
+        if t.module not in amax and role is not None and role in role_max:
+            amax[t.module] = role_max[role]
+            unrouted[t.module] = role.split(":")[0]
+    return unrouted
 
 
 def _positive(amax: float) -> float:

@@ -34,17 +34,9 @@ def fused_group_amax(reader: ModuleReader) -> dict[str, dict[str, object]]:
 def calibrated_scales(reader: ModuleReader) -> dict[str, dict[str, object]]:
     """With --calibration: static activation scales and KV-cache scales from running the source
     model layer by layer over the calibration data (quantcli/calibrate)."""
-    cal = reader.plan.options.calibration
-    if cal is None:
-        return {}
-    from ..calibrate.data import token_ids
-    from ..calibrate.engine import collect
-    from ..calibrate.scales import scale_facts
+    from ..calibrate.run import calibrate
 
-    ids = token_ids(cal, reader.plan.source.root)
-    stats = collect(reader.plan.source.config, reader.tensors.get, reader.tensors.release, ids, cal.batch,
-                    reader.device)
-    return scale_facts(reader.plan, stats)
+    return calibrate(reader.plan, reader.tensors, reader.device)
 
 
 PASSES: tuple[Pass, ...] = (fused_group_amax, calibrated_scales)

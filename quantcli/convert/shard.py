@@ -9,7 +9,7 @@ import contextlib
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -83,6 +83,8 @@ def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], fact
                 if reader.plan.layout is not None and module_facts is not NO_FACTS:  # KV scales come from facts
                     outputs.update(reader.plan.layout.kv_to_disk(module, module_facts))
                 if t.module is not None:
+                    if module_facts.note is not None and found.note is None:
+                        found = replace(found, note=module_facts.note)
                     learned[t.module] = found
                 pending.update(outputs)
                 reader.release(t)
