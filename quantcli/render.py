@@ -5,12 +5,15 @@ the command layer (commands.py and this module) prints."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from rich.console import Console
 from rich.table import Table
 
 from .reports import OMITTED, to_json
+from .grouping import group_names
+from .tables import Column, named_table, total, value_range
 
 
 class _Console(Console):
@@ -23,7 +26,9 @@ class _Console(Console):
 def console(stderr: bool = False) -> Console:
     # soft_wrap: a line of text (a message, a FAIL line) is never broken, so grep and the "one
     # line" promise hold in a pipe; tables still fit the width.
-    return _Console(stderr=stderr, highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+    # Piped output is 160 columns wide unless COLUMNS says otherwise (rich reads it when width is None).
+    piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS", "").isdigit()
+    return _Console(stderr=stderr, highlight=False, soft_wrap=True, width=160 if piped else None)
 
 
 def emit_json(obj: object) -> None:
@@ -48,6 +53,40 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+# ---------------------------------------------------------------- convert --dry-run
+
+
+# A group's in/out are the bytes of all its tensors; dtype, shape, recipe and bits/param agree.
+_PLAN_COLUMNS = [Column("dtype"), Column("shape"), Column("recipe"), Column("action"),
+                 Column("in", justify="right", merge=total(human_bytes)),
+                 Column("out", justify="right", merge=total(human_bytes)), Column("bits/param", justify="right")]
+
+
+def plan_table(rows: list[dict], title: str, con: Console, per_tensor: bool):
+    """The dry run's tensors (the --json rows), one row per layer pattern unless `per_tensor`."""
+    cells = [[r["dtype"], "x".join(map(str, r["shape"])), r["recipe"] or "-", r["action"], r["bytes_in"],
+              r["bytes_out"], f"{r['bits_per_param']:.2f}"] for r in rows]
+    return named_table(con, "tensor", [r["name"] for r in rows], cells, _PLAN_COLUMNS, per_tensor=per_tensor,
+                       title=title)
+
+
+def excluded_lines(exclusions, per_tensor: bool) -> list[str]:
+    """`excluded PATTERN (N): REASON` per layer pattern and reason (per module with `per_tensor`)."""
+    if per_tensor:
+        return [f"excluded {e.module}: {e.reason}" for e in exclusions]
+    groups = group_names([e.module for e in exclusions], [e.reason for e in exclusions])
+    return [f"excluded {g.pattern}" + (f" ({g.count})" if g.count > 1 else "") + f": {exclusions[g.members[0]].reason}"
+            for g in groups]
+
+
+def dense_reasons(exclusions) -> str:
+    """'3 MoE router/gate, 1 output head': how many modules were left dense for each reason."""
+    counts: dict[str, int] = {}
+    for e in exclusions:
+        counts[e.reason] = counts.get(e.reason, 0) + 1
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 # ---------------------------------------------------------------- inspect
 
 
@@ -55,22 +94,69 @@ def _dims(shape) -> str:
     return "x".join(map(str, shape or []))
 
 
-def _modules_table(modules) -> Table:
-    t = Table(show_lines=False)
-    for col in ("module", "recipe", "logical", "storage", "block", "scales", "global", "bits/param"):
-        t.add_column(col)
-    for m in modules:
-        scales = ", ".join(f"{e.name.rsplit('.', 1)[-1]} {e.dtype} {e.direction}"
-                           for e in m.tensors if e.role == "block_scale")
-        glob = ", ".join(f"{e.value:.6g} ({e.direction})" for e in m.tensors if e.value is not OMITTED)
-        # an undescribable module has no logical/storage facts: '?' as before
-        logical_dtype = "?" if m.logical_dtype is OMITTED else m.logical_dtype
-        storage_dtype = "?" if m.storage_dtype is OMITTED else m.storage_dtype
-        block = [] if m.block is OMITTED else m.block
-        t.add_row(m.module, m.recipe, f"{logical_dtype} {_dims(m.logical_shape)}",
-                  f"{storage_dtype} {_dims(m.storage_shape)}", "x".join(str(b) if b else "all" for b in block),
-                  scales, glob or "-", f"{m.bits_per_param:.3f}" if m.bits_per_param else "-")
-    return t
+def _module_cells(m) -> list:
+    scales = ", ".join(f"{e.name.rsplit('.', 1)[-1]} {e.dtype} {e.direction}"
+                       for e in m.tensors if e.role == "block_scale")
+    values = [e for e in m.tensors if e.value is not OMITTED]
+    # an undescribable module has no logical/storage facts: '?' as before
+    logical_dtype = "?" if m.logical_dtype is OMITTED else m.logical_dtype
+    storage_dtype = "?" if m.storage_dtype is OMITTED else m.storage_dtype
+    block = [] if m.block is OMITTED else m.block
+    return [m.recipe, f"{logical_dtype} {_dims(m.logical_shape)}", f"{storage_dtype} {_dims(m.storage_shape)}",
+            "x".join(str(b) if b else "all" for b in block), scales or "-",
+            values[0].value if values else None, values[0].direction if values else "-",
+            f"{m.bits_per_param:.3f}" if m.bits_per_param else "-"]
+
+
+# The global scale is the one column that differs within a layer pattern: a group shows its range.
+_MODULE_COLUMNS = [Column("recipe"), Column("logical"), Column("storage"), Column("block"), Column("scales"),
+                   Column("global", merge=value_range("{:.6g}")), Column("direction"),
+                   Column("bits/param", justify="right")]
+
+
+def _modules_table(modules, con: Console, per_tensor: bool) -> Table:
+    return named_table(con, "module", [m.module for m in modules], [_module_cells(m) for m in modules],
+                       _MODULE_COLUMNS, per_tensor=per_tensor)
+
+
+def _fraction(values: list) -> str:
+    present = [v for v in values if v is not None]
+    return f"{max(present):.2%}" if present else "-"
+
+
+def _exponents(histograms: list) -> str:
+    """The E8M0 exponents (biased, as stored) the group's scales use, as a min..max range."""
+    present = [int(k) for h in histograms if h for k in h]
+    return f"{min(present)}..{max(present)}" if present else "-"
+
+
+# --stats per group: the scale range over all members, counts summed, fractions at their worst.
+_STATS_COLUMNS = [Column("recipe"), Column("scale range", merge=lambda v: _span(v)),
+                  Column("bad scales", justify="right", merge=total(lambda n: f"{n:g}")),
+                  Column("E8M0 exp", merge=_exponents),
+                  Column("E8M0 255", justify="right", merge=total(lambda n: f"{n:g}")),
+                  Column("NaN/Inf", justify="right", merge=total(lambda n: f"{n:g}")),
+                  Column("zero blocks (max)", justify="right", merge=_fraction),
+                  Column("saturated (max)", justify="right", merge=_fraction)]
+
+
+def _span(pairs: list) -> str:
+    lows = [lo for lo, _ in pairs if lo is not None]
+    highs = [hi for _, hi in pairs if hi is not None]
+    return f"{min(lows):.4g}..{max(highs):.4g}" if lows and highs else "-"
+
+
+def _stats_table(modules, con: Console, per_tensor: bool) -> Table:
+    with_stats = [m for m in modules if m.stats is not OMITTED]
+
+    def given(v, default=None):
+        return default if v is OMITTED else v
+
+    rows = [[m.recipe, (given(s.scale_min), given(s.scale_max)), given(s.scale_nonfinite, 0),
+             given(s.e8m0_histogram), given(s.e8m0_255_count, 0), given(s.nonfinite_values, 0),
+             given(s.zero_block_fraction), given(s.saturated_fraction)] for s, m in ((m.stats, m) for m in with_stats)]
+    return named_table(con, "module", [m.module for m in with_stats], rows, _STATS_COLUMNS, per_tensor=per_tensor,
+                       title="data (--stats)")
 
 
 def _totals_table(by_format) -> Table:
@@ -111,14 +197,13 @@ def _scales_tables(cal, con: Console) -> None:
         con.print(t)
 
 
-def render_inspect(report, con: Console) -> None:
+def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
     con.print(f"{report.source}: layout [bold]{report.layout}[/bold] (loads in {report.consumers})"
               + ("; quantcli manifest present" if report.has_manifest else ""))
     if report.modules:
-        con.print(_modules_table(report.modules))
-        for m in report.modules:
-            if m.stats is not OMITTED:
-                con.print(f"  {m.module}: {to_json(m.stats)}")
+        con.print(_modules_table(report.modules, con, per_tensor))
+        if any(m.stats is not OMITTED for m in report.modules):
+            con.print(_stats_table(report.modules, con, per_tensor))
     if report.calibrated is not OMITTED:
         _scales_tables(report.calibrated, con)
     con.print(_totals_table(report.by_format))
@@ -194,4 +279,5 @@ def render_verify(report, con: Console, top: int) -> None:
     con.print("[green]PASS[/green]" if report.passed else f"[red]FAIL[/red]: {len(report.faults)} fault(s)")
 
 
-__all__ = ["console", "emit_json", "human_bytes", "render_inspect", "render_verify"]
+__all__ = ["console", "dense_reasons", "emit_json", "excluded_lines", "human_bytes", "plan_table", "render_inspect",
+           "render_verify"]
