@@ -33,6 +33,7 @@ class InputScale:
     value: float  # as stored
     direction: str  # multiply | divide
     amax: float  # value turned into the multiplier, times the recipe's divisor
+    divisor: float = 448.0  # the recipe's: amax / divisor is the multiplier
 
 
 @dataclass
@@ -76,7 +77,7 @@ def _input_scales(layout: Layout, modules: dict[str, str], tensors, static: bool
                 continue
             multiplier = float(to_direction(torch.tensor(value), row.direction))
             found.append(InputScale(module, name, value, row.direction or "multiply",
-                                    multiplier * divisor_of(recipe)))
+                                    multiplier * divisor_of(recipe), divisor_of(recipe)))
     return found, missing
 
 

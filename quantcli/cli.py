@@ -214,6 +214,7 @@ def verify(
     exact: Annotated[bool, typer.Option(help="Re-quantize the reference and compare codes and scales byte for byte.")] = False,
     tp: Annotated[Optional[int], typer.Option(metavar="N", help="Check that quantized dims split into whole blocks across N ranks.")] = None,
     threshold: Annotated[Optional[list[str]], typer.Option(metavar="METRIC=VALUE", help="Override a limit: METRIC=VALUE (rel_err, sqnr_db, cosine, margin).")] = None,
+    calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help="Rerun the calibration on --reference with this data (the manifest's amounts) and check every static activation and KV-cache scale.")] = None,
     device: Device = "auto",
     json_out: JsonOut = False,
 ) -> None:
@@ -221,7 +222,8 @@ def verify(
     from .commands import run_verify
 
     raise typer.Exit(run_verify(quant, reference=reference, revision=revision, tensors=tensors, top=top,
-                                exact=exact, tp=tp, thresholds=threshold or [], device=device, json_out=json_out))
+                                exact=exact, tp=tp, thresholds=threshold or [], device=device, json_out=json_out,
+                                calibration=calibration))
 
 
 # ---------------------------------------------------------------- the one error path

@@ -174,7 +174,8 @@ def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: 
 
 
 def run_verify(quant: str, *, reference: str | None, revision: str | None, tensors: str | None, top: int,
-               exact: bool, tp: int | None, thresholds: list[str], device: str, json_out: bool) -> int:
+               exact: bool, tp: int | None, thresholds: list[str], device: str, json_out: bool,
+               calibration: str | None = None) -> int:
     from .verify import parse_thresholds, verify_checkpoint
 
     limits = parse_thresholds(thresholds)
@@ -183,7 +184,7 @@ def run_verify(quant: str, *, reference: str | None, revision: str | None, tenso
     if tp is not None and tp < 1:
         raise QuantcliError(f"--tp {tp}: must be a positive number of ranks")
     report = verify_checkpoint(quant, reference=reference, revision=revision, pattern=tensors, exact=exact,
-                               tp=tp, limits=limits, device=device)
+                               tp=tp, limits=limits, device=device, calibration=calibration)
     if json_out:
         emit_json(report)
     else:

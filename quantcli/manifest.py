@@ -69,9 +69,14 @@ class Manifest:
     lossless: bool = False  # True for a re-layout: no value changed
     notes: tuple[str, ...] = field(default_factory=tuple)
     schema_version: int = SCHEMA_VERSION
+    # A calibrated run: the data (file name and SHA-256), how much of it ran, what it calibrated
+    # (`quantcli verify --calibration` reruns it). Optional: absent from uncalibrated manifests.
+    calibration: Mapping[str, object] | None = None
 
     def to_json(self) -> str:
         doc = asdict(self)
+        if doc["calibration"] is None:
+            del doc["calibration"]
         for m in doc["modules"]:
             for key in OPTIONAL_MODULE_FIELDS:
                 if m[key] is None:

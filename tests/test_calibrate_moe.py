@@ -168,16 +168,18 @@ def test_weights_beyond_the_forward_left_dense_with_reason(tmp_path, run_cli):
     extra = {n.replace("layers.0.", "layers.1."): v.clone() for n, v in t.items() if n.startswith("model.layers.0.")}
     save_file({**t, **extra}, str(shard), metadata={"format": "pt"})
     out = tmp_path / "out"
-    code, stdout, err = run_cli("convert", str(src), str(out), "--recipe", "fp8", "--activations", "static",
-                                "--calibration", str(_data(tmp_path / "ids.jsonl", _ids())), "--json")
+    args = ("convert", str(src), str(out), "--recipe", "fp8", "--activations", "static",
+            "--calibration", str(_data(tmp_path / "ids.jsonl", _ids())))
+    code, stdout, err = run_cli(*args, "--dry-run", "--json")
+    assert code == 0, err
+    excluded = json.dumps(json.loads(stdout)["excluded"])
+    assert "model.layers.1.self_attn.q_proj" in excluded and "not in the model's forward" in excluded
+    code, _, err = run_cli(*args, "--quiet")
     assert code == 0, err
     written = _tensors(out)
     assert written["model.layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16
     assert "model.layers.1.mlp.down_proj.input_scale" not in written
     assert written["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
-    report = json.loads(stdout)
-    excluded = json.dumps(report)
-    assert "model.layers.1.self_attn.q_proj" in excluded and "not in the model's forward" in excluded
     ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignored_layers"]
     assert "model.layers.1.mlp.down_proj" in ignore
 

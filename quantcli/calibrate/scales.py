@@ -36,24 +36,12 @@ def scale_facts(plan: Plan, stats: Stats) -> dict[str, dict[str, object]]:
 
 
 def _input_scales(plan: Plan, stats: Stats, out: dict[str, dict[str, object]]) -> None:
-    """Static activation scales, the max over each fused group; an expert no calibration token
-    was routed to takes the max over its experts block in the same role, with a note."""
     quantized = [t for t in plan.tensors if t.quantized]
-    amax = dict(stats.inputs)
-    unrouted = _fill_unrouted_experts(quantized, stats, amax)
-    missing = [t.module for t in quantized if t.module not in amax]
-    if missing:
-        raise QuantcliError(f"--calibration: the model's forward never reached {len(missing)} quantized "
-                            f"module(s) (first: {missing[0]}); --ignore them")
-    group_max: dict[str, float] = {}
-    for t in quantized:
-        g = fused_group_of(t.module) or t.module
-        group_max[g] = max(group_max.get(g, 0.0), amax[t.module])
+    shared, unrouted = input_amax([t.module for t in quantized], stats)
     noted: set[str] = set()
     for t in quantized:
         found = out.setdefault(t.module, {})
-        found["input_scale"] = _f32(_positive(group_max[fused_group_of(t.module) or t.module])
-                                    / ACTIVATION_DIVISOR[t.recipe])
+        found["input_scale"] = _f32(_positive(shared[t.module]) / ACTIVATION_DIVISOR[t.recipe])
         expert = t.module.rpartition(".")[0]  # one note per expert, on its first module
         if t.module in unrouted and expert not in noted:
             noted.add(expert)
@@ -61,18 +49,36 @@ def _input_scales(plan: Plan, stats: Stats, out: dict[str, dict[str, object]]) -
                              f"max over {unrouted[t.module]}'s experts")
 
 
-def _fill_unrouted_experts(quantized, stats: Stats, amax: dict[str, float]) -> dict[str, str]:
+def input_amax(modules: list[str], stats: Stats) -> tuple[dict[str, float], dict[str, str]]:
+    """The activation amax each quantized module's static scale is made from: the max over its
+    fused group (q/k/v, gate/up: one activation scale per fused GEMM); an expert no calibration
+    token was routed to takes the max over its experts block in the same role. Returns that and
+    {unrouted expert module: its experts block}."""
+    amax = dict(stats.inputs)
+    unrouted = _fill_unrouted_experts(modules, stats, amax)
+    missing = [m for m in modules if m not in amax]
+    if missing:
+        raise QuantcliError(f"--calibration: the model's forward never reached {len(missing)} quantized "
+                            f"module(s) (first: {missing[0]}); --ignore them")
+    group_max: dict[str, float] = {}
+    for m in modules:
+        g = fused_group_of(m) or m
+        group_max[g] = max(group_max.get(g, 0.0), amax[m])
+    return {m: group_max[fused_group_of(m) or m] for m in modules}, unrouted
+
+
+def _fill_unrouted_experts(modules: list[str], stats: Stats, amax: dict[str, float]) -> dict[str, str]:
     """Give each unreached expert module its block-and-role max; {module: experts block}."""
     role_max: dict[str, float] = {}
     for module, role in stats.expert_roles.items():
         if module in stats.inputs:
             role_max[role] = max(role_max.get(role, 0.0), stats.inputs[module])
     unrouted = {}
-    for t in quantized:
-        role = stats.expert_roles.get(t.module)
-        if t.module not in amax and role is not None and role in role_max:
-            amax[t.module] = role_max[role]
-            unrouted[t.module] = role.split(":")[0]
+    for m in modules:
+        role = stats.expert_roles.get(m)
+        if m not in amax and role is not None and role in role_max:
+            amax[m] = role_max[role]
+            unrouted[m] = role.split(":")[0]
     return unrouted
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import __version__
+from ..calibrate.record import calibrated_entries, calibration_record
 from ..layouts.base import stored_value
 from ..manifest import MANIFEST_NAME, DiskEntry, Manifest, ModuleEntry
 from ..plan import Plan, TensorPlan
@@ -94,7 +95,8 @@ def build_manifest(plan: Plan, fp: str, found: Findings) -> Manifest:
     modules = [_manifest_module(plan, t, found) for t in plan.tensors if t.quantized]
     excluded = tuple(plan.excluded_names()) if plan.layout is not None else ()
     return Manifest(__version__, plan.target, plan.options.recipe, plan.source.describe(), fp, tuple(modules),
-                    excluded, lossless=plan.lossless, notes=tuple(found.note_list()))
+                    excluded, lossless=plan.lossless, notes=tuple(found.note_list()),
+                    calibration=calibration_record(plan))
 
 
 def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:
@@ -107,6 +109,7 @@ def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:
         if d.role == "global_scale":
             value = stored_value(found.globals[t.module], d.direction)
         disk.append(DiskEntry(d.name, d.role, o.dtype, o.shape, d.encoding, d.direction, value))
+    disk += calibrated_entries(plan.layout, t, recipe, {d.name for d in disk})
     entry = module_entry(t, recipe, tuple(disk))
     if t.action == "relayout" and recipe.scale_rules:  # the bytes are the source producer's
         entry = replace(entry, scale_rule=f"as in the {plan.source_layout.name} source")

@@ -24,7 +24,7 @@ from ..errors import QuantcliError
 from ..plan import matches
 from ..source import open_source
 from ..tensors import CheckpointTensors
-from .calibrated import calibrated_check
+from .calibrated import calibrated_check, recalibrated_check
 from .direction import direction_check
 from .limits import Limits, parse_thresholds
 from .reference import reference_checks
@@ -35,8 +35,11 @@ from .unquantized import verify_unquantized
 
 def verify_checkpoint(quant: str, reference: str | None = None, revision: str | None = None,
                       pattern: str | None = None, exact: bool = False, tp: int | None = None,
-                      limits: Limits | None = None, device: str = "auto") -> VerifyReport:
+                      limits: Limits | None = None, device: str = "auto",
+                      calibration: str | None = None) -> VerifyReport:
     limits = limits or Limits()
+    if calibration is not None and reference is None:
+        raise QuantcliError("--calibration needs --reference SRC: the calibration is rerun on the reference model")
     dev = resolve_device(device)
     source = open_source(quant)
     det = detect(source)
@@ -57,7 +60,9 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
         modules = structure_checks(source, det, config, qt, pattern, found)
         decoded_cache = read_modules(det, modules, qt, tp, found, decode=reference is None, dev=dev)
         direction_check(decoded_cache, qt, det, found)
-        calibrated_check(source, det, config, modules, qt, found)
+        scales = calibrated_check(source, det, config, modules, qt, found)
+        if calibration is not None:
+            recalibrated_check(source, scales, reference, revision, calibration, dev, found)
         if reference is not None:
             rows, reference_kind = reference_checks(reference, revision, det, decoded_cache, qt, pattern, exact,
                                                     limits, dev, found)

@@ -2,7 +2,8 @@
 FP8 KV cache, the input scales and k_scale / v_scale must be present, finite, positive, in the
 layout's direction (compressed-tensors `input_global_scale` is a divisor, 2688/amax; modelopt
 `input_scale` a multiplier, amax/2688) and equal across each fused group (q/k/v, gate/up).
-Recomputing them from calibration data is not done here."""
+With --reference and --calibration DATA,
+recalibrate.py reruns the calibration and compares."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from ..calibrated import (CalibratedScales, calibrated_scales, divisor_of, fused_input_mismatches, missing_kv,
                           scale_value_fault)
 from ..detect import all_names
+from ..errors import QuantcliError
 from .report import CALIBRATED, Findings
 
 Finding = tuple[str, str]
@@ -42,10 +44,24 @@ def _kv_faults(scales: CalibratedScales) -> Iterator[Finding]:
                     yield name, fault
 
 
-def calibrated_check(source, det, config: dict, modules: dict, qt, found: Findings) -> None:
-    """File faults in the static input scales and the KV-cache scales under CALIBRATED."""
+def calibrated_check(source, det, config: dict, modules: dict, qt, found: Findings) -> CalibratedScales | None:
+    """File faults in the static input scales and the KV-cache scales under CALIBRATED; returns
+    the scales found (None for a weight-only checkpoint)."""
     selected = {m: det.modules[m] for m in modules}
     scales = calibrated_scales(det.layout, config, selected, all_names(source), qt)
     if scales.activation_scheme != "static" and not scales.kv_cache and not scales.inputs and not scales.kv:
-        return  # a weight-only checkpoint: nothing calibrated to check
+        return None  # a weight-only checkpoint: nothing calibrated to check
     found.record(CALIBRATED, [*_input_faults(scales), *_kv_faults(scales)])
+    return scales
+
+
+def recalibrated_check(source, scales: CalibratedScales | None, reference: str, revision: str | None, data: str,
+                       device, found: Findings) -> None:
+    """--calibration DATA: file under RECALIBRATED every stored scale a rerun disagrees with."""
+    from .recalibrate import RECALIBRATED, calibration_of, recalibrated_faults, rerun
+
+    if scales is None or not (scales.inputs or any(r.k_scale is not None for r in scales.kv)):
+        raise QuantcliError(f"--calibration: {source.label} holds no static activation or KV-cache scales to "
+                            f"recompute")
+    stats = rerun(reference, revision, calibration_of(source, data), device)
+    found.record(RECALIBRATED, recalibrated_faults(scales, stats))

@@ -1,0 +1,41 @@
+"""What the manifest says about a calibrated run: the run itself (data, amounts, what was
+calibrated) and the scale tensors it added to each module, with their role and direction."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ..layouts.base import Layout
+from ..manifest import DiskEntry
+from ..plan import Plan, TensorPlan
+
+
+def calibration_record(plan: Plan) -> dict[str, object] | None:
+    cal = plan.options.calibration
+    if cal is None:
+        return None
+    path = Path(cal.data)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"data": path.name, "data_sha256": digest.hexdigest(), "samples": cal.samples, "seq_len": cal.seq_len,
+            "batch": cal.batch, "activations": plan.options.activations or "dynamic",
+            "kv_cache": plan.options.kv_cache, "statistic": "max |x| over the unquantized model's forward"}
+
+
+def calibrated_entries(layout: Layout, t: TensorPlan, recipe, described: set[str]) -> list[DiskEntry]:
+    """DiskEntries for the calibrated outputs of `t` (input scale, k_scale / v_scale)."""
+    rows = {f"{t.module}{row.suffix}": row for row in layout.input_scale_rows(recipe.name)}
+    kv = {name: fact for fact, name in layout.kv_names(t.module).items()}
+    out = []
+    for o in t.outputs:
+        if o.name in described:
+            continue
+        if o.name in rows:
+            out.append(DiskEntry(o.name, rows[o.name].role, o.dtype, o.shape, "f32",
+                                 rows[o.name].direction or "multiply"))
+        elif o.name in kv:
+            out.append(DiskEntry(o.name, kv[o.name], o.dtype, o.shape, "f32", "multiply"))
+    return out

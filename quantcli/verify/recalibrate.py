@@ -1,0 +1,86 @@
+"""verify --reference SRC --calibration DATA: rerun the calibration on the reference with the data
+and amounts the manifest records, and check every stored activation and KV-cache scale equals
+what it gives (FP32, relative difference <= 1e-5: the stored value is an FP32 rounding of the
+same quotient). Catches scales calibrated on other data, another model or a stale run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..calibrate.data import token_ids
+from ..calibrate.engine import Stats, collect
+from ..calibrate.plan import SUPPORTED
+from ..calibrate.scales import E4M3_MAX, input_amax
+from ..calibrated import CalibratedScales
+from ..errors import QuantcliError
+from ..facts import Calibration
+from ..manifest import MANIFEST_NAME
+from ..source import Source, open_source
+from ..tensors import CheckpointTensors
+
+RECALIBRATED = "static activation and KV-cache scales equal a rerun of the calibration on the reference"
+TOLERANCE = 1e-5
+
+
+def calibration_of(quant: Source, data: str) -> Calibration:
+    """The run the manifest records (samples, seq_len, batch), refusing other data; a
+    checkpoint without a quantcli manifest is rerun with convert's defaults."""
+    path = quant.root / MANIFEST_NAME
+    record = json.loads(path.read_text()).get("calibration") or {} if path.is_file() else {}
+    if not Path(data).is_file():
+        raise QuantcliError(f"--calibration {data}: no such file")
+    expected = record.get("data_sha256")
+    if expected and _sha256(Path(data)) != expected:
+        raise QuantcliError(f"--calibration {data}: not the data {quant.label} was calibrated with (its manifest "
+                            f"records {record.get('data')} with SHA-256 {expected[:12]}...); pass that file")
+    return Calibration(data, **{k: int(record[k]) for k in ("samples", "seq_len", "batch") if k in record})
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def rerun(reference: str, revision: str | None, cal: Calibration, device: torch.device) -> Stats:
+    ref = open_source(reference, revision)
+    arch = (ref.config.get("architectures") or ["(none in config.json)"])[0]
+    if arch not in SUPPORTED:
+        raise QuantcliError(f"--calibration: reference architecture {arch} is not supported "
+                            f"(supported: {', '.join(SUPPORTED)})")
+    names = {n for header in ref.headers.values() for n in header.tensors}
+    with CheckpointTensors(ref) as tensors:
+        return collect(ref.config, tensors.get, tensors.release, names, token_ids(cal, ref.root), cal.batch, device)
+
+
+def recalibrated_faults(scales: CalibratedScales, stats: Stats) -> Iterator[tuple[str, str]]:
+    if scales.inputs:
+        shared, _ = input_amax([s.module for s in scales.inputs], stats)
+        for s in scales.inputs:
+            want = _f32(shared[s.module] or 1.0, s.divisor)
+            if not _close(s.amax / s.divisor, want):
+                yield s.tensor, (f"stores a scale for activation amax {s.amax:.6g}; the calibration rerun on the "
+                                 f"reference gives amax {shared[s.module]:.6g}")
+    for r in scales.kv:
+        for name, have, amax in ((r.k_tensor, r.k_scale, stats.keys.get(r.attention)),
+                                 (r.v_tensor, r.v_scale, stats.values.get(r.attention))):
+            if have is None or amax is None:
+                continue
+            want = _f32(amax or 1.0, E4M3_MAX)
+            if not _close(have, want):
+                yield name, f"is {have:.6g}; the calibration rerun on the reference gives {want:.6g} (amax {amax:.6g} / 448)"
+
+
+def _f32(amax: float, divisor: float) -> float:
+    return float(torch.tensor(amax / divisor, dtype=torch.float64).to(torch.float32))
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOLERANCE * abs(b)

@@ -1,0 +1,170 @@
+"""Calibration data in every accepted form, the manifest's account of a calibrated run, verify's
+rerun of the calibration (--reference SRC --calibration DATA) and the dry run's estimate."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantcli.testing import make_llama
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+
+def _tokenizer(folder: Path) -> None:
+    """A word-level tokenizer (w0..w499) with a chat template, saved into the checkpoint folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(500)} | {"[UNK]": 500, "<s>": 501}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }}\n{% endfor %}"
+    fast.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    folder = make_llama(tmp_path_factory.mktemp("calv") / "llama", hidden=64, layers=2, shards=1)
+    _tokenizer(folder)
+    return folder
+
+
+def _words(i: int, n: int = 9) -> str:
+    return " ".join(f"w{(17 * i + 5 * j) % 500}" for j in range(n))
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    found = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(f))
+    return found
+
+
+def _convert(run_cli, src: Path, out: Path, data: Path, *extra: str) -> None:
+    code, _, err = run_cli("convert", str(src), str(out), "--recipe", "fp8", "--activations", "static",
+                           "--kv-cache", "fp8", "--layout", "compressed-tensors", "--calibration", str(data), "--quiet", *extra)
+    assert code == 0, err
+
+
+def test_txt_lines_blank_line_blocks_jsonl_text_and_messages(src, tmp_path, run_cli):
+    """The same five samples as lines, as blank-line separated blocks, as jsonl text and as the
+    token ids the tokenizer gives them: byte-identical outputs; chat messages are rendered with
+    the source's chat template (so they differ from the plain text)."""
+    samples = [_words(i) for i in range(5)]
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(samples) + "\n")
+    blocks = tmp_path / "blocks.txt"
+    blocks.write_text("\n\n".join(s.replace(" w", "\nw", 1) for s in samples) + "\n")  # a block spans lines
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": s}) + "\n" for s in samples))
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"input_ids": tok(s)["input_ids"]}) + "\n" for s in samples))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": s}]}) + "\n" for s in samples))
+    shards = {}
+    for data in (lines, blocks, text, ids, chat):
+        _convert(run_cli, src, tmp_path / data.stem, data)
+        shards[data.stem] = {p.name: p.read_bytes() for p in (tmp_path / data.stem).glob("*.safetensors")}
+    assert shards["lines"] == shards["text"] == shards["ids"]
+    # blank-line blocks join their lines with a newline, which the whitespace tokenizer ignores
+    assert shards["blocks"] == shards["lines"]
+    assert shards["chat"] != shards["lines"]  # "user" is a token the plain samples lack
+
+
+@pytest.fixture
+def bare(tmp_path) -> Path:
+    return make_llama(tmp_path / "bare", hidden=64, layers=1, shards=1)
+
+
+def test_text_without_tokenizer_refused_naming_the_fix(bare, tmp_path, run_cli):
+    data = tmp_path / "d.txt"
+    data.write_text("w1 w2 w3\n")
+    code, _, err = run_cli("convert", str(bare), str(tmp_path / "out"), "--recipe", "fp8", "--kv-cache", "fp8",
+                           "--layout", "compressed-tensors", "--calibration", str(data))
+    assert code == 2 and "tokenizer" in err and "input_ids" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def calibrated(src, tmp_path_factory) -> tuple[Path, Path]:
+    from quantcli.cli import main
+
+    root = tmp_path_factory.mktemp("calv_out")
+    data = root / "data.txt"
+    data.write_text("\n".join(_words(i) for i in range(6)) + "\n")
+    out = root / "out"
+    with pytest.raises(SystemExit) as done:
+        main(["convert", str(src), str(out), "--recipe", "nvfp4", "--layout", "modelopt", "--activations", "static",
+              "--kv-cache", "fp8", "--calibration", str(data), "--calibration-samples", "4", "--quiet"])
+    assert done.value.code == 0
+    return out, data
+
+
+def test_manifest_records_the_run_and_the_scale_tensors(calibrated):
+    out, data = calibrated
+    doc = json.loads((out / "quantcli_manifest.json").read_text())
+    run = doc["calibration"]
+    assert run["data"] == "data.txt" and run["samples"] == 4 and run["activations"] == "static"
+    assert len(run["data_sha256"]) == 64 and run["kv_cache"] == "fp8"
+    roles = {t["name"]: (t["role"], t["direction"]) for m in doc["modules"] for t in m["tensors"]}
+    assert roles["model.layers.0.mlp.down_proj.input_scale"] == ("input_scale", "multiply")
+    assert roles["model.layers.1.self_attn.k_proj.k_scale"] == ("k_scale", "multiply")
+    assert roles["model.layers.1.self_attn.v_proj.v_scale"] == ("v_scale", "multiply")
+
+
+def _verify(run_cli, out: Path, src: Path, data: Path) -> tuple[int, dict, str]:
+    code, stdout, err = run_cli("verify", str(out), "--reference", str(src), "--calibration", str(data), "--json")
+    return code, (json.loads(stdout) if stdout.strip() else {}), err
+
+
+def test_verify_reruns_calibration_and_passes(calibrated, src, run_cli):
+    out, data = calibrated
+    code, report, err = _verify(run_cli, out, src, data)
+    assert code == 0, err
+    checks = {c["check"]: c["passed"] for c in report["checks"]}
+    assert checks["static activation and KV-cache scales equal a rerun of the calibration on the reference"]
+
+
+def test_verify_catches_a_scale_from_other_data(calibrated, src, tmp_path, run_cli):
+    out, data = calibrated
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    from safetensors.torch import load_file, save_file
+
+    (shard,) = sorted(bad.glob("*.safetensors"))
+    t = load_file(shard)
+    t["model.layers.1.mlp.down_proj.input_scale"] = t["model.layers.1.mlp.down_proj.input_scale"] * 1.01
+    t["model.layers.0.self_attn.v_proj.v_scale"] = t["model.layers.0.self_attn.v_proj.v_scale"] * 0.5
+    save_file(t, str(shard), metadata={"format": "pt"})
+    code, report, _ = _verify(run_cli, bad, src, data)
+    assert code == 1
+    faulted = {f["tensor"] for f in report["faults"]}
+    assert {"model.layers.1.mlp.down_proj.input_scale", "model.layers.0.self_attn.v_proj.v_scale"} <= faulted
+
+
+@pytest.mark.parametrize("case,needle", [("other-data", "not the data"), ("no-reference", "needs --reference"),
+                                         ("uncalibrated", "holds no static activation")])
+def test_verify_calibration_refusals(calibrated, src, tmp_path, run_cli, case, needle):
+    out, data = calibrated
+    args = ["verify", str(out), "--reference", str(src), "--calibration", str(data)]
+    if case == "other-data":
+        other = tmp_path / "other.txt"
+        other.write_text("w1 w2\n")
+        args[-1] = str(other)
+    elif case == "no-reference":
+        args = ["verify", str(out), "--calibration", str(data)]
+    else:
+        plain = tmp_path / "plain"
+        assert run_cli("convert", str(src), str(plain), "--recipe", "fp8", "--quiet")[0] == 0
+        args[1] = str(plain)
+    code, _, err = run_cli(*args)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
