@@ -8,6 +8,7 @@ with QUANTCLI_DEBUG=1.
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
 import re
@@ -23,6 +24,7 @@ import typer.core
 
 from . import __version__
 from .errors import QuantcliError, UsageError, did_you_mean, pick
+from .hub_command import Private, PushRevision, PushToHub, push_command
 
 try:  # newer typer carries its own copy of click and raises that copy's exception classes
     from typer._click import exceptions as click_errors
@@ -44,6 +46,7 @@ EXIT_CODES = ("Exit codes: 0 done (verify: passed), 1 verify found a problem, 2 
 # run is interrupted or runs out of disk. `convert` sets it, because its staging folder is kept.
 INTERRUPT_LINE = "quantcli.interrupt_line"
 RESUME_LINE = "interrupted; rerun with --resume to continue"
+ARGV = "quantcli.argv"  # key in the context's meta: the arguments main() was given
 
 
 class _Commands(typer.core.TyperGroup):
@@ -67,7 +70,27 @@ class _Commands(typer.core.TyperGroup):
         return super().resolve_command(ctx, args)
 
 
-app = typer.Typer(cls=_Commands, add_completion=False, pretty_exceptions_enable=False, no_args_is_help=False,
+class _WordArgument(typer.core.TyperArgument):
+    """An argument shown as its word, SRC or [SRC], without typer's {SRC} and <str>."""
+
+    def _usage_display_name(self) -> str:
+        return self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+
+    def display_type_rich(self, ctx) -> None:
+        return None
+
+
+class _Command(typer.core.TyperCommand):
+    """A command whose arguments are shown as words (see _WordArgument)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for p in self.params:
+            if type(p) is typer.core.TyperArgument:
+                p.__class__ = _WordArgument
+
+
+app = typer.Typer(cls=_Commands, add_completion=True, pretty_exceptions_enable=False, no_args_is_help=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Quantize and convert Hugging Face safetensors checkpoints (FP8, MXFP8, MXFP4, NVFP4). "
                        "Run 'quantcli help COMMAND' (or 'quantcli COMMAND --help') for a command's options.",
@@ -136,7 +159,7 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """quantcli: convert, inspect and verify quantized checkpoints."""
 
 
-@app.command()
+@app.command(cls=_Command)
 def convert(
     ctx: typer.Context,
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source: checkpoint folder, .safetensors file or Hub repo id.")],
@@ -148,10 +171,11 @@ def convert(
         metavar="LAYOUT", callback=_one_of("--layout", "layout", _layout_names),
         help=f"One of: {', '.join(LAYOUT_NAMES)} (default per recipe).")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(metavar="PATTERN", help="Leave modules matching PATTERN unquantized: a name, a parent module, a glob or re:REGEX (repeatable).")] = None,
-    config: Annotated[Optional[Path], typer.Option(metavar="FILE", help="TOML recipe file: recipe, layout, scale_rule, targets, ignore, [[override]].")] = None,
+    config: Annotated[Optional[Path], typer.Option(metavar="FILE", help="TOML recipe file: recipe, layout, scale_rule, scale_search, targets, ignore, [[override]].")] = None,
     scale_rule: Annotated[Optional[str], typer.Option(
         metavar="RULE", callback=_one_of("--scale-rule", "MX scale rule", _scale_rule_names),
         help=f"MX scale exponent rule: {', '.join(SCALE_RULE_NAMES)} (default: the layout's producer).")] = None,
+    scale_search: Annotated[Optional[str], typer.Option(metavar="METHOD", callback=_one_of("--scale-search", "scale search", lambda: ["none", "mse"]), help="none: absmax block scales; mse: per block the scale code with the smallest error (nvfp4, mxfp4, mxfp8; activation-weighted with --calibration).")] = None,
     activations: Annotated[Optional[str], typer.Option(
         metavar="MODE", callback=_one_of("--activations", "activation scheme", lambda: ["static", "dynamic"]),
         help="static: calibrated activation scales (nvfp4 W4A4, fp8); needs --calibration.")] = None,
@@ -167,10 +191,14 @@ def convert(
     backend: Annotated[str, typer.Option(
         metavar="BACKEND", callback=_one_of("--backend", "backend", _backend_names),
         help=f"One of: {', '.join(BACKEND_NAMES)} (auto: Triton on CUDA).")] = "auto",
-    dry_run: Annotated[bool, typer.Option(help="Print the plan and write nothing.")] = False,
-    resume: Annotated[bool, typer.Option(help="Continue an interrupted run with the same inputs.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
-    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run with the same inputs.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty destination.")] = False,
+    per_tensor: Annotated[bool, typer.Option("--per-tensor", help="--dry-run: one row per tensor instead of one per layer pattern.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the destination path (errors and warnings go to stderr).")] = False,
+    workers: Annotated[int, typer.Option(metavar="N", min=1, help="Convert on N processes on this machine (torch.distributed; under torchrun the ranks come from torchrun).")] = 1,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: each tensor as it is written (stderr), the dry run per tensor.")] = False,
+    push_to_hub: PushToHub = None, private: Private = False, push_revision: PushRevision = None,
     json_out: JsonOut = False,
 ) -> None:
     """Quantize (or re-layout, or dequantize) a checkpoint. Values are case-insensitive."""
@@ -179,39 +207,42 @@ def convert(
     if not dry_run:
         ctx.meta[INTERRUPT_LINE] = RESUME_LINE
     code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
-                       scale_rule=scale_rule, calibrate=dict(
+                       scale_rule=scale_rule, scale_search=scale_search, calibrate=dict(
                            activations=activations, kv_cache=kv_cache, calibration=calibration,
                            calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
                            calibration_batch=calibration_batch), revision=revision, device=device, backend=backend,
-                       dry_run=dry_run, resume=resume, overwrite=overwrite, quiet=quiet, json_out=json_out)
+                       dry_run=dry_run, resume=resume, overwrite=overwrite, quiet=quiet, json_out=json_out,
+                       per_tensor=per_tensor or verbose, verbose=verbose, workers=workers, argv=ctx.meta.get(ARGV),
+                       push_to_hub=push_to_hub and dict(repo_id=push_to_hub, private=private, revision=push_revision))
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(cls=_Command)
 def inspect(
     path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint folder, .safetensors file or Hub repo id.")],
     revision: Revision = None,
     tensors: Tensors = None,
-    stats: Annotated[bool, typer.Option(help="Read the data: scale ranges, zero blocks, saturation, NaN/Inf.")] = False,
-    kv_cache: Annotated[bool, typer.Option(help="Print the KV-cache byte account from config.json.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Read the data: scale ranges, zero blocks, saturation, NaN/Inf.")] = False,
+    kv_cache: Annotated[bool, typer.Option("--kv-cache", help="Print the KV-cache byte account from config.json.")] = False,
     kv_budget: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for the KV cache in --kv-cache, e.g. 40GB.  [default: 80GiB]")] = None,
+    per_tensor: Annotated[bool, typer.Option("--per-tensor", help="One row per module instead of one per layer pattern.")] = False,
     json_out: JsonOut = False,
 ) -> None:
     """Explain a checkpoint from its headers: layout, recipes, scales, bits per parameter."""
     from .commands import run_inspect
 
     raise typer.Exit(run_inspect(path, revision=revision, tensors=tensors, stats=stats, kv_cache=kv_cache,
-                                 kv_budget=kv_budget, json_out=json_out))
+                                 kv_budget=kv_budget, json_out=json_out, per_tensor=per_tensor))
 
 
-@app.command()
+@app.command(cls=_Command)
 def verify(
     quant: Annotated[str, typer.Argument(metavar="QUANT", help="The quantized checkpoint.")],
     reference: Annotated[Optional[str], typer.Option(metavar="SRC", help="The source checkpoint to compare against.")] = None,
     revision: Revision = None,
     tensors: Tensors = None,
     top: Annotated[int, typer.Option(metavar="N", min=0, help="How many worst tensors to list.")] = 10,
-    exact: Annotated[bool, typer.Option(help="Re-quantize the reference and compare codes and scales byte for byte.")] = False,
+    exact: Annotated[bool, typer.Option("--exact", help="Re-quantize the reference and compare codes and scales byte for byte.")] = False,
     tp: Annotated[Optional[int], typer.Option(metavar="N", help="Check that quantized dims split into whole blocks across N ranks.")] = None,
     threshold: Annotated[Optional[list[str]], typer.Option(metavar="METRIC=VALUE", help="Override a limit: METRIC=VALUE (rel_err, sqnr_db, cosine, margin).")] = None,
     calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help="Rerun the calibration on --reference with this data (the manifest's amounts) and check every static activation and KV-cache scale.")] = None,
@@ -226,6 +257,23 @@ def verify(
                                 calibration=calibration))
 
 
+@app.command(cls=_Command)
+def recipes(json_out: JsonOut = False) -> None:
+    """List the recipes: element, block, scale format, bits per parameter, the layouts that hold each."""
+    from .commands import run_recipes
+
+    raise typer.Exit(run_recipes(json_out))
+
+
+@app.command(cls=_Command)
+def layouts(json_out: JsonOut = False) -> None:
+    """List the layouts, the engines that load each, and which recipe each layout holds (the loadability matrix)."""
+    from .commands import run_layouts
+
+    raise typer.Exit(run_layouts(json_out))
+
+
+app.command(name="push")(push_command)  # quantcli/hub_command.py
 # ---------------------------------------------------------------- the one error path
 
 
@@ -244,6 +292,7 @@ def _run(args: list[str]) -> int:
     ctx = None
     try:
         ctx = command.make_context("quantcli", args)
+        ctx.meta[ARGV] = list(args)  # the command line --workers ranks run again
         with ctx:
             result = command.invoke(ctx)
         sys.stdout.flush()  # a closed pipe shows up here, not in interpreter shutdown
@@ -288,7 +337,8 @@ def _fail(message: str, code: int, prefix: str = "error: ") -> int:
 def _usage_message(exc: click_errors.UsageError) -> str:
     command = exc.ctx.command_path if exc.ctx is not None else "quantcli"
     if isinstance(exc, click_errors.NoSuchOption):
-        near = sorted(exc.possibilities or [])  # click's own difflib matches among the options
+        # click's own difflib matches among the options, the closest first
+        near = difflib.get_close_matches(exc.option_name, sorted(exc.possibilities or []), n=3, cutoff=0)
         text = f"no such option {exc.option_name} for '{command}'"
         text += f"; did you mean {' or '.join(near)}?" if near else ""
     else:

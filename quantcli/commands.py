@@ -6,11 +6,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from rich.table import Table
 
 from .errors import QuantcliError
 from .render import console as _console
-from .render import emit_json, human_bytes, render_inspect, render_verify
+from .bars import ConvertBar, counting_bar, spinner
+from .render import (dense_reasons, emit_json, excluded_lines, human_bytes, plan_table, render_inspect, render_layouts,
+                     render_recipes, render_verify)
+from .reports import envelope, excluded_entries, to_json
 
 
 # ---------------------------------------------------------------- convert
@@ -18,50 +20,75 @@ from .render import emit_json, human_bytes, render_inspect, render_verify
 
 def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
                 config: Path | None, scale_rule: str | None, revision: str | None, device: str, backend: str,
+                scale_search: str | None = None,
                 dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool,
-                calibrate: dict | None = None) -> int:
+                calibrate: dict | None = None, per_tensor: bool = False, verbose: bool = False,
+                workers: int = 1, argv: list[str] | None = None, push_to_hub: dict | None = None) -> int:
     from .convert import RunOptions, check_destination, check_run_options, convert
+    from .convert.launch import launched, rank_world
     from .planner import plan_conversion
     from .recipe_file import conversion_options
     from .source import open_source
 
     opts = conversion_options(recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule,
-                              calibrate=calibrate)
+                              calibrate=calibrate, scale_search=scale_search)
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
-    if not dry_run:  # device, backend and destination problems before anything is read or written
-        check_run_options(run)
-        check_destination(local_src, dst, run)
-    plan = plan_conversion(open_source(src, revision), opts)
+    if push_to_hub and dry_run:
+        raise QuantcliError("--push-to-hub with --dry-run: a dry run writes nothing to push; drop one of them")
+    hub_api = _check_push(push_to_hub) if push_to_hub else None  # login and network before the work
     if dry_run:
-        return _print_plan(plan, json_out)
-    for w in plan.warnings:  # before the work starts, on stderr (stdout stays JSON with --json)
-        _console(stderr=True).print(f"warning: {w}")
-    if not quiet and not json_out and sys.stderr.isatty():
-        result = _with_progress(lambda progress: convert(plan, dst, run, progress), plan)
-    else:
-        result = convert(plan, dst, run)
+        return _print_plan(plan_conversion(open_source(src, revision), opts), json_out, dst, per_tensor)
+    check_run_options(run)  # device, backend and destination problems before anything is read or written
+    plan = None
+    if workers > 1 and not launched():  # refusals before any rank is spawned
+        check_destination(local_src, dst, run)
+        plan = plan_conversion(open_source(src, revision), opts)
+    # One process, or the ranks torchrun or --workers started: rank 0 checks DST, every rank
+    # plans from the headers (the same plan), and only rank 0 prints.
+    with rank_world(device, workers, argv) as world:
+        run.device = world.rank_device(device)
+        world.settle(lambda: check_destination(local_src, dst, run) if world.lead else None)
+        plan = world.settle(lambda: plan or plan_conversion(open_source(src, revision), opts))
+        for w in plan.warnings if world.lead else []:  # before the work starts, on stderr (stdout stays JSON)
+            _console(stderr=True).print(f"warning: {w}")
+        show_bar = not quiet and not json_out and sys.stderr.isatty()
+        if world.lead and (show_bar or verbose):
+            with ConvertBar(plan, _console(stderr=True), show_bar, verbose) as bar:
+                result = convert(plan, dst, run, bar, world)
+        else:
+            result = convert(plan, dst, run, None, world)
+    if not world.lead:
+        return 0
     for w in result.warnings[len(plan.warnings):]:  # found while finishing (the plan's were printed above)
         _console(stderr=True).print(f"warning: {w}")
+    pushed = _push(result.dst, push_to_hub, hub_api, quiet or json_out) if push_to_hub else None
     if json_out:
-        emit_json(_convert_summary(plan, result))
+        emit_json({**_convert_summary(plan, result), **({"pushed": to_json(pushed)} if pushed else {})})
+        return 0
+    if quiet:  # the one line a script needs on stdout: where the output is
+        if result.already_complete:
+            _console(stderr=True).print(f"{result.dst}: already complete; nothing written")
+        _console().print(str(result.dst))
         return 0
     _print_convert_result(plan, result, src)
     return 0
 
 
 def _convert_summary(plan, result) -> dict:
-    """The --json document of a finished conversion."""
-    return {
-        "destination": str(result.dst), "layout": plan.target, "recipes": sorted(plan.recipes),
+    """The --json document of a finished conversion (quantcli/schemas/convert.json)."""
+    return envelope("convert", {
+        "layout": plan.target, "recipes": sorted(plan.recipes),
         "tensors_quantized": result.quantized, "tensors_total": len(plan.tensors),
         "bytes_in": result.bytes_in, "bytes_out": result.bytes_out, "seconds": round(result.seconds, 3),
         "shards_written": result.shards_written, "shards_resumed": result.shards_resumed,
-        "excluded": plan.excluded_names(), "warnings": result.warnings,
+        "excluded": excluded_entries(plan.exclusions),
+        "exclusion_key": plan.layout.exclusion_key if plan.layout else None,
+        "exclusion_list": plan.excluded_names() if plan.layout else [], "warnings": result.warnings,
         "lossless": plan.lossless, "notes": result.notes,
         "requantize_rel_err_vs_decoded_source": result.requantize_errors,
         "already_complete": result.already_complete,
-    }
+    }, source=plan.source.label, destination=result.dst)
 
 
 def _print_convert_result(plan, result, src: str) -> None:
@@ -80,33 +107,21 @@ def _print_convert_result(plan, result, src: str) -> None:
         con.print(f"re-quantized {len(errs)} modules; relative error vs the decoded source: mean "
                   f"{sum(errs.values()) / len(errs):.4g}, worst {errs[worst]:.4g} ({worst}); check it with "
                   f"`quantcli verify {shlex.quote(str(result.dst))} --reference {shlex.quote(src)}`")
-    rate = result.bytes_in / max(result.seconds, 1e-9) / 1e9
+    rate = result.bytes_in / max(result.seconds, 1e-9)  # binary units, as the progress bar shows it
     what = (f"{sum(t.action == 'dequantize' for t in plan.tensors)} modules dequantized to {plan.dense_dtype}"
             if plan.layout is None else
             f"{result.quantized} of {len(plan.tensors)} tensors quantized "
             f"({', '.join(sorted(plan.recipes)) or 'none'} -> {plan.target})")
     con.print(f"wrote {result.dst}: {what}, "
               f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)} in {result.seconds:.1f} s "
-              f"({rate:.2f} GB/s)" + (f", {result.shards_resumed} shard(s) resumed" if result.shards_resumed else ""))
+              f"({human_bytes(rate)}/s)" + (f", {result.shards_resumed} shard(s) resumed" if result.shards_resumed else ""))
+    if plan.exclusions:
+        con.print(f"left dense: {dense_reasons(plan.exclusions)}")
+    if not result.requantize_errors:  # (a re-quantize names the check above, with its errors)
+        con.print(f"next: quantcli verify {shlex.quote(str(result.dst))} --reference {shlex.quote(src)}")
 
 
-def _with_progress(convert, plan):
-    """Run `convert(progress)` under a progress bar on stderr (bytes of the source done)."""
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
-
-    columns = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn()]
-    with Progress(*columns, console=_console(stderr=True), transient=True) as bar:
-        task = bar.add_task("converting", total=plan.bytes_in)
-
-        def advance(n: int, shard: str) -> None:
-            bar.update(task, advance=n, description=shard)
-
-        return convert(advance)
-
-
-def _print_plan(plan, json_out: bool) -> int:
+def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False) -> int:
     from .convert import fingerprint
 
     rows = []
@@ -121,27 +136,21 @@ def _print_plan(plan, json_out: bool) -> int:
                default=largest)
     params_q = plan.params(quantized=True)
     total_params = plan.params()
-    doc = {"source": plan.source.label, "layout": plan.target, "recipes": sorted(plan.recipes),
-           "tensors": rows, "excluded": [{"module": e.module, "reason": e.reason} for e in plan.exclusions],
+    doc = {"layout": plan.target, "recipes": sorted(plan.recipes),
+           "tensors": rows, "excluded": excluded_entries(plan.exclusions),
            "exclusion_key": plan.layout.exclusion_key if plan.layout else None,
            "exclusion_list": plan.excluded_names() if plan.layout else [],
            "warnings": plan.warnings, "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
            "params": total_params, "params_quantized": params_q,
            "bits_per_param": round(8 * plan.bytes_out / max(1, total_params), 3),
            "estimated_peak_memory_bytes": peak, "fingerprint": fingerprint(plan)}
-    if json_out:
-        emit_json(doc)
+    if json_out:  # quantcli/schemas/convert-dry-run.json
+        emit_json(envelope("convert", doc, source=plan.source.label, destination=dst, dry_run=True))
         return 0
     con = _console()
-    table = Table(title=f"plan: {plan.source.label} -> {plan.target}", show_lines=False)
-    for col in ("tensor", "dtype", "shape", "recipe", "in", "out", "bits/param"):
-        table.add_column(col, justify="right" if col in ("in", "out", "bits/param") else "left")
-    for r in rows:
-        table.add_row(r["name"], r["dtype"], "x".join(map(str, r["shape"])), r["recipe"] or "-",
-                      human_bytes(r["bytes_in"]), human_bytes(r["bytes_out"]), f"{r['bits_per_param']:.2f}")
-    con.print(table)
-    for e in plan.exclusions:
-        con.print(f"excluded {e.module}: {e.reason}")
+    con.print(plan_table(rows, f"plan: {plan.source.label} -> {plan.target}", con, per_tensor))
+    for line in excluded_lines(plan.exclusions, per_tensor):
+        con.print(line)
     for w in plan.warnings:
         con.print(f"warning: {w}")
     con.print(f"total {human_bytes(plan.bytes_in)} -> {human_bytes(plan.bytes_out)}, {doc['bits_per_param']:.2f} "
@@ -154,19 +163,23 @@ def _print_plan(plan, json_out: bool) -> int:
 
 
 def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: bool, kv_cache: bool,
-                kv_budget: str | None, json_out: bool) -> int:
+                kv_budget: str | None, json_out: bool, per_tensor: bool = False) -> int:
     from .inspect_report import inspect_checkpoint, kv_cache_account, parse_size
 
     if kv_budget is not None and not kv_cache:
         raise QuantcliError(f"--kv-budget {kv_budget}: only used by the KV-cache account; add --kv-cache")
     budget = parse_size("80GiB" if kv_budget is None else kv_budget)
-    report = inspect_checkpoint(path, revision=revision, pattern=tensors, stats=stats)
+    context, advance = counting_bar(_console(stderr=True), stats and sys.stderr.isatty() and not json_out, "reading")
+    with context:
+        report = inspect_checkpoint(path, revision=revision, pattern=tensors, stats=stats, progress=advance)
     if kv_cache:
         report.kv_cache = kv_cache_account(report.config, budget)
-    if json_out:
-        emit_json(report)  # the config it read is not part of the document
+    if json_out:  # the config it read is not part of the document; quantcli/schemas/inspect.json
+        emit_json(envelope("inspect", report, source=report.source,
+                           excluded=[{"module": m, "reason": "in the config's exclusion list"}
+                                     for m in report.exclusion_list]))
     else:
-        render_inspect(report, _console())
+        render_inspect(report, _console(), per_tensor)
     return 0
 
 
@@ -183,10 +196,66 @@ def run_verify(quant: str, *, reference: str | None, revision: str | None, tenso
         raise QuantcliError("--exact needs --reference SRC: it re-quantizes the reference and compares bytes")
     if tp is not None and tp < 1:
         raise QuantcliError(f"--tp {tp}: must be a positive number of ranks")
-    report = verify_checkpoint(quant, reference=reference, revision=revision, pattern=tensors, exact=exact,
-                               tp=tp, limits=limits, device=device, calibration=calibration)
-    if json_out:
-        emit_json(report)
+    with spinner(_console(stderr=True), sys.stderr.isatty() and not json_out, f"verifying {quant}"):
+        report = verify_checkpoint(quant, reference=reference, revision=revision, pattern=tensors, exact=exact,
+                                   tp=tp, limits=limits, device=device, calibration=calibration)
+    if json_out:  # verify DST --reference SRC: the same source and destination as convert SRC DST
+        emit_json(envelope("verify", report, source=reference, destination=quant,
+                           thresholds=applied_thresholds(limits)))
     else:
         render_verify(report, _console(), top)
     return 0 if report.passed else 1
+
+
+def applied_thresholds(limits) -> dict:
+    """verify's tolerance as applied: the margin over quantcli's own error (one value from
+    --threshold margin=, else the per-tensor rule) and the absolute limits (null: not set)."""
+    from .verify.limits import TOLERANCE_FLOOR, TOLERANCE_NOISE
+
+    rule = f"{TOLERANCE_FLOOR:g} + {TOLERANCE_NOISE:g} / sqrt(max(1, numel / 128))"
+    return {"margin": limits.margin, "margin_rule": rule if limits.margin is None else None,
+            "rel_err": limits.rel_err, "sqnr_db": limits.sqnr_db, "cosine": limits.cosine}
+
+
+# ---------------------------------------------------------------- recipes, layouts
+
+
+def run_recipes(json_out: bool) -> int:
+    from .catalog import recipes
+
+    infos = recipes()
+    if json_out:
+        emit_json({"recipes": infos})
+    else:
+        render_recipes(infos, _console())
+    return 0
+
+
+def run_layouts(json_out: bool) -> int:
+    from .catalog import layouts, loadability
+
+    infos = layouts()
+    if json_out:
+        emit_json({"layouts": infos, "loadability": loadability(infos)})
+    else:
+        render_layouts(infos, loadability(infos), _console())
+    return 0
+
+
+# ---------------------------------------------------------------- push
+
+
+def _check_push(hub: dict):
+    from .push import check_can_push
+
+    return check_can_push(hub["repo_id"])
+
+
+def _push(folder: Path, hub: dict, api, quiet: bool):
+    from .push import push
+
+    # huggingface_hub shows its own upload progress on stderr
+    pushed = push(folder, hub["repo_id"], private=hub["private"], revision=hub["revision"], api=api)
+    if not quiet:
+        _console(stderr=True).print(f"pushed {pushed.files} files ({human_bytes(pushed.bytes)}) to {pushed.url}")
+    return pushed

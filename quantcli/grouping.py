@@ -111,9 +111,9 @@ def group_names(names: Sequence[str], keys: Sequence[Hashable] | None = None) ->
 
 
 def short_prefix(names: Sequence[str]) -> str:
-    """The longest dotted prefix (ending in '.') that at least half of `names` share and that
-    leaves each of them a non-empty rest; '' when there is none. Dropping it from those names
-    keeps every distinguishing tail."""
+    """The dotted prefix (ending in '.') that at least half of `names` share, leaving each of them
+    a non-empty rest, and whose removal saves the most characters; '' when there is none.
+    Dropping it from those names keeps every distinguishing tail."""
     if not names:
         return ""
     best = ""
@@ -123,9 +123,10 @@ def short_prefix(names: Sequence[str]) -> str:
         for i in range(1, len(parts)):
             prefix = ".".join(parts[:i]) + "."
             counts[prefix] = counts.get(prefix, 0) + 1
+    saved = 0
     for prefix, n in counts.items():
-        if 2 * n >= len(names) and len(prefix) > len(best):
-            best = prefix
+        if 2 * n >= len(names) and (len(prefix) * n, len(prefix)) > (saved, len(best)):
+            best, saved = prefix, len(prefix) * n
     return best
 
 

@@ -8,6 +8,7 @@ The command layer (commands.py, render.py) prints the report or serializes it (r
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import patterns
@@ -21,6 +22,7 @@ from .reports import NOT_IN_JSON, OMITTED
 from .source import Source, open_source
 from .tensors import CheckpointTensors
 
+StatsProgress = Callable[[str, int], None]  # (module just read, modules in all), for --stats
 KV_FORMATS = {"bf16": 16.0, "fp8": 8.0, "nvfp4": 4.5, "mxfp4": 4.25}
 SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
               "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -99,9 +101,9 @@ class InspectReport:
 
 
 def inspect_checkpoint(path: str, revision: str | None = None, pattern: str | None = None,
-                       stats: bool = False) -> InspectReport:
+                       stats: bool = False, progress: StatsProgress | None = None) -> InspectReport:
     source = open_source(path, revision)
-    return inspect_source(source, pattern, stats)
+    return inspect_source(source, pattern, stats, progress)
 
 
 def _describe(det: Detected, module: str, recipe_name: str, tensors: CheckpointTensors, scale_rule: str | None,
@@ -123,16 +125,20 @@ def _describe(det: Detected, module: str, recipe_name: str, tensors: CheckpointT
 
 
 def _quantized_modules(det: Detected | None, tensors: CheckpointTensors, pattern: str | None,
-                       stats: bool) -> tuple[list[ModuleDescription], set[str]]:
+                       stats: bool, progress: StatsProgress | None = None) -> tuple[list[ModuleDescription], set[str]]:
     """The described modules `pattern` selects, and every disk tensor of a quantized module."""
     if det is None:
         return [], set()
     rules = {m.module: m.scale_rule for m in det.manifest.modules} if det.manifest else {}
+    searches = {m.module: m.scale_search for m in det.manifest.modules if m.scale_search} if det.manifest else {}
     modules, consumed = [], set()
-    for module, recipe_name in sorted(det.modules.items()):
-        if pattern and not matches(pattern, module):
-            continue
+    selected = [(m, r) for m, r in sorted(det.modules.items()) if not pattern or matches(pattern, m)]
+    for module, recipe_name in selected:
         m = _describe(det, module, recipe_name, tensors, rules.get(module), stats)
+        if module in searches and m.scale_rule is not OMITTED:  # how the block scales were chosen
+            m.scale_rule = f"{m.scale_rule or 'absmax'} + {searches[module]} search"
+        if stats and progress is not None:  # --stats reads every module's data: minutes on a large model
+            progress(module, len(selected))
         modules.append(m)
         consumed.update(t.name for t in m.tensors)
     for module in det.modules:
@@ -174,14 +180,15 @@ def _unlisted_linears(det: Detected | None, names, tensors: CheckpointTensors, e
     return sorted(m for m in linear_modules(names, tensors) if m not in det.modules and not is_excluded(m, excluded))
 
 
-def inspect_source(source: Source, pattern: str | None = None, stats: bool = False) -> InspectReport:
+def inspect_source(source: Source, pattern: str | None = None, stats: bool = False,
+                   progress: StatsProgress | None = None) -> InspectReport:
     if pattern is not None:
         patterns.validate(pattern, "--tensors")
     det: Detected | None = detect(source)
     names = all_names(source)
     config = config_with_extras(source, det.extra_files if det else {})
     with CheckpointTensors(source) as tensors:
-        modules, consumed = _quantized_modules(det, tensors, pattern, stats)
+        modules, consumed = _quantized_modules(det, tensors, pattern, stats, progress)
         scales = _calibrated(det, config, modules, names, tensors, pattern)
         consumed |= scale_names(scales) if scales is not OMITTED else set()
         dense = _dense_totals(names, tensors, consumed, pattern)

@@ -102,6 +102,8 @@ def _module_cells(m) -> list:
     logical_dtype = "?" if m.logical_dtype is OMITTED else m.logical_dtype
     storage_dtype = "?" if m.storage_dtype is OMITTED else m.storage_dtype
     block = [] if m.block is OMITTED else m.block
+    if isinstance(m.scale_rule, str) and m.scale_rule.endswith(" search"):  # --scale-search mse
+        scales = f"{scales} ({m.scale_rule.rsplit(' + ', 1)[-1]})"
     return [m.recipe, f"{logical_dtype} {_dims(m.logical_shape)}", f"{storage_dtype} {_dims(m.storage_shape)}",
             "x".join(str(b) if b else "all" for b in block), scales or "-",
             values[0].value if values else None, values[0].direction if values else "-",
@@ -226,6 +228,39 @@ def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
         con.print(_kv_table(report.kv_cache))
 
 
+# ---------------------------------------------------------------- recipes, layouts
+
+
+def render_recipes(infos, con: Console) -> None:
+    t = Table(title="recipes")
+    for col in ("recipe", "element", "block", "block scale", "global", "bits/param*", "default layout", "layouts"):
+        t.add_column(col, justify="right" if col.startswith("bits") else "left", overflow="fold")
+    for r in infos:
+        t.add_row(r.name, r.element + (" x2/byte" if r.packed else ""), r.block, r.block_scale, r.global_scale or "-",
+                  f"{r.bits_per_param:.3f}", r.default_layout, ", ".join(r.layouts))
+    con.print(t)
+    con.print("* on a 4096x4096 weight, scales included; 1xK: one scale per row")
+
+
+def render_layouts(infos, matrix: dict[str, dict[str, str]], con: Console) -> None:
+    t = Table(title="layouts")
+    for col in ("layout", "engines", "exclusion key", "note"):
+        t.add_column(col, overflow="fold")
+    for i in infos:
+        t.add_row(i.name, ", ".join(i.engines), i.exclusion_key, "MoE experts only" if i.experts_only else "")
+    con.print(t)
+    recipes = list(next(iter(matrix.values()), {}))
+    m = Table(title="which engines load which recipe in each layout (loads: the layout's engines; read: inspect, "
+                    "verify and convert read it, no engine loads it)")
+    m.add_column("layout")
+    for r in recipes:
+        m.add_column(r, justify="center", overflow="fold")
+    marks = {"loads": "loads", "read only": "read", "no": "-"}
+    for layout, row in matrix.items():
+        m.add_row(layout, *(marks[row[r]] for r in recipes))
+    con.print(m)
+
+
 # ---------------------------------------------------------------- verify
 
 
@@ -247,7 +282,8 @@ def _rows_table(rows, top: int) -> Table:
         t.add_column(col)
     for r in rows[:top]:
         exact = r.exact_identical_fraction
-        t.add_row(r.tensor, r.recipe, f"{r.rel_err:.4g}", f"{r.baseline_rel_err:.4g}", _limit_text(r),
+        ours = f"{r.baseline_rel_err:.4g}" + ("" if r.absmax_rel_err is OMITTED else f" (absmax {r.absmax_rel_err:.4g})")
+        t.add_row(r.tensor, r.recipe, f"{r.rel_err:.4g}", ours, _limit_text(r),
                   f"{r.sqnr_db:.2f}", f"{r.cosine:.6f}", f"{r.max_abs:.3g}",
                   "-" if exact is OMITTED or exact is None else f"{exact:.2%}")
     return t
@@ -280,4 +316,4 @@ def render_verify(report, con: Console, top: int) -> None:
 
 
 __all__ = ["console", "dense_reasons", "emit_json", "excluded_lines", "human_bytes", "plan_table", "render_inspect",
-           "render_verify"]
+           "render_layouts", "render_recipes", "render_verify"]

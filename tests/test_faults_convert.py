@@ -93,7 +93,7 @@ def test_resume_on_finished_dst_says_done_and_touches_nothing(llama, tmp_path, r
     dst = tmp_path / "out"
     done = clean_output(run_cli, llama, dst)
     code, out, err = convert(run_cli, llama, dst, "--resume")
-    assert code == 0 and "already complete" in out, (out, err)
+    assert code == 0 and "already complete" in err and out == f"{dst}\n", (out, err)  # --quiet: stdout is the path
     assert tree_state(dst) == done and not stage_of(dst).exists()
     code, out, err = convert(run_cli, llama, dst, "--resume", recipe="fp8")  # another plan: refused
     assert_one_line_error(code, out, err, str(dst), "--overwrite")

@@ -1,0 +1,108 @@
+"""Progress on stderr for the long jobs (the face; only commands.py uses it). Byte counts and
+rates are binary units (KiB, MiB, GiB) everywhere, as human_bytes prints them, so the bar's rate
+and the summary's rate are the same number.
+
+- ConvertBar: the `convert` callback (bytes done, shard) as a bar that names shard i/N and the
+  tensor being converted; with `verbose`, one stderr line per tensor written (also without a
+  terminal). The bar is transient: the command's one-line summary replaces it.
+- counting_bar: a bar over N items (inspect --stats reads one module at a time).
+- spinner: elapsed time for a job that reports no progress of its own (verify).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.text import Text
+
+from .render import human_bytes
+
+
+class _BytesColumn(ProgressColumn):
+    def render(self, task) -> Text:
+        return Text(f"{human_bytes(task.completed)} / {human_bytes(task.total or 0)}")
+
+
+class _RateColumn(ProgressColumn):
+    def render(self, task) -> Text:
+        return Text("-" if task.speed is None else f"{human_bytes(task.speed)}/s")
+
+
+def shard_order(plan) -> dict[str, list]:
+    """Per shard, its tensors in the order convert writes them: the writer goes through output
+    names sorted (safetensors_io.build_header), producing a tensor at its first output."""
+    out = {}
+    for shard, planned in plan.by_shard().items():
+        first = {t.name: min((o.name for o in t.outputs), default=t.name) for t in planned}
+        out[shard] = sorted(planned, key=lambda t: first[t.name])
+    return out
+
+
+class ConvertBar:
+    """The progress callback of a conversion: `bar(n, shard)` after each tensor (or once for a
+    whole shard that --resume reused)."""
+
+    def __init__(self, plan, stderr: Console, show_bar: bool, verbose: bool):
+        self.order = shard_order(plan)
+        self.shards = list(self.order)
+        self.stderr, self.verbose = stderr, verbose
+        self.shard, self.left = None, []
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), _BytesColumn(), _RateColumn(),
+                                 TimeRemainingColumn(), console=stderr, transient=True) if show_bar else None
+        first = next((ts[0].name for ts in self.order.values() if ts), "")
+        self.task = self.progress.add_task(f"shard 1/{len(self.shards)} {first}", total=plan.bytes_in) \
+            if show_bar else None
+
+    def __enter__(self) -> ConvertBar:
+        if self.progress is not None:
+            self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+    def __call__(self, n: int, shard: str) -> None:
+        if shard != self.shard:
+            self.shard, self.left = shard, list(self.order.get(shard, []))
+        where = f"shard {self.shards.index(shard) + 1}/{len(self.shards)}" if shard in self.order else shard
+        if self.left and n == sum(t.bytes_in for t in self.left) and len(self.left) > 1:
+            self.left = []  # a shard --resume reused: reported whole
+            if self.verbose:
+                self.stderr.print(f"{where}: {shard} resumed (already written)")
+        elif self.left:
+            t = self.left.pop(0)
+            if self.verbose:
+                self.stderr.print(f"{where}: {t.name} {t.recipe or t.action} "
+                                  f"{human_bytes(t.bytes_in)} -> {human_bytes(t.bytes_out)}")
+        if self.progress is not None:
+            current = self.left[0].name if self.left else "done"
+            self.progress.update(self.task, advance=n, description=f"{where} {current}")
+
+
+def counting_bar(stderr: Console, show: bool, what: str):
+    """(context, advance(name, total)) for a job over items it counts as it goes; both do nothing
+    when not `show`."""
+    if not show:
+        return nullcontext(), lambda name, total: None
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                        console=stderr, transient=True)
+    task = progress.add_task(what, total=None)
+    return progress, lambda name, total: progress.update(task, advance=1, total=total, description=f"{what} {name}")
+
+
+@contextmanager
+def spinner(stderr: Console, show: bool, what: str) -> Iterator[None]:
+    """A spinner with the elapsed time while a job that reports nothing runs."""
+    if not show:
+        yield
+        return
+    with Progress(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), console=stderr, transient=True):
+        yield
+
+
+__all__ = ["ConvertBar", "counting_bar", "shard_order", "spinner"]

@@ -1,0 +1,133 @@
+"""What people read: --help of every command and inspect's output at 80 and 200 columns for a
+dense and an MoE checkpoint, compared with snapshots in tests/data/snapshots/, plus the rules
+every such output keeps: no ambiguous row, no Python repr, no name cut in its tail.
+
+Regenerate the snapshots after a deliberate change with
+`QUANTCLI_RESNAPSHOT=1 python -m pytest tests/test_cli_output.py` and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from quantcli.testing import make_llama, make_moe
+from test_grouping import expand
+
+SNAPSHOTS = Path(__file__).parent / "data" / "snapshots"
+REPRS = ("{'", "[(", "<list", "<str>", "<path>", "<int>", "OMITTED")
+COMMANDS = ([], ["convert"], ["inspect"], ["verify"], ["recipes"], ["layouts"])
+
+
+def check_snapshot(name: str, text: str) -> None:
+    path = SNAPSHOTS / name
+    text = "\n".join(line.rstrip() for line in text.splitlines()) + "\n"  # rich pads lines with spaces
+    if os.environ.get("QUANTCLI_RESNAPSHOT") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"no snapshot {path}; run with QUANTCLI_RESNAPSHOT=1 to write it"
+    assert text == path.read_text(), f"{name} differs from its snapshot (QUANTCLI_RESNAPSHOT=1 if deliberate)"
+
+
+def assert_readable(text: str) -> None:
+    for r in REPRS:
+        assert r not in text, f"Python repr {r!r} in output"
+    assert not re.search(r"…(\s|│|$)", text, re.MULTILINE), "a cell was cut at its end"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A dense Llama and an MoE, both converted to NVFP4, under fixed relative names."""
+    from quantcli.cli import main
+
+    root = tmp_path_factory.mktemp("out")
+    make_llama(root / "llama", hidden=64, layers=2, shards=2, seed=0)
+    make_moe(root / "moe", hidden=64, layers=2, shards=2, seed=0, experts=4)
+    for name in ("llama", "moe"):
+        with pytest.raises(SystemExit) as exc:
+            main(["convert", str(root / name), str(root / f"{name}-nvfp4"), "--recipe", "nvfp4", "--quiet"])
+        assert exc.value.code in (0, None)
+    return root
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0] if c else "quantcli")
+def test_help_snapshot(run_cli, monkeypatch, command):
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, _ = run_cli(*command, "--help")
+    assert code == 0
+    assert run_cli(*command, "-h")[1] == out  # -h is --help
+    assert_readable(out)
+    assert not re.search(r"\{[A-Z_]+\}", out), "a placeholder in braces"
+    check_snapshot(f"help-{command[0] if command else 'quantcli'}.txt", out)
+
+
+def test_top_level_help_documents_exit_codes_and_completion(run_cli):
+    out = run_cli("--help")[1]
+    assert "Exit codes: 0" in out and "130 interrupted" in out
+    assert "--install-completion" in out
+    convert = run_cli("convert", "--help")[1]
+    assert "[required]" in convert and "[default: auto]" in convert
+
+
+@pytest.mark.parametrize("width", [80, 200])
+@pytest.mark.parametrize("name", ["llama", "moe"])
+def test_inspect_snapshot(run_cli, monkeypatch, checkpoints, name, width):
+    monkeypatch.chdir(checkpoints)  # the snapshot shows a relative path, not the temp folder
+    monkeypatch.setenv("COLUMNS", str(width))
+    code, out, err = run_cli("inspect", f"{name}-nvfp4")
+    assert code == 0, err
+    assert_readable(out)
+    modules = [m["module"] for m in json.loads(run_cli("inspect", f"{name}-nvfp4", "--json")[1])["modules"]]
+    labels = set(re.findall(r"model\.[\w.{},]+", out))
+    for m in modules:  # every module is named by exactly one row: no row hides or shares a name
+        assert len([label for label in labels if m in expand(label)]) == 1, m
+    assert len(out.splitlines()) < len(modules) * 3 or name == "llama"  # grouped, not one row per module
+    check_snapshot(f"inspect-{name}-{width}.txt", out)
+
+
+def test_per_tensor_lists_every_module_and_stats_are_tables(run_cli, monkeypatch, checkpoints):
+    monkeypatch.chdir(checkpoints)
+    monkeypatch.setenv("COLUMNS", "200")
+    out = run_cli("inspect", "moe-nvfp4", "--per-tensor")[1]
+    assert "model.layers.1.block_sparse_moe.experts.3.w2" in out and "{0..3}" not in out
+    out = run_cli("inspect", "moe-nvfp4", "--stats")[1]
+    assert_readable(out)
+    assert "data (--stats)" in out and "saturated (max)" in out
+
+
+def test_dry_run_is_grouped_and_convert_summary_names_dense_reasons(run_cli, monkeypatch, checkpoints):
+    monkeypatch.chdir(checkpoints)
+    monkeypatch.setenv("COLUMNS", "200")
+    out = run_cli("convert", "moe", "x", "--recipe", "nvfp4", "--dry-run")[1]
+    assert "model.layers.{0,1}.block_sparse_moe.experts.{0..3}.w1.weight │ 8 " in out
+    assert "excluded model.layers.{0,1}.block_sparse_moe.gate (2): MoE router/gate" in out
+    assert out.count("\n") < run_cli("convert", "moe", "x", "--recipe", "nvfp4", "--dry-run", "-v")[1].count("\n")
+    code, out, err = run_cli("convert", "moe", "q", "--recipe", "fp8", "--quiet")
+    assert (code, out) == (0, "q\n"), err
+    out = run_cli("convert", "moe", "s", "--recipe", "fp8")[1]
+    assert "left dense: 2 MoE router/gate, 1 output head" in out
+    assert "next: quantcli verify s --reference moe" in out
+    assert re.search(r"\(\d+\.\d\d (B|KiB|MiB|GiB)/s\)", out)  # binary units, as the progress bar
+
+
+def test_recipes_and_layouts_list_the_registries(run_cli):
+    from quantcli.layouts import LAYOUTS
+    from quantcli.recipes import RECIPES
+
+    doc = json.loads(run_cli("recipes", "--json")[1])
+    assert [r["name"] for r in doc["recipes"]] == list(RECIPES)
+    nvfp4 = next(r for r in doc["recipes"] if r["name"] == "nvfp4")
+    assert (nvfp4["block"], nvfp4["block_scale"], nvfp4["global_scale"], nvfp4["bits_per_param"]) == \
+        ("1x16", "e4m3fn", "f32", 4.5)
+    doc = json.loads(run_cli("layouts", "--json")[1])
+    for name, layout in LAYOUTS.items():  # the matrix is the layout tables, not a copy
+        for recipe, cell in doc["loadability"][name].items():
+            assert (cell == "loads") == layout.supports(recipe)
+    assert doc["loadability"]["modelopt"]["mxfp4"] == "read only"
+    text = run_cli("layouts")[1]
+    assert_readable(text)
+    assert "TensorRT-LLM" in text
