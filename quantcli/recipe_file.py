@@ -33,10 +33,7 @@ def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[s
     opts.scale_rule = scale_rule or opts.scale_rule
     opts.ignore += ignore
     _calibration_options(opts, data, calibrate or {})
-    if not opts.recipe:
-        raise QuantcliError(f"--recipe is required (or 'recipe' in --config): {', '.join(RECIPES)}, "
-                            f"or {'/'.join(DENSE_RECIPES)} to dequantize")
-    return opts
+    return opts  # no recipe: the planner takes a quantized source's own (planner.default_recipe)
 
 
 _CALIBRATION_KEYS = {"activations": ("static", "dynamic"), "kv_cache": ("fp8", "none"), "calibration": None,

@@ -2,6 +2,10 @@
 
     python scripts/make_checkpoint.py demo/tiny-llama
     python scripts/make_checkpoint.py demo/tiny-moe --arch moe --shards 2
+
+Writes exactly --shards safetensors files (fewer only when there are fewer tensors). Run again
+into the same folder, it first deletes the weights of the earlier run (*.safetensors and the
+index): stale shards (say 5 where 4 are written now) would otherwise stay beside the new index.
 """
 
 from __future__ import annotations
@@ -24,6 +28,14 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.shards < 1:
+        ap.error(f"--shards {args.shards}: must be 1 or more")
+    if args.out.is_dir():  # the earlier run's weights; other files are rewritten or kept
+        for old in [*args.out.glob("*.safetensors"), *args.out.glob("*.safetensors.index.json")]:
+            old.unlink()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's one-step bar says nothing here
     make = make_llama if args.arch == "llama" else make_moe
     make(args.out, hidden=args.hidden, layers=args.layers, shards=args.shards, seed=args.seed)
     print(f"wrote {args.out}")

@@ -11,7 +11,8 @@ from pathlib import Path
 from .. import __version__
 from ..calibrate.record import calibrated_entries, calibration_record
 from ..layouts.base import stored_value
-from ..manifest import MANIFEST_NAME, DiskEntry, Manifest, ModuleEntry
+from ..manifest import DiskEntry, Manifest, ModuleEntry
+from ..model_card import with_model_card, write_model_card  # noqa: F401  (with_model_card: re-exported)
 from ..plan import Plan, TensorPlan
 from ..source import INDEX
 from .progress import write_json_atomic
@@ -30,27 +31,7 @@ def write_side_files(plan: Plan, stage: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source.root / rel, target)
     write_json_atomic(stage / "config.json", _write_configs(plan, stage))
-    readme = stage / "README.md"
-    readme.write_text(with_model_card(readme.read_text() if readme.exists() else "", model_card(plan)))
-
-
-CARD_HEADING = "## Quantization (quantcli)"
-
-
-def with_model_card(text: str, card: str) -> str:
-    """`text` (the source's README) with `card` appended, or in place of the quantcli section a
-    quantized source already carries (from its heading to the next '## ' heading or the end)."""
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == CARD_HEADING), None)
-    if start is None:
-        return text + ("\n" if text and not text.endswith("\n") else "") + card
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    while start > 0 and not lines[start - 1].strip():  # the card brings its own blank line
-        start -= 1
-    head, tail = "".join(lines[:start]), "".join(lines[end:])
-    if tail:
-        card = card.rstrip("\n") + "\n\n"
-    return head + card + tail
+    write_model_card(plan, stage)
 
 
 def _write_configs(plan: Plan, stage: Path) -> dict:
@@ -69,26 +50,6 @@ def _write_configs(plan: Plan, stage: Path) -> dict:
         for name, obj in extra.items():
             write_json_atomic(stage / name, obj)
     return config
-
-
-def model_card(plan: Plan) -> str:
-    lines = ["", "## Quantization (quantcli)", ""]
-    if plan.layout is None:
-        lines += [f"Dequantized to {plan.dense_dtype} from the {plan.source_layout.name} checkpoint "
-                  f"`{plan.source.label}` with quantcli {__version__}: a plain checkpoint, no quantization_config.", ""]
-        return "\n".join(lines)
-    what = {"relayout": "carried over byte for byte", "requantize": "decoded and re-quantized",
-            "quantize": "quantized"}
-    lines += [f"Converted from `{plan.source.label}` with quantcli {__version__}, layout `{plan.layout.name}` "
-              f"(loads in {plan.layout.consumers}).", "",
-              "| recipe | modules | scale rule | how |", "|---|---|---|---|"]
-    for name, mods in sorted(plan.modules_by_recipe().items()):
-        actions = sorted({what[t.action] for t in plan.tensors if t.recipe == name})
-        lines.append(f"| {name} | {len(mods)} | {plan.recipes[name].scale_rule or '-'} | {', '.join(actions)} |")
-    lines += ["", f"Left unquantized ({plan.layout.exclusion_key}): "
-              + ", ".join(f"`{n}`" for n in plan.excluded_names()), "",
-              f"Every quantized tensor, its scales and their direction are listed in `{MANIFEST_NAME}`.", ""]
-    return "\n".join(lines)
 
 
 def build_manifest(plan: Plan, fp: str, found: Findings) -> Manifest:
