@@ -61,8 +61,17 @@ def _impl(backend: str, device: torch.device) -> ModuleType:
 
 
 def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None,
-             backend: str = "auto") -> QuantResult:
-    return _impl(backend, x.device).quantize(x, spec, global_amax)
+             backend: str = "auto", channel_weight: torch.Tensor | None = None) -> QuantResult:
+    """`channel_weight` [K]: per input channel weights of a scale search's error (mean squared
+    activation); ignored unless `spec.scale_search` is set."""
+    impl = _impl(backend, x.device)
+    if spec.scale_search == "none":
+        return impl.quantize(x, spec, global_amax)
+    if impl is reference:
+        from . import search
+
+        return search.quantize(x, spec, global_amax, channel_weight)
+    return impl.quantize(x, spec, global_amax, channel_weight)
 
 
 def dequantize(q: QuantResult, spec: QuantSpec, shape: tuple[int, ...], backend: str = "auto") -> torch.Tensor:

@@ -34,6 +34,10 @@ FP32_MIN_NORMAL = 2.0**-126
 FP8_BLOCK = 128  # the side of a `block` geometry tile (DeepSeek-V3 128 x 128)
 
 SCALE_RULES = ("floor", "even", "rceil")
+# How a block's scale is chosen: `none` is the producers' absmax rule; `mse` tries neighbouring
+# scale codes and keeps the one with the smallest (optionally activation-weighted) squared error
+# of the dequantized block (kernels/search.py). Only the group geometry (NVFP4, MX) searches.
+SCALE_SEARCHES = ("none", "mse")
 
 
 # ---------------------------------------------------------------- element codecs
@@ -133,6 +137,7 @@ class QuantSpec:
     scale: ScaleCodec = F32_SCALE
     group: int = 0  # elements per scale along K for the group geometry (MX 32, NVFP4 16)
     scale_rule: str | None = None  # E8M0 only: floor | even | rceil
+    scale_search: str = "none"  # none | mse (group geometry only)
 
     def __post_init__(self) -> None:
         if self.geometry not in GEOMETRIES:
@@ -142,6 +147,8 @@ class QuantSpec:
         if self.scale.rules and self.scale_rule not in self.scale.rules:
             raise ValueError(f"{self.scale.encoding} scale_rule must be one of {self.scale.rules}, "
                              f"got {self.scale_rule!r}")
+        if self.scale_search not in SCALE_SEARCHES or (self.scale_search != "none" and self.geometry != GROUP):
+            raise ValueError(f"scale_search {self.scale_search!r} needs the group geometry; got {self}")
 
     @property
     def block(self) -> tuple[int, int]:

@@ -161,3 +161,40 @@ def _load_tile(x_ptr, rows, cols, M, K, sxm, sxk):
     return x, mask
 
 
+
+
+# ---------------------------------------------------------------- scale search (kernels/search.py)
+
+
+@triton.jit
+def _on_grid(y, ELEM: tl.constexpr):
+    """search.on_grid: the element magnitude nearest y >= 0 (E2M1 ties up; E4M3 RNE)."""
+    if ELEM == 1:
+        inv = tl.where(y < 2.0, 2.0, tl.where(y < 4.0, 1.0, 0.5))
+        r = tl.math.div_rn(tl.floor(y * inv + 0.5), inv)
+        return tl.minimum(r, 6.0)
+    else:
+        return _decode_e4m3(_encode_e4m3(y))
+
+
+@triton.jit
+def _halves_sum(e, TM: tl.constexpr, NG: tl.constexpr, G: tl.constexpr):
+    """search.halves_sum over the last dim of [TM, NG, G] (G 16 or 32): e[:h] + e[h:] until one."""
+    if G == 32:
+        e = tl.sum(tl.reshape(e, [TM, NG, 2, 16]), axis=2)
+    e = tl.sum(tl.reshape(e, [TM, NG, 2, 8]), axis=2)
+    e = tl.sum(tl.reshape(e, [TM, NG, 2, 4]), axis=2)
+    e = tl.sum(tl.reshape(e, [TM, NG, 2, 2]), axis=2)
+    return tl.sum(e, axis=2)
+
+
+@triton.jit
+def _block_error(ax, den, w, ELEM: tl.constexpr, WEIGHTED: tl.constexpr, TM: tl.constexpr, NG: tl.constexpr,
+                 G: tl.constexpr):
+    """search.block_error: squared error per block of magnitudes ax [TM, NG, G] with divisors den [TM, NG]."""
+    dd = tl.broadcast_to(den[:, :, None], ax.shape)
+    d = _on_grid(tl.math.div_rn(ax, dd), ELEM) * dd - ax
+    e = d * d
+    if WEIGHTED:
+        e = e * tl.broadcast_to(w[None, :, :], e.shape)
+    return _halves_sum(e, TM, NG, G)

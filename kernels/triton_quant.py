@@ -38,6 +38,7 @@ from .triton_codecs import (
     _encode_e4m3,
     _f32_scale,
     _load_tile,
+    _block_error,
     _nonfinite,
     _pack_pairs,
 )
@@ -116,12 +117,14 @@ def _block_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, N, K, NB, KB, sxb, sxn,
 
 
 @triton.jit
-def _group_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, M, K, sxm, sxk,
+def _group_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, w_ptr, M, K, sxm, sxk,
                   TM: tl.constexpr, TK: tl.constexpr, G: tl.constexpr, ELEM: tl.constexpr,
                   SCALE: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr, RULE: tl.constexpr,
-                  MAXBYTE: tl.constexpr):
+                  MAXBYTE: tl.constexpr, SEARCH: tl.constexpr, WEIGHTED: tl.constexpr):
     """1 x G groups along K: an E8M0 scale per group (SCALE 1, MX) or an E4M3 scale per group
-    times the FP32 global (SCALE 2, NVFP4); E2M1 elements (ELEM 1) are packed two per byte."""
+    times the FP32 global (SCALE 2, NVFP4); E2M1 elements (ELEM 1) are packed two per byte.
+    SEARCH 1: the scale code of each group is searched around the absmax one (kernels/search.py),
+    with per-column error weights from w_ptr when WEIGHTED."""
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     rows = pm * TM + tl.arange(0, TM)
@@ -142,6 +145,9 @@ def _group_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, M, K, sxm, sxk,
         byte = tl.minimum(_e8m0_byte(amax, EMAX, MAXV, RULE), MAXBYTE)
         scale_code = byte.to(tl.uint8)
         denom = _e8m0_to_float(byte)
+    if SEARCH:
+        scale_code, denom = _searched_scale(g, scale_code, denom, s2_ptr, w_ptr, cols, K, TM, TK, G, ELEM, SCALE,
+                                            MAXBYTE, WEIGHTED)
     y = tl.reshape(tl.math.div_rn(g, tl.broadcast_to(denom[:, :, None], g.shape)), [TM, TK])
     srows = rows[:, None]
     scols = pk * (TK // G) + tl.arange(0, TK // G)[None, :]
@@ -152,6 +158,40 @@ def _group_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, M, K, sxm, sxk,
         tl.store(codes_ptr + srows * (K // 2) + pcols, packed, mask=(srows < M) & (pcols < K // 2))
     else:
         tl.store(codes_ptr + srows * K + cols[None, :], _encode(y, ELEM), mask=mask)
+
+
+@triton.jit
+def _searched_scale(g, code0, den0, s2_ptr, w_ptr, cols, K, TM: tl.constexpr, TK: tl.constexpr, G: tl.constexpr,
+                    ELEM: tl.constexpr, SCALE: tl.constexpr, MAXBYTE: tl.constexpr, WEIGHTED: tl.constexpr):
+    """search.search_codes: the absmax code, then each window step in order; strictly smaller wins."""
+    ax = tl.abs(g)
+    w = 0.0
+    if WEIGHTED:
+        w = tl.reshape(tl.load(w_ptr + cols, mask=cols < K, other=0.0), [TK // G, G])
+    best = code0.to(tl.int32)
+    base = best
+    best_den = den0
+    best_err = _block_error(ax, den0, w, ELEM, WEIGHTED, TM, TK // G, G)
+    NCAND: tl.constexpr = 10 if SCALE == 2 else 2
+    for i in tl.static_range(NCAND):
+        if SCALE == 2:  # NVFP4_WINDOW: -3, -2, -1, 1, ..., 7
+            cand = base + (i - 3 if i < 3 else i - 2)
+            lo, hi = 1, 126
+        else:  # MX_WINDOW: +1, -1
+            cand = base + (1 if i == 0 else -1)
+            lo, hi = 0, MAXBYTE
+        valid = (cand >= lo) & (cand <= hi)
+        cand = tl.minimum(tl.maximum(cand, lo), hi)
+        if SCALE == 2:
+            den = _decode_e4m3(cand) * tl.load(s2_ptr)
+        else:
+            den = _e8m0_to_float(cand)
+        err = _block_error(ax, den, w, ELEM, WEIGHTED, TM, TK // G, G)
+        better = valid & (err < best_err)
+        best_err = tl.where(better, err, best_err)
+        best = tl.where(better, cand, best)
+        best_den = tl.where(better, den, best_den)
+    return best.to(tl.uint8), best_den
 
 
 @triton.jit
@@ -260,7 +300,8 @@ def _block(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
     return QuantResult(codes.reshape(x.shape), scale.reshape(*lead, nb, kb))
 
 
-def _group(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None) -> QuantResult:
+def _group(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None,
+           channel_weight: torch.Tensor | None = None) -> QuantResult:
     x2 = _rows(x)
     m, k = x2.shape
     g, element = spec.group, spec.element
@@ -269,10 +310,14 @@ def _group(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None) -> QuantRe
     grid = (triton.cdiv(m, BM), triton.cdiv(k, BK))
     flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
     dummy = torch.zeros(1, dtype=torch.float32, device=x.device)
+    weight = None if channel_weight is None else channel_weight.reshape(-1).to(x.device, torch.float32).contiguous()
+    # No FMA contraction: the search's error (r * den - |x|, e * w) must round as the reference's.
     _group_kernel[grid](
-        x2, codes, scale, dummy if s2 is None else s2, flags, m, k, x2.stride(0), x2.stride(1),
+        x2, codes, scale, dummy if s2 is None else s2, flags, dummy if weight is None else weight, m, k,
+        x2.stride(0), x2.stride(1),
         TM=BM, TK=BK, G=g, ELEM=ELEM_IDS[element.name], SCALE=SCALE_IDS[spec.scale.encoding],
         EMAX=element.emax, MAXV=element.max, RULE=RULE_IDS.get(spec.scale_rule, 0), MAXBYTE=254 - element.emax,
+        SEARCH=spec.scale_search == "mse", WEIGHTED=weight is not None, enable_fp_fusion=False,
     )
     _check_flags(flags)
     lead = x.shape[:-1]
@@ -282,13 +327,16 @@ def _group(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None) -> QuantRe
 LAUNCHERS = {TENSOR: _tensor, ROW: _row, BLOCK: _block, GROUP: _group}
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None) -> QuantResult:
+def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None,
+             channel_weight: torch.Tensor | None = None) -> QuantResult:
     if x.numel() == 0:
         return reference.empty_result(x, spec, global_amax)
     s2 = None
     if spec.scale.has_global:
         amax = tensor_amax(x) if global_amax is None else global_amax.to(x.device)
         s2 = reference.nvfp4_global_scale(amax).reshape(())
+    if spec.scale_search != "none":
+        return _group(x, spec, s2, channel_weight)
     return LAUNCHERS[spec.geometry](x, spec, s2)
 
 

@@ -38,7 +38,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
         raise QuantcliError("--push-to-hub with --dry-run: a dry run writes nothing to push; drop one of them")
     hub_api = _check_push(push_to_hub) if push_to_hub else None  # login and network before the work
     if dry_run:
-        return _print_plan(plan_conversion(open_source(src, revision), opts), json_out, dst, per_tensor)
+        return _print_plan(plan_conversion(open_source(src, revision), opts), json_out, dst, per_tensor, device)
     check_run_options(run)  # device, backend and destination problems before anything is read or written
     plan = None
     if workers > 1 and not launched():  # refusals before any rank is spawned
@@ -121,7 +121,7 @@ def _print_convert_result(plan, result, src: str) -> None:
         con.print(f"next: quantcli verify {shlex.quote(str(result.dst))} --reference {shlex.quote(src)}")
 
 
-def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False) -> int:
+def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, device: str = "auto") -> int:
     from .convert import fingerprint
 
     rows = []
@@ -144,6 +144,8 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False) -> in
            "params": total_params, "params_quantized": params_q,
            "bits_per_param": round(8 * plan.bytes_out / max(1, total_params), 3),
            "estimated_peak_memory_bytes": peak, "fingerprint": fingerprint(plan)}
+    calibration = _calibration_estimate(plan, device)
+    doc["calibration_estimate"] = calibration.to_json() if calibration else None
     if json_out:  # quantcli/schemas/convert-dry-run.json
         emit_json(envelope("convert", doc, source=plan.source.label, destination=dst, dry_run=True))
         return 0
@@ -156,7 +158,24 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False) -> in
     con.print(f"total {human_bytes(plan.bytes_in)} -> {human_bytes(plan.bytes_out)}, {doc['bits_per_param']:.2f} "
               f"bits/param over {total_params:,} params ({params_q:,} quantized); estimated peak memory "
               f"{human_bytes(peak)}; nothing written (--dry-run)")
+    if calibration:
+        c = calibration
+        where = "memory-mapped from a temporary file" if c.spilled else "in memory"
+        con.print(f"calibration: {c.samples} samples, {c.tokens:,} tokens through {c.layers} layer{'s' if c.layers != 1 else ''}; estimated peak "
+                  f"memory {human_bytes(c.peak_memory_bytes)} (largest layer {human_bytes(c.layer_weight_bytes)} in "
+                  f"FP32, activations {human_bytes(c.activation_bytes)} {where}), about {c.seconds:.0f} s at "
+                  f"{c.measured_flops_per_s / 1e9:.0f} GFLOP/s (FP32 matmul measured here)")
     return 0
+
+
+def _calibration_estimate(plan, device: str):
+    """What the calibration pass will cost (None without --calibration)."""
+    if plan.options.calibration is None:
+        return None
+    from .calibrate.estimate import estimate
+    from .convert import resolve_device
+
+    return estimate(plan, resolve_device(device))
 
 
 # ---------------------------------------------------------------- inspect
@@ -225,7 +244,7 @@ def run_recipes(json_out: bool) -> int:
 
     infos = recipes()
     if json_out:
-        emit_json({"recipes": infos})
+        emit_json(envelope("recipes", {"recipes": infos}))  # quantcli/schemas/recipes.json
     else:
         render_recipes(infos, _console())
     return 0
@@ -236,7 +255,7 @@ def run_layouts(json_out: bool) -> int:
 
     infos = layouts()
     if json_out:
-        emit_json({"layouts": infos, "loadability": loadability(infos)})
+        emit_json(envelope("layouts", {"layouts": infos, "loadability": loadability(infos)}))  # schemas/layouts.json
     else:
         render_layouts(infos, loadability(infos), _console())
     return 0

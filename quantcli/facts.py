@@ -25,6 +25,9 @@ class ModuleFacts:
     input_scale: torch.Tensor | None = None
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    # Calibrated mean squared input per channel, diag(X^T X) / N: FP32 [in_features]. With
+    # --scale-search mse it weights each input channel's error (kernels/search.py).
+    input_channel_ms: torch.Tensor | None = None
     # What the user must know about how a fact was found (an MoE expert no calibration token
     # reached took its block's max): reported in the summary and the manifest's notes.
     note: str | None = None

@@ -52,9 +52,12 @@ class ModuleEntry:
     # original dense model. Optional: written only when set, so other manifests keep their bytes.
     requantized_from: str | None = None
     requantize_rel_err: float | None = None
+    # How block scales were chosen when not by absmax: "mse" (kernels/search.py). Absent for
+    # absmax, so those manifests keep their bytes.
+    scale_search: str | None = None
 
 
-OPTIONAL_MODULE_FIELDS = ("requantized_from", "requantize_rel_err")
+OPTIONAL_MODULE_FIELDS = ("requantized_from", "requantize_rel_err", "scale_search")
 
 
 @dataclass(frozen=True)

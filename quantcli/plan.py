@@ -95,6 +95,7 @@ class Options:
     activations: str | None = None  # "static": calibrated activation scales (nvfp4 W4A4, fp8)
     kv_cache: str | None = None  # "fp8": calibrated k_scale / v_scale
     calibration: Calibration | None = None
+    scale_search: str = "none"  # none | mse: how NVFP4 / MX block scales are chosen (kernels/search.py)
 
 
 @dataclass
@@ -250,9 +251,13 @@ def _layout_and_recipes(opts: Options) -> tuple[Layout, dict[str, Recipe]]:
     for name in sorted(used):
         get_recipe(name)
         layout.require(name, layouts_for(name))
-        recipes[name] = layout.recipe_for(name, opts.scale_rule if get_recipe(name).scale_rules else None)
+        recipes[name] = layout.recipe_for(name, opts.scale_rule if get_recipe(name).scale_rules else None
+                                          ).with_scale_search(opts.scale_search)
     if opts.scale_rule and not any(r.scale_rules for r in recipes.values()):
         raise QuantcliError(f"--scale-rule {opts.scale_rule}: only MX recipes (mxfp8, mxfp4) take a scale rule")
+    if opts.scale_search != "none" and not any(r.searches for r in recipes.values()):
+        raise QuantcliError(f"--scale-search {opts.scale_search}: only nvfp4, mxfp4 and mxfp8 search their block "
+                            f"scales ({', '.join(sorted(recipes))} keep absmax); drop the option")
     return layout, recipes
 
 

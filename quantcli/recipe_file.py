@@ -9,14 +9,15 @@ from pathlib import Path
 from .calibrate.plan import check_options
 from .errors import QuantcliError, did_you_mean, pick
 from .facts import Calibration
-from .kernels.spec import SCALE_RULES
+from .kernels.spec import SCALE_RULES, SCALE_SEARCHES
 from .layouts import LAYOUTS
 from .plan import Options
 from .recipes import DENSE_RECIPES, RECIPES
 
 
 def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[str], config: Path | None,
-                       scale_rule: str | None, calibrate: dict | None = None) -> Options:
+                       scale_rule: str | None, calibrate: dict | None = None,
+                       scale_search: str | None = None) -> Options:
     """The options of one conversion, from the command line and the recipe file (if any);
     `calibrate`: the command line's activations, kv_cache, calibration and calibration_* values."""
     opts = Options(recipe=recipe or "")
@@ -26,11 +27,13 @@ def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[s
         opts.recipe = recipe or data.get("recipe", "")
         opts.layout = data.get("layout")
         opts.scale_rule = data.get("scale_rule")
+        opts.scale_search = data.get("scale_search", "none")
         opts.targets = list(data.get("targets", []))
         opts.ignore = list(data.get("ignore", []))
         opts.overrides = [(o["pattern"], o["recipe"]) for o in data.get("override", [])]
     opts.layout = layout or opts.layout
     opts.scale_rule = scale_rule or opts.scale_rule
+    opts.scale_search = scale_search or opts.scale_search
     opts.ignore += ignore
     _calibration_options(opts, data, calibrate or {})
     return opts  # no recipe: the planner takes a quantized source's own (planner.default_recipe)
@@ -55,7 +58,7 @@ def _calibration_options(opts: Options, data: dict, given: dict) -> None:
         cal = Calibration(str(merged["calibration"]), sizes["calibration_samples"], sizes["calibration_seq_len"],
                           sizes["calibration_batch"])
     opts.calibration = cal
-    check_options(opts.activations, opts.kv_cache, cal)
+    check_options(opts.activations, opts.kv_cache, cal, opts.scale_search)
 
 
 def load_recipe_file(path: Path) -> dict:
@@ -80,7 +83,7 @@ def _toml_type(value: object) -> str:
 
 
 def _check_recipe_file(data: dict, where: str) -> dict:
-    known = ("recipe", "layout", "scale_rule", "targets", "ignore", "override", *_CALIBRATION_KEYS)
+    known = ("recipe", "layout", "scale_rule", "scale_search", "targets", "ignore", "override", *_CALIBRATION_KEYS)
     for key in data:
         if key not in known:
             raise QuantcliError(f"{where}: unknown key {key!r}{did_you_mean(key, known)} (allowed: {', '.join(known)})")
@@ -98,7 +101,8 @@ def _check_recipe_file(data: dict, where: str) -> dict:
         return list(value)
 
     out: dict = {}
-    names = {"recipe": [*RECIPES, *DENSE_RECIPES], "layout": list(LAYOUTS), "scale_rule": list(SCALE_RULES)}
+    names = {"recipe": [*RECIPES, *DENSE_RECIPES], "layout": list(LAYOUTS), "scale_rule": list(SCALE_RULES),
+             "scale_search": list(SCALE_SEARCHES)}
     for key, choices in names.items():
         if key in data:
             value = string(key, data[key], f'{key} = "{choices[0]}"')

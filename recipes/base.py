@@ -11,7 +11,7 @@ from quantcli.errors import RecipeError
 from quantcli.facts import NO_FACTS, ModuleFacts
 from quantcli.kernels import NonFiniteInput, QuantResult, QuantSpec
 from quantcli.kernels.reference import e8m0_to_float, unpack_nibbles
-from quantcli.kernels.spec import NVFP4_GLOBAL_DIVISOR, ElementCodec, ScaleCodec
+from quantcli.kernels.spec import GROUP, NVFP4_GLOBAL_DIVISOR, SCALE_SEARCHES, ElementCodec, ScaleCodec
 from quantcli.kernels import dequantize as kernel_dequantize
 from quantcli.kernels import quantize as kernel_quantize
 
@@ -110,6 +110,25 @@ class Recipe:
             raise RecipeError(f"recipe {self.name}: --scale-rule {rule!r} is not valid (choose: {allowed})")
         return replace(self, spec=replace(self.spec, scale_rule=rule))
 
+    @property
+    def scale_search(self) -> str:
+        return self.spec.scale_search
+
+    @property
+    def searches(self) -> bool:
+        """Whether `mse` scale search applies: block scales with a code to choose (NVFP4, MX).
+        FP8/INT8 F32 scales do not search: a shrink grid did not lower the error (README)."""
+        return self.spec.geometry == GROUP
+
+    def with_scale_search(self, search: str | None) -> "Recipe":
+        """This recipe with `search` (none | mse); recipes that cannot search stay as they are."""
+        if search is None or search == self.spec.scale_search or not self.searches:
+            return self
+        if search not in SCALE_SEARCHES:
+            raise RecipeError(f"recipe {self.name}: --scale-search {search!r} is not valid "
+                              f"(choose: {', '.join(SCALE_SEARCHES)})")
+        return replace(self, spec=replace(self.spec, scale_search=search))
+
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return self.spec.scale_shape(tuple(shape))
 
@@ -140,8 +159,9 @@ class Recipe:
                  facts: ModuleFacts = NO_FACTS) -> QuantizedTensor:
         global_amax = facts.group_amax if self.has_global_scale else None
         self.check(name, tuple(w.shape), w.dtype)
+        weight = facts.input_channel_ms if self.spec.scale_search != "none" else None
         try:
-            r = kernel_quantize(w, self.spec, global_amax=global_amax, backend=backend)
+            r = kernel_quantize(w, self.spec, global_amax=global_amax, backend=backend, channel_weight=weight)
         except NonFiniteInput:
             raise NonFiniteInput(name) from None
         return QuantizedTensor(self.name, tuple(w.shape), r.codes, r.scale, r.global_scale,
@@ -157,9 +177,12 @@ class Recipe:
         e, s = self.spec.element, self.spec.scale
         divisor = NVFP4_GLOBAL_DIVISOR if s.has_global else e.scale_divisor
         rule = self.scale_rule or f"amax/{divisor:g}"
-        return {"block": self.block, "axis": -1, "element": e.manifest_name, "packing": e.packing,
-                "nibble_order": "low_first" if e.packed else None, "scale_rule": rule,
-                "element_rounding": "rne_sat", "zero_block_policy": s.zero_block_policy, "scale_layout": "linear"}
+        fields = {"block": self.block, "axis": -1, "element": e.manifest_name, "packing": e.packing,
+                  "nibble_order": "low_first" if e.packed else None, "scale_rule": rule,
+                  "element_rounding": "rne_sat", "zero_block_policy": s.zero_block_policy, "scale_layout": "linear"}
+        if self.scale_search != "none":  # absent for absmax, so those manifests keep their bytes
+            fields["scale_search"] = self.scale_search
+        return fields
 
     def scale_values(self, q: QuantizedTensor) -> torch.Tensor:
         """The block scales of `q` as FP32 values (before any global scale)."""

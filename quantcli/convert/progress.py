@@ -31,6 +31,8 @@ def fingerprint(plan: Plan) -> str:
                  f"{t.source_recipe}".encode())
     for name, r in sorted(plan.recipes.items()):
         h.update(f"{name}:{r.scale_rule}".encode())
+        if r.scale_search != "none":  # only then: absmax fingerprints (and manifests) keep their bytes
+            h.update(f"{name}:search={r.scale_search}".encode())
     opts = plan.options
     if opts.calibration is not None:  # the data's bytes count, not only its name
         c = opts.calibration

@@ -126,6 +126,9 @@ def compare(module, recipe, layout, decoded, ref, transpose, group_amax, limits:
     ours = quantize_like(recipe, module, w, group_amax)
     base = metrics(decode_module(layout, module, recipe, ours, transpose=transpose).cpu(), ref)
     row = TensorRow(**metrics(decoded, ref), tensor=module, recipe=recipe.name, baseline_rel_err=base["rel_err"])
+    if recipe.scale_search != "none":  # the search's gain, visible per tensor
+        plain = quantize_like(recipe.with_scale_search("none"), module, w, group_amax)
+        row.absmax_rel_err = metrics(decode_module(layout, module, recipe, plain, transpose=transpose).cpu(), ref)["rel_err"]
     margin = limits.margin if limits.margin is not None else allowed_margin(ref.numel())
     bound, basis = base["rel_err"], "quantcli's own"
     source_estimate = _source_estimate(prior, module, layout, w, ref, transpose, group_amax)

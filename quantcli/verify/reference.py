@@ -118,6 +118,7 @@ class _Comparison:
         self.layout, self.ref, self.qt, self.exact, self.limits, self.dev, self.found = (
             det.layout, ref, qt, exact, limits, dev, found)
         self.entries = {m.module: m for m in det.manifest.modules} if det.manifest else {}
+        self.calibrated_run = getattr(det.manifest, "calibration", None)  # a calibrated convert records its data
         self.group_amax: dict = {}
 
     def consumed_names(self, module: str, recipe) -> list[str]:
@@ -173,7 +174,19 @@ class _Comparison:
             row.exact_identical_fraction = match["exact_identical_fraction"]
             if "scale_rule_matches" in match:
                 row.scale_rule_matches = match["scale_rule_matches"]
+            reasons += self._searched_bytes(entry, recipe, row.exact_identical_fraction)
         return row, reasons
+
+    def _searched_bytes(self, entry, recipe, fraction: float) -> list[str]:
+        """A module quantcli wrote with a scale search (data-free) is reproduced byte for byte by
+        re-quantizing with the recorded method; the absmax path only reports the fraction (other
+        producers round differently). Calibrated (activation-weighted) searches need the data."""
+        if entry is None or entry.requantized_from or recipe.scale_search == "none" or fraction >= 1.0:
+            return []
+        if self.calibrated_run is not None:
+            return []
+        return [f"--exact: {100 * (1 - fraction):.3g}% of code/scale bytes differ from quantcli's own quantization "
+                f"with the recorded scale search ({recipe.scale_search}): the bytes were changed after convert"]
 
 
 def reference_checks(reference: str, revision: str | None, det, decoded_cache: dict, qt: CheckpointTensors,

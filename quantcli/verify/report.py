@@ -64,6 +64,7 @@ class TensorRow:
     limit_basis: str = ""
     exact_identical_fraction: float | None = OMITTED  # None: compared, not identical (a dequantized tensor)
     scale_rule_matches: str = OMITTED
+    absmax_rel_err: float = OMITTED  # a searched module: what absmax scales would give (the search's gain)
     passed: bool = False
 
 

@@ -13,6 +13,7 @@ from ..analysis import ModuleDescription, describe_module, exclusion_list, fused
 from ..decode import decode_module
 from ..detect import all_names, block_scale_fault, global_scale_fault
 from ..errors import QuantcliError
+from ..kernels.spec import SCALE_SEARCHES
 from ..layouts import layouts_for
 from ..plan import fused_group_of, matches
 from ..tensors import CheckpointTensors
@@ -140,11 +141,14 @@ def read_modules(det, modules: dict[str, ModuleDescription], qt: CheckpointTenso
     decodes them anyway) the finiteness of the decoded weights. Returns module -> (recipe, q)."""
     layout = det.layout
     rules = {m.module: m.scale_rule for m in det.manifest.modules} if det.manifest else {}
+    searches = {m.module: m.scale_search for m in det.manifest.modules} if det.manifest else {}
     out: dict[str, tuple] = {}
     for module, desc in modules.items():
         if desc.problems:
             continue
         recipe = layout.recipe_for(desc.recipe, scale_rule_of(rules.get(module)))
+        if searches.get(module) in SCALE_SEARCHES:  # --exact and the yardstick re-quantize as convert did
+            recipe = recipe.with_scale_search(searches[module])
         try:
             q = layout.from_disk(module, recipe, qt.get, qt.where)
         except QuantcliError as exc:  # a malformed module is a finding; anything else is a bug

@@ -1,0 +1,50 @@
+"""CPU cost of --scale-search mse against absmax: seconds per million parameters of the torch
+quantizer (kernels/search.py vs kernels/reference.py) per searched recipe, and the ratio.
+
+    python scripts/bench_scale_search.py [--rows 4096] [--cols 4096] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+import torch
+
+from quantcli.kernels import quantize
+from quantcli.recipes import RECIPES
+
+
+def best_time(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    x = torch.distributions.Laplace(0.0, 0.02).sample((args.rows, args.cols)).to(torch.bfloat16)
+    mparams = x.numel() / 1e6
+    print(f"{args.rows} x {args.cols} BF16 Laplace weights ({mparams:.1f} M params), torch threads "
+          f"{torch.get_num_threads()}, best of {args.repeat}")
+    print(f"{'recipe':8} {'absmax s/Mparam':>16} {'mse s/Mparam':>14} {'ratio':>6}")
+    for name in ("nvfp4", "mxfp4", "mxfp8"):
+        plain = RECIPES[name].spec
+        searched = replace(plain, scale_search="mse")
+        t0 = best_time(lambda: quantize(x, plain, backend="torch"), args.repeat)
+        t1 = best_time(lambda: quantize(x, searched, backend="torch"), args.repeat)
+        print(f"{name:8} {t0 / mparams:16.4f} {t1 / mparams:14.4f} {t1 / t0:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
