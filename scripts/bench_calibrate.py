@@ -89,6 +89,13 @@ def main() -> None:
         plain_s, plain_rss = measured([sys.executable, "-m", "quantcli", "convert", str(src), str(dst), "--recipe",
                                        args.recipe, "--quiet"])
         load_s, load_rss = measured([sys.executable, "-c", LOAD, str(src)])
+        estimate = json.loads(subprocess.run(
+            [sys.executable, "-m", "quantcli", "convert", str(src), str(dst), "--recipe", args.recipe, "--activations",
+             "static", "--kv-cache", "fp8", "--calibration", str(data), "--calibration-samples", str(args.samples),
+             "--calibration-seq-len", str(args.seq_len), "--dry-run", "--json"],
+            check=True, capture_output=True, text=True).stdout)["calibration_estimate"]
+        layer_bf16 = 2 * (args.hidden * (2 * args.hidden + 2 * args.hidden // 2) + 3 * args.hidden * args.intermediate)
+        bound = 2 * layer_bf16 + estimate["activation_bytes"] + 2**30
         calib = cal_s - plain_s
         print(f"model: Llama hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}, vocab "
               f"{args.vocab}: {gib(size)} BF16; data: {args.samples} samples x {args.seq_len} tokens; CPU")
@@ -100,6 +107,11 @@ def main() -> None:
               f"{args.samples / calib:.2f} | - |")
         print(f"| `convert --recipe {args.recipe}` (weights only) | {plain_s:.1f} s | - | {gib(plain_rss)} |")
         print(f"| whole model loaded in transformers (BF16) | {load_s:.1f} s | - | {gib(load_rss)} |")
+        print(f"goal: peak RSS < 2 decoder layers ({gib(2 * layer_bf16)} BF16) + activation buffer "
+              f"({gib(estimate['activation_bytes'])}) + 1 GiB = {gib(bound)}: "
+              f"{'met' if cal_rss < bound else 'NOT met'} ({gib(cal_rss)})")
+        print(f"dry-run estimate: peak {gib(estimate['peak_memory_bytes'])}, calibration {estimate['seconds']:.0f} s "
+              f"(measured: {gib(cal_rss)}, {calib:.0f} s)")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

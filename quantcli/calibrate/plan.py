@@ -21,13 +21,14 @@ UNREACHED = "not in the model's forward (no calibration statistics)"
 _SHAPES = {SCALAR: (), ONE: (1,)}
 
 
-def check_options(activations: str | None, kv_cache: str | None, calibration) -> None:
+def check_options(activations: str | None, kv_cache: str | None, calibration, scale_search: str = "none") -> None:
     """Flags that need --calibration, refused before the source is opened."""
     for flag, value in (("--activations static", activations == "static"), ("--kv-cache fp8", kv_cache == "fp8")):
         if value and calibration is None:
             raise QuantcliError(f"{flag} needs --calibration DATA (a .txt or .jsonl of calibration samples)")
-    if calibration is not None and activations != "static" and kv_cache != "fp8":
-        raise QuantcliError("--calibration: nothing to calibrate; add --activations static and/or --kv-cache fp8")
+    if calibration is not None and activations != "static" and kv_cache != "fp8" and scale_search != "mse":
+        raise QuantcliError("--calibration: nothing to calibrate; add --activations static, --kv-cache fp8 and/or "
+                            "--scale-search mse (activation-weighted)")
 
 
 def checked_plan(plan: Plan) -> Plan:

@@ -1,0 +1,85 @@
+"""What a calibrated conversion will cost before it runs (`convert --dry-run`): peak memory of the
+layer-by-layer engine and its time, from the plan's shapes, the tokenized calibration data and a
+matmul timed on this machine (so the estimate is this machine's, not a datasheet's)."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..plan import Plan
+from .buffer import budget_bytes
+from .data import token_ids
+
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+CONSTANT = 512 * 2**20  # interpreter, torch, transformers: measured ~0.4-0.5 GiB before any tensor
+
+
+@dataclass(frozen=True)
+class CalibrationEstimate:
+    samples: int
+    tokens: int
+    layers: int
+    layer_weight_bytes: int  # the largest decoder layer, in FP32 as the engine holds it
+    activation_bytes: int  # the hidden states of every sample between two layers (FP32)
+    spilled: bool  # above QUANTCLI_CALIBRATION_BUFFER_GIB: memory-mapped from a file instead
+    peak_memory_bytes: int
+    flops: float  # matmul FLOPs of the forward over every sample and layer
+    measured_flops_per_s: float
+    seconds: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
+    ids = token_ids(plan.options.calibration, plan.source.root)
+    tokens = sum(len(s) for s in ids)
+    per_layer: dict[int, int] = {}
+    for t in plan.tensors:
+        m = LAYER.match(t.name)
+        if m:
+            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + t.numel
+    config = plan.source.config
+    layers = int(config.get("num_hidden_layers") or len(per_layer) or 1)
+    largest = max(per_layer.values(), default=0)
+    hidden = int(config.get("hidden_size") or 0)
+    activations = 4 * tokens * hidden
+    spilled = activations > budget_bytes()
+    batch = max(1, plan.options.calibration.batch) * max((len(s) for s in ids), default=0)
+    working = 4 * batch * max(hidden, int(config.get("intermediate_size") or 0)) * 6  # a batch's temporaries
+    # The layer's FP32 weights, plus the source tensor being converted (at most one layer's worth).
+    peak = CONSTANT + 2 * 4 * largest + (0 if spilled else activations) + working
+    flops = 2.0 * tokens * _active_params(per_layer, config) * layers / max(1, len(per_layer))
+    rate = _matmul_rate(device)
+    return CalibrationEstimate(len(ids), tokens, layers, 4 * largest, activations, spilled, peak, flops, rate,
+                               flops / rate)
+
+
+def _active_params(per_layer: dict[int, int], config: dict) -> float:
+    """Weights a token goes through, summed over layers: an MoE token visits top_k of E experts."""
+    total = float(sum(per_layer.values()))
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    top_k = int(config.get("num_experts_per_tok") or 0)
+    if experts and top_k:
+        ffn = 3 * int(config.get("hidden_size", 0)) * int(config.get("moe_intermediate_size")
+                                                          or config.get("intermediate_size", 0))
+        total -= len(per_layer) * ffn * (experts - top_k)
+    return max(total, 0.0)
+
+
+def _matmul_rate(device: torch.device) -> float:
+    """FP32 matmul FLOP/s on `device`, timed for ~0.1 s."""
+    a = torch.full((512, 1024), 0.5, device=device)  # values do not change a matmul's speed
+    b = torch.full((1024, 1024), 0.25, device=device)
+    a @ b  # warm-up
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.1:
+        a @ b
+        n += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2.0 * 512 * 1024 * 1024 * n / (time.perf_counter() - start)
