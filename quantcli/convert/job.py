@@ -28,47 +28,47 @@ from .progress import PROGRESS_NAME, ProgressFile, changed_source_shard, fingerp
 from .reading import ModuleReader
 from .records import ConvertResult, Findings, Progress, RunOptions, ShardResult
 from .shard import convert_shard
+from .rank_files import RankRecords, check_shared_staging
+from .world import World
 
 
-def convert(plan: Plan, dst: Path, run: RunOptions, progress: Progress | None = None) -> ConvertResult:
-    """Convert `plan` into DST (see the module docstring for what a failure leaves)."""
-    return ConversionJob(plan, dst, run, progress).execute()
+def convert(plan: Plan, dst: Path, run: RunOptions, progress: Progress | None = None,
+            world: World | None = None) -> ConvertResult:
+    """Convert `plan` into DST (see the module docstring for what a failure leaves). With several
+    ranks (`world`), every rank calls this with the same plan; rank 0 alone touches the staging
+    folder's lock, progress file, side files and the final rename."""
+    return ConversionJob(plan, dst, run, progress, world).execute()
 
 
 class ConversionJob:
-    def __init__(self, plan: Plan, dst: Path, run: RunOptions, progress: Progress | None = None):
+    def __init__(self, plan: Plan, dst: Path, run: RunOptions, progress: Progress | None = None,
+                 world: World | None = None):
         self.plan = plan
         self.dst = dst
         self.run = run
+        self.world = world or World()
         self.device = resolve_device(run.device)
-        self.progress = progress or (lambda n, s: None)
+        self.progress = self.world.progress(progress)  # several ranks: bytes of all, on rank 0's bar
         self.start = time.time()
+        self.records: ProgressFile | RankRecords | None = None
 
     def execute(self) -> ConvertResult:
         self.start = time.time()
-        stage, fp = staging_dir(self.dst), fingerprint(self.plan)
-        if self.run.resume and not stage.exists() and (self.dst / MANIFEST_NAME).exists():
-            done = self._already_complete(fp)
-            if done is not None:
-                return done
-        if stage.is_dir():
-            self._stage_kind(stage, fp)  # refusals before the lock is taken: nothing touched
-        created = missing_parents(stage)
-        with writing(stage, self.dst):
-            stage.mkdir(parents=True, exist_ok=True)
-        lock = StagingLock(stage)
-        fresh = False
+        stage, fp, world = staging_dir(self.dst), fingerprint(self.plan), self.world
+        world.resume_hint = f"{stage} is kept: rerun with --resume (any number of workers) to continue"
+        lock, created, fresh = StagingLock(stage), [], [False]
         try:
-            with writing(lock.path, self.dst):
-                lock.acquire(self.dst)
-            kind = self._stage_kind(stage, fp)  # again, now that no other run can change it
-            fresh = kind == "new"
-            return self._finish_installed(stage, lock) if kind == "finished" else \
-                self._convert(stage, fp, kind, lock)
+            step = world.broadcast(world.settle(lambda: self._start(stage, fp, lock, created, fresh)
+                                                if world.lead else None))
+            if step["kind"] == "complete":
+                return self._result(0, 0, [], step["notes"], already_complete=True)
+            if step["kind"] == "finished":
+                return self._finish_installed(stage, lock) if world.lead else self._result(0, 0, [], [])
+            return self._convert(stage, fp, step, lock)
         except FilesystemError:
             raise
         except QuantcliError:
-            if fresh:
+            if fresh[0]:
                 lock.release()
                 discard(stage, created)
             raise
@@ -77,45 +77,85 @@ class ConversionJob:
         finally:
             lock.release()
 
-    def _convert(self, stage: Path, fp: str, kind: str, lock: StagingLock) -> ConvertResult:
+    def _start(self, stage: Path, fp: str, lock: StagingLock, created: list[Path], fresh: list[bool]) -> dict:
+        """Rank 0: refusals, the lock, the progress record; what every rank does next."""
+        if self.run.resume and not stage.exists() and (self.dst / MANIFEST_NAME).exists():
+            done = self._already_complete(fp)
+            if done is not None:
+                return {"kind": "complete", "notes": done.notes}
+        if stage.is_dir():
+            self._stage_kind(stage, fp)  # refusals before the lock is taken: nothing touched
+        created.extend(missing_parents(stage))
+        with writing(stage, self.dst):
+            stage.mkdir(parents=True, exist_ok=True)
+        with writing(lock.path, self.dst):
+            lock.acquire(self.dst)
+        kind = self._stage_kind(stage, fp)  # again, now that no other run can change it
+        fresh[0] = kind == "new"
+        if kind == "finished":
+            return {"kind": kind}
+        self.records = self._open_progress(stage, fp, kind)
+        finished = {}
+        if self.run.resume:
+            for shard in self.plan.by_shard():
+                done = self.records.finished(shard, stage / shard)
+                if done is not None:
+                    finished[shard] = done.to_json()
+        return {"kind": kind, "finished": finished}
+
+    def _convert(self, stage: Path, fp: str, step: dict, lock: StagingLock) -> ConvertResult:
         """Shards, then the side files, then the manifest (last: it marks the output complete)."""
-        progress = self._open_progress(stage, fp, kind)
-        results, written = self._convert_shards(stage, progress)
+        world = self.world
+        if world.size > 1:
+            check_shared_staging(world, stage)
+            self.records = self.records or RankRecords(stage, world.rank)
+        finished = {s: ShardResult.from_json(r) for s, r in step["finished"].items()}
+        mine = self._convert_shards(stage, finished)
+        gathered: dict[str, dict] = {}
+        for part in world.all_gather({s: r.to_json() for s, r in mine.items()}):
+            gathered.update(part)
+        results = {s: finished[s] if s in finished else ShardResult.from_json(gathered[s])
+                   for s in self.plan.by_shard()}
+        found = Findings.merge(r.found for r in results.values())
+        warnings = world.settle(lambda: self._finalize(stage, fp, found, lock) if world.lead else [])
+        return self._result(len(results) - len(finished), len(finished), warnings, found.note_list(), dict(sorted(found.errors.items())))
+
+    def _finalize(self, stage: Path, fp: str, found: Findings, lock: StagingLock) -> list[str]:
         with writing(stage, self.dst):
             write_side_files(self.plan, stage)
-        found = Findings.merge(r.found for r in results.values())
         manifest = build_manifest(self.plan, fp, found)
         with writing(stage / MANIFEST_NAME, self.dst):
             (stage / MANIFEST_NAME).write_text(manifest.to_json())
             (stage / PROGRESS_NAME).unlink()
+            for rank_file in RankRecords.files(stage):
+                rank_file.unlink()
         lock.release()
-        warnings = install(stage, self.dst)
-        return self._result(written, len(results) - written, warnings, found.note_list(),
-                            dict(sorted(found.errors.items())))
+        return install(stage, self.dst)
 
-    def _convert_shards(self, stage: Path, progress: ProgressFile) -> tuple[dict[str, ShardResult], int]:
-        """Every shard's result, in the plan's shard order; and how many were written now."""
-        results: dict[str, ShardResult] = {}
-        written = 0
+    def _convert_shards(self, stage: Path, finished: dict[str, ShardResult]) -> dict[str, ShardResult]:
+        """The results of the unfinished shards this rank converts (longest first over the ranks)."""
+        sizes = {s: sum(t.bytes_in for t in planned) for s, planned in self.plan.by_shard().items()}
+        mine = self.world.mine({s: n for s, n in sizes.items() if s not in finished})
+        if self.world.lead:
+            for shard in finished:
+                self.progress(sizes[shard], shard)
         with CheckpointTensors(self.plan.source) as tensors:
             reader = ModuleReader(self.plan, tensors, self.device, self.run.backend)
-            facts = learn_facts(reader)
-            for shard, planned in self.plan.by_shard().items():
-                out_path = stage / shard
-                with writing(out_path.parent, self.dst):
-                    out_path.parent.mkdir(parents=True, exist_ok=True)
-                done = progress.finished(shard, out_path) if self.run.resume else None
-                if done is not None:
-                    results[shard] = done
-                    self.progress(sum(t.bytes_in for t in planned), shard)
-                    continue
-                with writing(out_path, self.dst):
-                    results[shard] = convert_shard(reader, shard, facts, out_path, self.progress)
-                with writing(progress.path, self.dst):
-                    progress.record(shard, results[shard])
-                written += 1
-                _fault_injection(written)
-        return results, written
+            facts = learn_facts(reader, world=self.world)
+            return self.world.settle(lambda: self._write_shards(stage, reader, facts, [s for s in sizes if s in mine]))
+
+    def _write_shards(self, stage: Path, reader: ModuleReader, facts, shards: list[str]) -> dict[str, ShardResult]:
+        results: dict[str, ShardResult] = {}
+        for shard in shards:
+            out_path = stage / shard
+            with writing(out_path.parent, self.dst):
+                out_path.parent.mkdir(parents=True, exist_ok=True)
+            with writing(out_path, self.dst):
+                results[shard] = convert_shard(reader, shard, facts, out_path, self.progress)
+            with writing(self.records.path, self.dst):
+                self.records.record(shard, results[shard])
+            _fault_injection(len(results))
+        return results
 
     def _result(self, written: int, resumed: int, warnings: list[str], notes: list[str],
                 errors: dict[str, float] | None = None, already_complete: bool = False) -> ConvertResult:
@@ -173,7 +213,10 @@ class ConversionJob:
         """The interrupted run's record (kind 'resume'), or a new one in an emptied folder."""
         path = stage / PROGRESS_NAME
         if kind == "resume":
-            return ProgressFile(path, load_progress(path))
+            progress = ProgressFile(path, load_progress(path))
+            with writing(path, self.dst):
+                RankRecords.merge_into(progress)
+            return progress
         empty_staging(stage, self.dst)
         progress = ProgressFile.new(path, fp, self.run.overwrite, source_identity(self.plan.source))
         with writing(path, self.dst):

@@ -9,43 +9,65 @@ from typing import Callable
 import torch
 
 from ..facts import ModuleFacts
+from ..plan import TensorPlan
 from .reading import ModuleReader
+from .world import World
 
-# A pass: what it learned, as {module: {ModuleFacts field: value}}.
-Pass = Callable[[ModuleReader], dict[str, dict[str, object]]]
+# A pass: what it learned, as {module: {ModuleFacts field: value}}, the same on every rank.
+Pass = Callable[[ModuleReader, World], dict[str, dict[str, object]]]
 
 
-def fused_group_amax(reader: ModuleReader) -> dict[str, dict[str, object]]:
+def fused_group_amax(reader: ModuleReader, world: World) -> dict[str, dict[str, object]]:
     """The max |w| over each fused group's members, streaming (one tensor at a time): one NVFP4
-    global scale per group, as the engines that fuse the GEMM require (FORMATS A.3)."""
+    global scale per group, as the engines that fuse the GEMM require (FORMATS A.3). With several
+    ranks each reads the members in its own shards and the partial maxima meet in all_reduce(MAX)
+    (a max is exact, so the result is the one-process value bit for bit)."""
+    groups = list(reader.plan.fused_groups().values())
+    sizes: dict[str, int] = {}
+    for t in reader.plan.tensors:
+        sizes[t.shard] = sizes.get(t.shard, 0) + t.bytes_in
+    mine = world.mine(sizes)
+    partial = world.settle(lambda: _partial_group_amax(reader, groups, mine))
+    total = world.all_max(partial)
+    return {t.module: {"group_amax": total[i].clone()} for i, members in enumerate(groups) for t in members}
+
+
+def _partial_group_amax(reader: ModuleReader, groups: list[list[TensorPlan]], shards: set[str]) -> torch.Tensor:
     from ..kernels import tensor_amax
 
-    out: dict[str, dict[str, object]] = {}
-    for members in reader.plan.fused_groups().values():
+    out = torch.zeros(len(groups), dtype=torch.float32)
+    for i, members in enumerate(groups):
         amaxes = []
         for t in members:  # NaN/Inf is refused naming the tensor (not only its group)
-            amaxes.append(tensor_amax(reader.weight(t), backend=reader.backend, name=t.name).cpu())
-            reader.release(t)
-        group_amax = torch.stack(amaxes).amax()
-        out.update({t.module: {"group_amax": group_amax} for t in members})
+            if t.shard in shards:
+                amaxes.append(tensor_amax(reader.weight(t), backend=reader.backend, name=t.name).cpu())
+                reader.release(t)
+        if amaxes:
+            out[i] = torch.stack(amaxes).amax()
     return out
 
 
-def calibrated_scales(reader: ModuleReader) -> dict[str, dict[str, object]]:
+def calibrated_scales(reader: ModuleReader, world: World) -> dict[str, dict[str, object]]:
     """With --calibration: static activation scales and KV-cache scales from running the source
-    model layer by layer over the calibration data (quantcli/calibrate)."""
+    model layer by layer over the calibration data (quantcli/calibrate). With several ranks rank 0
+    calibrates alone and broadcasts what it learned (the others wait: simple, and exact)."""
     from ..calibrate.run import calibrate
 
-    return calibrate(reader.plan, reader.tensors, reader.device)
+    if reader.plan.options.calibration is None:
+        return {}
+    return world.broadcast(world.settle(
+        lambda: calibrate(reader.plan, reader.tensors, reader.device) if world.lead else None))
 
 
 PASSES: tuple[Pass, ...] = (fused_group_amax, calibrated_scales)
 
 
-def learn_facts(reader: ModuleReader, passes: tuple[Pass, ...] = PASSES) -> dict[str, ModuleFacts]:
+def learn_facts(reader: ModuleReader, passes: tuple[Pass, ...] = PASSES,
+                world: World | None = None) -> dict[str, ModuleFacts]:
     """Run every pass; a module no pass learned anything about has no entry (NO_FACTS)."""
+    world = world or World()
     fields: dict[str, dict[str, object]] = {}
     for run_pass in passes:
-        for module, found in run_pass(reader).items():
+        for module, found in run_pass(reader, world).items():
             fields.setdefault(module, {}).update(found)
     return {module: ModuleFacts(**found) for module, found in fields.items()}

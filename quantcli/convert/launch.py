@@ -1,0 +1,67 @@
+"""`quantcli convert --workers N` on one machine: this process becomes rank 0 and spawns ranks
+1..N-1 (torch.multiprocessing, start method spawn) that run the same command line with the
+environment torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
+so they take exactly the path of a torchrun rank; the job's store is served from here."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from datetime import timedelta
+from typing import Any, Iterator
+
+from .world import World, open_world, rank_timeout
+
+ADDR = "127.0.0.1"
+
+
+def launched() -> bool:
+    """This process is a rank of a torchrun (or --workers) job already."""
+    return "WORLD_SIZE" in os.environ
+
+
+@contextlib.contextmanager
+def rank_world(device: str, workers: int = 1, argv: list[str] | None = None) -> Iterator[World]:
+    """The ranks this conversion runs on: torchrun's (when it started this process), N spawned
+    here for --workers N (`argv`: the command line they run), or this process alone."""
+    if workers > 1 and not launched():
+        with spawn_ranks(list(argv or []), workers) as (store, env), open_world(device, store, env) as world:
+            yield world
+    else:
+        with open_world(device) as world:
+            yield world
+
+
+@contextlib.contextmanager
+def spawn_ranks(argv: list[str], workers: int) -> Iterator[tuple[Any, dict[str, str]]]:
+    """Serve the store, start ranks 1..workers-1, yield (store, rank 0's environment); on leaving,
+    wait for them (a rank still running after the others' timeout is terminated)."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore(ADDR, 0, workers, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=rank_timeout() + 60))
+    common = {"WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": ADDR,
+              "MASTER_PORT": str(store.port)}
+    ctx = mp.get_context("spawn")
+    procs = []
+    for r in range(1, workers):
+        env = {**common, "RANK": str(r), "LOCAL_RANK": str(r)}
+        procs.append(ctx.Process(target=_rank_main, args=(argv, env), daemon=True))
+        procs[-1].start()
+    try:
+        yield store, {**common, "RANK": "0", "LOCAL_RANK": "0"}
+    finally:
+        for p in procs:
+            p.join(timeout=rank_timeout() + 10)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+
+
+def _rank_main(argv: list[str], env: dict[str, str]) -> None:
+    """A spawned rank: the command line itself (imported by name: the library does not depend on
+    the command layer), which exits with the rank's code."""
+    os.environ.update(env)
+    importlib.import_module("quantcli.cli").main(argv)

@@ -1,0 +1,248 @@
+"""The ranks of a conversion on torch.distributed: who this process is, the work split, and the
+few points where the ranks meet.
+
+A rank is what torchrun starts (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the
+environment), or what `quantcli convert --workers N` starts on one machine (this process is rank
+0 and spawns ranks 1..N-1 running the same command line). Without them the world is one process
+and every operation here is the identity, so the single-process path is unchanged.
+
+Long phases (reading fused groups, converting shards) end in `settle`: each rank posts its
+outcome in the job's key-value store and waits for the others while checking their heartbeats,
+so a rank that dies or hangs stops the rest after QUANTCLI_RANK_TIMEOUT seconds (default 60)
+with one line, however long the phase itself takes. The data then moves in short collectives
+(all_reduce MAX, broadcast, all_gather) under the process group's own timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Mapping, TypeVar
+
+import torch
+
+from ..errors import QuantcliError
+from .destination import FilesystemError
+
+T = TypeVar("T")
+BEAT_S = 0.5  # heartbeat period
+COLLECTIVE_TIMEOUT_S = 600  # a collective runs only once every rank has arrived, so this is generous
+
+
+class PeerRefused(QuantcliError):
+    """Another rank refused the input (its own line says why): a fresh run leaves nothing."""
+
+
+class PeerStopped(FilesystemError):
+    """Another rank died, hung or hit a filesystem fault: the staging folder is kept for --resume."""
+
+
+def rank_timeout() -> float:
+    return float(os.environ.get("QUANTCLI_RANK_TIMEOUT", "60"))
+
+
+def assign_shards(sizes: Mapping[str, int], ranks: int) -> dict[str, int]:
+    """Longest processing time first: the largest shard goes to the least loaded rank (ties: the
+    lower rank, then the shard name), so every rank computes the same split from the plan."""
+    loads = [(0, r) for r in range(ranks)]
+    out: dict[str, int] = {}
+    for shard in sorted(sizes, key=lambda s: (-sizes[s], s)):
+        load, r = heapq.heappop(loads)
+        out[shard] = r
+        heapq.heappush(loads, (load + sizes[shard], r))
+    return out
+
+
+@dataclass
+class World:
+    """This process's place among the ranks. The default is one process (rank 0 of 1)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    store: Any = None  # the process group's key-value store (None for one process)
+    comm_device: torch.device = torch.device("cpu")
+    resume_hint: str = "rerun with --resume"
+    on_wait: Callable[[], None] = lambda: None  # called while waiting (rank 0's progress bar)
+    _seq: int = 0
+    _prefix: str = "quantcli/0"
+    _beats: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    def rank_device(self, device: str) -> str:
+        """--device cuda (or auto with CUDA) on one of several ranks means its own GPU."""
+        return f"cuda:{self.local_rank}" if self.comm_device.type == "cuda" else device
+
+    def mine(self, sizes: Mapping[str, int]) -> set[str]:
+        """The shards this rank works on, out of `sizes` (shard -> bytes)."""
+        return {s for s, r in assign_shards(sizes, self.size).items() if r == self.rank}
+
+    # --- meeting points
+
+    def settle(self, work: Callable[[], T]) -> T:
+        """Run `work` here; return once every rank has finished its own, raising this rank's
+        error or, if another rank failed, PeerRefused / PeerStopped naming it."""
+        if self.size == 1:
+            return work()
+        try:
+            out = work()
+        except BaseException as exc:
+            keep = isinstance(exc, FilesystemError) or not isinstance(exc, QuantcliError)
+            message = str(exc) if isinstance(exc, QuantcliError) else f"{type(exc).__name__} {exc}".strip()
+            with contextlib.suppress(QuantcliError):
+                self._meet({"error": message, "keep": keep})
+            raise
+        failed = [(r, o) for r, o in enumerate(self._meet({"error": None})) if o["error"]]
+        if failed:
+            r, o = failed[0]
+            cls = PeerStopped if any(x["keep"] for _, x in failed) else PeerRefused
+            raise cls(f"rank {r}: {o['error']}" if self.lead else f"rank {self.rank} stopped: rank {r} failed: "
+                      f"{o['error']}")
+        return out
+
+    def _meet(self, outcome: dict) -> list[dict]:
+        """Post `outcome`, wait for every rank's (watching their heartbeats), return them all."""
+        self._seq += 1
+        key = f"{self._prefix}/meet/{self._seq}"
+        try:
+            self.store.set(f"{key}/{self.rank}", json.dumps(outcome))
+            waiting = set(range(self.size))
+            while waiting:
+                waiting = {r for r in waiting if not self.store.check([f"{key}/{r}"])}
+                if waiting:
+                    self._check_alive(waiting)
+                    self.on_wait()
+                    time.sleep(0.05)
+            return [json.loads(self.store.get(f"{key}/{r}")) for r in range(self.size)]
+        except (RuntimeError, OSError) as exc:  # the store is gone: rank 0 (which serves it) died
+            raise PeerStopped(f"rank {self.rank} stopped: lost rank 0's store ({type(exc).__name__}); "
+                              f"{self.resume_hint}") from None
+
+    def _check_alive(self, waiting: set[int]) -> None:
+        now = time.monotonic()
+        for r in sorted(waiting):
+            beat = self.store.add(f"{self._prefix}/beat/{r}", 0)
+            seen, since = self._beats.get(r, (-1, now))
+            if beat != seen:
+                self._beats[r] = (beat, now)
+            elif now - since > rank_timeout():
+                raise PeerStopped(f"rank {r} stopped responding for {rank_timeout():.0f} s (it died or hung); "
+                                  f"{self.resume_hint}")
+
+    # --- collectives (every rank has arrived: they are short)
+
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        y = x.to(self.comm_device).clone()
+        self._collective(lambda: torch.distributed.all_reduce(y, op=torch.distributed.ReduceOp.MAX))
+        return y.cpu()
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's `obj` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj if self.lead else None]
+        self._collective(lambda: torch.distributed.broadcast_object_list(box, src=0, device=self.comm_device))
+        return box[0]
+
+    def all_gather(self, obj: T) -> list[T]:
+        if self.size == 1:
+            return [obj]
+        out: list = [None] * self.size
+        self._collective(lambda: torch.distributed.all_gather_object(out, obj))
+        return out
+
+    def _collective(self, op: Callable[[], object]) -> None:
+        try:
+            op()
+        except RuntimeError as exc:  # a peer died between the meeting and the collective
+            raise PeerStopped(f"rank {self.rank} stopped: a collective failed ({str(exc).splitlines()[0]}); "
+                              f"{self.resume_hint}") from None
+
+    # --- progress: bytes done by every rank, counted in the store
+
+    def progress(self, local: Callable[[int, str], None] | None) -> Callable[[int, str], None]:
+        """The per-tensor callback for this rank: counts bytes in the store; rank 0 passes the job's
+        total on to `local` (its bar), also while it waits for the others."""
+        if self.size == 1:
+            return local or (lambda n, s: None)
+        key, seen = f"{self._prefix}/bytes", [0]
+
+        def report(total: int, shard: str) -> None:
+            if local is not None and total > seen[0]:
+                local(total - seen[0], shard)
+                seen[0] = total
+
+        if self.lead and local is not None:
+            self.on_wait = lambda: report(self.store.add(key, 0), "")
+        return lambda n, shard: report(self.store.add(key, n), shard)
+
+
+# --- opening the world
+
+
+_opened = [0]  # conversions this process has run in a group: each gets its own store keys
+
+
+@contextlib.contextmanager
+def open_world(device: str, store: Any = None, env: Mapping[str, str] | None = None) -> Iterator[World]:
+    """The world this process belongs to (from torchrun's environment, or `store` and `env` from
+    `spawn_ranks`); a group this function creates is destroyed on leaving. One process: World()."""
+    env = os.environ if env is None else env
+    size = int(env.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        yield World()
+        return
+    import torch.distributed as dist
+
+    rank, local = int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"]))
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    created = not dist.is_initialized()
+    if cuda:
+        torch.cuda.set_device(local)
+    if created:
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        backend = "nccl" if cuda else "gloo"
+        if store is not None:
+            # The prefix env:// adds on the other ranks, so that their keys meet ours.
+            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                                    world_size=size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout)
+    _opened[0] += 1
+    world = World(rank, size, local, dist.distributed_c10d._get_default_store(),
+                  torch.device("cuda", local) if cuda else torch.device("cpu"), _prefix=f"quantcli/{_opened[0]}")
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(world, stop), daemon=True)
+    beat.start()
+    threads = torch.get_num_threads()
+    if not cuda:  # the ranks on one machine share its cores instead of each taking them all
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(env.get("LOCAL_WORLD_SIZE", size))))
+    try:
+        yield world
+    finally:
+        torch.set_num_threads(threads)
+        stop.set()
+        beat.join()
+        if created:
+            dist.destroy_process_group()
+
+
+def _heartbeat(world: World, stop: threading.Event) -> None:
+    key = f"{world._prefix}/beat/{world.rank}"
+    while not stop.is_set():
+        try:
+            world.store.add(key, 1)
+        except (RuntimeError, OSError):  # the store is gone; the next meeting says so
+            return
+        stop.wait(BEAT_S)
