@@ -168,3 +168,21 @@ def test_verify_calibration_refusals(calibrated, src, tmp_path, run_cli, case, n
         args[1] = str(plain)
     code, _, err = run_cli(*args)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_dry_run_estimates_calibration_and_validates_against_its_schema(src, tmp_path, run_cli):
+    from test_json_schema import validate
+
+    data = tmp_path / "d.txt"
+    data.write_text("\n".join(_words(i, 20) for i in range(7)) + "\n")
+    code, stdout, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "nvfp4", "--activations",
+                                "static", "--calibration", str(data), "--dry-run", "--json")
+    assert code == 0, err
+    est = validate("convert-dry-run", json.loads(stdout))["calibration_estimate"]
+    assert est["samples"] == 7 and est["tokens"] == 7 * 20 and est["layers"] == 2
+    assert est["activation_bytes"] == 4 * 7 * 20 * 64 and not est["spilled"]
+    assert est["peak_memory_bytes"] > est["layer_weight_bytes"] > 0 and est["seconds"] > 0
+    assert not (tmp_path / "out").exists()
+    code, stdout, _ = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "nvfp4", "--activations",
+                              "static", "--calibration", str(data), "--dry-run")
+    assert code == 0 and "calibration: 7 samples, 140 tokens through 2 layers" in stdout
