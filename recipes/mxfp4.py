@@ -17,6 +17,8 @@ Format card
     encode      q = e2m1_rne(x / 2^(byte-127))
     decode      x ~ e2m1(q) * 2^(byte - 127)
     bits/param  4.25
+    search      --scale-search mse: per block byte, byte + 1 or byte - 1, whichever dequantizes
+                with the smallest (activation-weighted) squared error, ties to byte (kernels/search.py)
     layouts     compressed-tensors (default, rule even; `weight_packed` [N, K/2]),
                 gpt-oss (MoE experts, rule rceil; `*_blocks` [E, N, K/32, 16], `*_scales`)
 """

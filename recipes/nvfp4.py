@@ -15,6 +15,8 @@ Format card (ModelOpt's arithmetic, FP32 throughout)
     encode      q = e2m1_rne(x / (float(sb) * s2)), the product float(sb) * s2 formed first
     decode      x ~ e2m1(q) * (float(sb) * s2)
     bits/param  4.5 (+ 32 bits per tensor)
+    search      --scale-search mse: per block the E4M3 code in -3..+7 around sb with the smallest
+                (activation-weighted) squared error, ties to sb; s2 unchanged (kernels/search.py)
     layouts     modelopt (default; `weight` U8 [N, K/2], `weight_scale` F8_E4M3 [N, K/16],
                 `weight_scale_2` F32 0-d), compressed-tensors (`weight_packed`, `weight_scale`,
                 `weight_global_scale` F32 [1])
