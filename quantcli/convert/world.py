@@ -138,6 +138,16 @@ class World:
                 raise PeerStopped(f"rank {r} stopped responding for {rank_timeout():.0f} s (it died or hung); "
                                   f"{self.resume_hint}")
 
+    def leave(self) -> None:
+        """After a job that ended well: rank 0 (whose process may serve the store) waits until
+        every rank has read the last meeting's outcomes before it may exit."""
+        key = f"{self._prefix}/left"
+        with contextlib.suppress(RuntimeError, OSError):
+            self.store.add(key, 1)
+            deadline = time.monotonic() + rank_timeout()
+            while self.lead and self.store.add(key, 0) < self.size and time.monotonic() < deadline:
+                time.sleep(0.02)
+
     # --- collectives (every rank has arrived: they are short)
 
     def all_max(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,6 +240,7 @@ def open_world(device: str, store: Any = None, env: Mapping[str, str] | None = N
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(env.get("LOCAL_WORLD_SIZE", size))))
     try:
         yield world
+        world.leave()
     finally:
         torch.set_num_threads(threads)
         stop.set()
