@@ -138,3 +138,10 @@ def test_envelope_writes_strict_json_and_refuses_non_objects():
     json.dumps(doc, allow_nan=False)
     with pytest.raises(TypeError):
         envelope("inspect", [1, 2])
+
+
+def test_recipes_and_layouts_json_validate(run_cli):
+    recipes = validate("recipes", run_json(run_cli, "recipes"))
+    assert recipes["command"] == "recipes" and {r["name"] for r in recipes["recipes"]} >= {"nvfp4", "fp8"}
+    layouts = validate("layouts", run_json(run_cli, "layouts"))
+    assert layouts["loadability"]["compressed-tensors"]["nvfp4"] == "loads"
