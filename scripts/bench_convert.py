@@ -2,11 +2,12 @@
 
     python scripts/bench_convert.py                 # ~2 GB BF16 in 4 shards
     python scripts/bench_convert.py --size-gb 0.5 --recipes nvfp4 fp8-block
+    python scripts/bench_convert.py --workers 1,2       # each recipe on 1 and on 2 ranks (--workers N)
 
 Builds a synthetic Llama-shaped checkpoint, then in one run times (each in a fresh process, so
 peak memory is measured per job): the floor (safetensors load_file + save_file of every shard)
-and `quantcli convert` for each recipe. Prints GB/s of source bytes, the ratio to the floor and
-the peak resident memory.
+and `quantcli convert` for each recipe and worker count. Prints GB/s of source bytes, the ratio to
+the floor and the peak resident memory (of the largest process, with several workers).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="+", default=RECIPES)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--workers", default="1", help="comma-separated worker counts, e.g. 1,2")
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="quantcli-bench-"))
     src = work / "src"
@@ -103,12 +105,14 @@ def main() -> None:
     print(f"{'job':<14}{'seconds':>9}{'GB/s':>8}{'x floor':>9}{'peak RSS':>11}")
     print(f"{'floor':<14}{floor_s:>9.2f}{floor_rate:>8.2f}{1.0:>9.2f}{floor_rss / 2**30:>9.2f} GiB")
     for recipe in args.recipes:
-        out = work / recipe
-        s, rss = timed([sys.executable, "-m", "quantcli.cli", "convert", str(src), str(out), "--recipe", recipe,
-                        "--device", args.device, "--quiet", "--overwrite"])
-        rate = total / s / 1e9
-        print(f"{recipe:<14}{s:>9.2f}{rate:>8.2f}{rate / floor_rate:>9.2f}{rss / 2**30:>9.2f} GiB")
-        shutil.rmtree(out)
+        for workers in [int(w) for w in args.workers.split(",")]:
+            out = work / recipe
+            s, rss = timed([sys.executable, "-m", "quantcli", "convert", str(src), str(out), "--recipe", recipe,
+                            "--device", args.device, "--quiet", "--overwrite", "--workers", str(workers)])
+            rate = total / s / 1e9
+            job = recipe if workers == 1 else f"{recipe} x{workers}"
+            print(f"{job:<14}{s:>9.2f}{rate:>8.2f}{rate / floor_rate:>9.2f}{rss / 2**30:>9.2f} GiB", flush=True)
+            shutil.rmtree(out)
     if args.workdir is None:
         shutil.rmtree(work)
 
