@@ -50,11 +50,15 @@ def spawn_ranks(argv: list[str], workers: int) -> Iterator[tuple[Any, dict[str, 
         env = {**common, "RANK": str(r), "LOCAL_RANK": str(r)}
         procs.append(ctx.Process(target=_rank_main, args=(argv, env), daemon=True))
         procs[-1].start()
+    ok = False
     try:
         yield store, {**common, "RANK": "0", "LOCAL_RANK": "0"}
+        ok = True
     finally:
+        # After a failure here the ranks learn it at their next meeting, which may be a shard
+        # away: they get a few seconds, then SIGTERM (they keep DST.partial for --resume).
         for p in procs:
-            p.join(timeout=rank_timeout() + 10)
+            p.join(timeout=rank_timeout() + 10 if ok else 3)
             if p.is_alive():
                 p.terminate()
                 p.join()

@@ -98,8 +98,10 @@ class World:
         except BaseException as exc:
             keep = isinstance(exc, FilesystemError) or not isinstance(exc, QuantcliError)
             message = str(exc) if isinstance(exc, QuantcliError) else f"{type(exc).__name__} {exc}".strip()
-            with contextlib.suppress(QuantcliError):
-                self._meet({"error": message, "keep": keep})
+            # Posted, not waited for: the others see it at this meeting (or find the store gone).
+            with contextlib.suppress(RuntimeError, OSError):
+                self.store.set(f"{self._prefix}/meet/{self._seq + 1}/{self.rank}",
+                               json.dumps({"error": message, "keep": keep}))
             raise
         failed = [(r, o) for r, o in enumerate(self._meet({"error": None})) if o["error"]]
         if failed:
