@@ -186,3 +186,49 @@ def test_dry_run_estimates_calibration_and_validates_against_its_schema(src, tmp
     code, stdout, _ = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "nvfp4", "--activations",
                               "static", "--calibration", str(data), "--dry-run")
     assert code == 0 and "calibration: 7 samples, 140 tokens through 2 layers" in stdout
+
+
+class _FakeDatasets:
+    """Stands in for the `datasets` package: records load_dataset calls, serves rows."""
+
+    class exceptions:  # noqa: N801 (mirrors datasets.exceptions)
+        class DatasetNotFoundError(FileNotFoundError):
+            pass
+
+    def __init__(self, rows):
+        self.rows, self.calls = rows, []
+
+    def load_dataset(self, repo, config=None, split=None, streaming=False):
+        self.calls.append((repo, config, split, streaming))
+        if repo != "org/calib":
+            raise self.exceptions.DatasetNotFoundError(f"Dataset '{repo}' doesn't exist on the Hub or cannot be accessed.")
+        return iter(self.rows)
+
+
+def test_hub_dataset_id_reads_rows_like_jsonl(src, tmp_path, run_cli, monkeypatch):
+    import sys
+
+    samples = [_words(i) for i in range(5)]
+    fake = _FakeDatasets([{"text": s, "id": i} for i, s in enumerate(samples)] + [{"text": "w9"}] * 50)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    local = tmp_path / "local.jsonl"
+    local.write_text("".join(json.dumps({"text": s}) + "\n" for s in samples))
+    _convert(run_cli, src, tmp_path / "hub", "org/calib:main:validation", "--calibration-samples", "5")
+    _convert(run_cli, src, tmp_path / "local", local, "--calibration-samples", "5")
+    assert ("org/calib", "main", "validation", True) in fake.calls
+    shards = [{p.name: p.read_bytes() for p in (tmp_path / d).glob("*.safetensors")} for d in ("hub", "local")]
+    assert shards[0] == shards[1]
+    run = json.loads((tmp_path / "hub" / "quantcli_manifest.json").read_text())["calibration"]
+    assert run["data"] == "org/calib:main:validation" and len(run["data_sha256"]) == 64
+
+
+@pytest.mark.parametrize("case,needle", [("missing-package", "needs the datasets package"),
+                                         ("not-found", "cannot read the Hub dataset org/nope")])
+def test_hub_dataset_refusals_one_line(src, tmp_path, run_cli, monkeypatch, case, needle):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None if case == "missing-package" else _FakeDatasets([]))
+    code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "fp8", "--kv-cache", "fp8",
+                           "--layout", "compressed-tensors", "--calibration", "org/nope:train")
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

@@ -1,16 +1,39 @@
 """Calibration samples: a local .txt (one sample per line, or blank-line separated when the file
 has blank lines) or .jsonl (`text`, `messages` rendered with the source's chat template, or
-`input_ids`), tokenized with the source's tokenizer, truncated to seq_len, the first N kept."""
+`input_ids`), or a Hub dataset `OWNER/NAME[:SPLIT]` / `OWNER/NAME:CONFIG:SPLIT` (rows with the
+same keys, streamed with the optional `datasets` package, offline from its cache under
+HF_DATASETS_OFFLINE=1); tokenized with the source's tokenizer, truncated to seq_len, the first
+N kept."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 from ..errors import QuantcliError
 from ..facts import Calibration
 
 EXTRA = "pip install 'quantcli[calibrate]'"
+HUB_DATASET = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+){0,2}$")
+KEYS = ("input_ids", "messages", "text")
+
+
+def is_hub_dataset(data: str) -> bool:
+    """A Hub dataset id, not a local path: OWNER/NAME[:CONFIG][:SPLIT] naming no existing file."""
+    return bool(HUB_DATASET.match(data)) and not Path(data).exists() and not data.endswith((".txt", ".jsonl"))
+
+
+def data_digest(cal: Calibration) -> str:
+    """SHA-256 of the data a run uses: a local file's bytes; for a Hub dataset, of the samples read."""
+    if is_hub_dataset(cal.data):
+        return hashlib.sha256(json.dumps(read_samples(cal)).encode()).hexdigest()
+    digest = hashlib.sha256()
+    with open(cal.data, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_samples(cal: Calibration) -> list:
@@ -18,8 +41,10 @@ def read_samples(cal: Calibration) -> list:
     the file is missing, of another kind, or holds no text."""
     path = Path(cal.data)
     where = f"--calibration {cal.data}"
+    if is_hub_dataset(cal.data):
+        return _hub_samples(cal, where)
     if not path.is_file():
-        raise QuantcliError(f"{where}: no such file (a local .txt or .jsonl; Hub datasets are not supported yet)")
+        raise QuantcliError(f"{where}: no such file (a local .txt or .jsonl, or a Hub dataset OWNER/NAME[:SPLIT])")
     try:
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError) as exc:
@@ -42,16 +67,48 @@ def _jsonl_sample(line: str, i: int, where: str):
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise QuantcliError(f"{where}: line {i} is not JSON ({exc.msg})") from None
+    return _row_sample(obj, f"{where}: line {i}")
+
+
+def _row_sample(obj, where: str):
+    """The sample of one row: its input_ids, messages or text (the first of these it has)."""
     if isinstance(obj, dict):
-        for key in ("input_ids", "messages", "text"):
+        for key in KEYS:
             if key in obj:
                 value = obj[key]
                 ok = (all(isinstance(v, int) for v in value) if key == "input_ids" and isinstance(value, list)
                       else isinstance(value, list) if key == "messages" else isinstance(value, str))
                 if ok:
                     return value
-                raise QuantcliError(f"{where}: line {i}: {key!r} has the wrong type")
-    raise QuantcliError(f"{where}: line {i} has none of 'text', 'messages', 'input_ids'")
+                raise QuantcliError(f"{where}: {key!r} has the wrong type")
+    raise QuantcliError(f"{where} has none of 'text', 'messages', 'input_ids'")
+
+
+def _hub_samples(cal: Calibration, where: str) -> list:
+    try:
+        import datasets
+    except ImportError:
+        raise QuantcliError(f"{where}: a Hub dataset needs the datasets package ({EXTRA}); or pass a local "
+                            f".txt or .jsonl") from None
+    repo, *rest = cal.data.split(":")
+    config, split = (None, rest[0]) if len(rest) == 1 else (rest[0], rest[1]) if rest else (None, "train")
+    not_found = getattr(getattr(datasets, "exceptions", None), "DatasetNotFoundError", OSError)
+    try:
+        rows = datasets.load_dataset(repo, config, split=split, streaming=True)
+        samples = []
+        for i, row in enumerate(rows):
+            sample = _row_sample(row, f"{where}: row {i}")
+            if sample:
+                samples.append(sample)
+            if len(samples) == cal.samples:
+                break
+    except (not_found, OSError, ValueError, ConnectionError) as exc:
+        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise QuantcliError(f"{where}: cannot read the Hub dataset {repo} (config {config}, split {split}): {first}; "
+                            f"offline, it must be in the datasets cache") from None
+    if not samples:
+        raise QuantcliError(f"{where}: holds no text (no non-empty sample in split {split})")
+    return samples
 
 
 def token_ids(cal: Calibration, source_root: Path) -> list[list[int]]:

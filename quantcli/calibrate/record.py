@@ -3,24 +3,20 @@ calibrated) and the scale tensors it added to each module, with their role and d
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from ..layouts.base import Layout
 from ..manifest import DiskEntry
 from ..plan import Plan, TensorPlan
+from .data import data_digest, is_hub_dataset
 
 
 def calibration_record(plan: Plan) -> dict[str, object] | None:
     cal = plan.options.calibration
     if cal is None:
         return None
-    path = Path(cal.data)
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return {"data": path.name, "data_sha256": digest.hexdigest(), "samples": cal.samples, "seq_len": cal.seq_len,
+    name = cal.data if is_hub_dataset(cal.data) else Path(cal.data).name
+    return {"data": name, "data_sha256": data_digest(cal), "samples": cal.samples, "seq_len": cal.seq_len,
             "batch": cal.batch, "activations": plan.options.activations or "dynamic",
             "kv_cache": plan.options.kv_cache, "statistic": "max |x| over the unquantized model's forward"}
 

@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 
 from .. import __version__
+from ..calibrate.data import data_digest
 from ..errors import CheckpointError
 from ..plan import Plan
 from ..source import Source
@@ -37,7 +38,7 @@ def fingerprint(plan: Plan) -> str:
     if opts.calibration is not None:  # the data's bytes count, not only its name
         c = opts.calibration
         h.update(f"calibration|{opts.activations}|{opts.kv_cache}|{c.samples}|{c.seq_len}|{c.batch}".encode())
-        h.update(hashlib.sha256(Path(c.data).read_bytes()).hexdigest().encode())
+        h.update(data_digest(c).encode())
     for shard in plan.source.shards:
         header = plan.source.headers[shard]
         h.update(json.dumps({n: [i.start, i.end] for n, i in sorted(header.tensors.items())}).encode())

@@ -5,14 +5,13 @@ same quotient). Catches scales calibrated on other data, another model or a stal
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from ..calibrate.data import token_ids
+from ..calibrate.data import data_digest, is_hub_dataset, token_ids
 from ..calibrate.engine import Stats, collect
 from ..calibrate.plan import SUPPORTED
 from ..calibrate.scales import E4M3_MAX, input_amax
@@ -32,21 +31,14 @@ def calibration_of(quant: Source, data: str) -> Calibration:
     checkpoint without a quantcli manifest is rerun with convert's defaults."""
     path = quant.root / MANIFEST_NAME
     record = json.loads(path.read_text()).get("calibration") or {} if path.is_file() else {}
-    if not Path(data).is_file():
+    cal = Calibration(data, **{k: int(record[k]) for k in ("samples", "seq_len", "batch") if k in record})
+    if not is_hub_dataset(data) and not Path(data).is_file():
         raise QuantcliError(f"--calibration {data}: no such file")
     expected = record.get("data_sha256")
-    if expected and _sha256(Path(data)) != expected:
+    if expected and data_digest(cal) != expected:
         raise QuantcliError(f"--calibration {data}: not the data {quant.label} was calibrated with (its manifest "
                             f"records {record.get('data')} with SHA-256 {expected[:12]}...); pass that file")
-    return Calibration(data, **{k: int(record[k]) for k in ("samples", "seq_len", "batch") if k in record})
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return cal
 
 
 def rerun(reference: str, revision: str | None, cal: Calibration, device: torch.device) -> Stats:
