@@ -26,13 +26,13 @@ def calibrate(plan: Plan, tensors, device: torch.device) -> dict[str, dict[str, 
 
 
 class _LayerProgress:
-    """One self-overwriting stderr line per decoder layer: `calibrating: layer 3/32 (41.2 samples/s)`."""
+    """One self-overwriting stderr line: `calibrating: layer 3/32, 128 samples, 4.1 s/layer (31.2 samples/s)`."""
 
     def __init__(self) -> None:
         self.start = time.monotonic()
 
     def __call__(self, done: int, total: int, samples: int) -> None:
-        rate = done * samples / max(time.monotonic() - self.start, 1e-9)
+        per_layer = (time.monotonic() - self.start) / done
         end = "\n" if done == total else ""
-        print(f"\rcalibrating: layer {done}/{total}, {samples} samples ({rate:.1f} samples x layers/s)",
-              end=end, file=sys.stderr, flush=True)
+        print(f"\rcalibrating: layer {done}/{total}, {samples} samples, {per_layer:.1f} s/layer "
+              f"({samples / max(per_layer, 1e-9):.1f} samples/s)", end=end, file=sys.stderr, flush=True)
