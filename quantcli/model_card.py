@@ -7,7 +7,6 @@ named by its Hub id or its folder name."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path, PurePosixPath
 
 from huggingface_hub import ModelCard, ModelCardData

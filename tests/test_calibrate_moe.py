@@ -8,7 +8,6 @@ checkpoint's per-expert tensors."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
