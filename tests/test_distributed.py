@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from faults import tree_state
+from faults import assert_nothing_left, tree_state
 from quantcli.convert.world import assign_shards
 from quantcli.testing import make_llama, make_moe
 
@@ -134,6 +134,13 @@ def runs(tmp_path_factory):
     killed_state = tree_state(tmp / "killed.partial")
     jobs_b.append({"name": "resumed", "argv": ["convert", str(src["llama"]), str(tmp / "killed"), "--recipe",
                                                "nvfp4", "--quiet", "--resume"]})
+    nan = _reshard(src["llama"], tmp / "nan", 4)  # a NaN in a tensor that is no fused group's
+    bad = next(f for f in nan.glob("*.safetensors") if "model.layers.1.self_attn.o_proj.weight" in load_file(f))
+    tensors = load_file(bad)
+    tensors["model.layers.1.self_attn.o_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, bad, metadata={"format": "pt"})
+    jobs_b.append({"name": "refused", "argv": ["convert", str(nan), str(tmp / "refused"), "--recipe", "nvfp4",
+                                               "--quiet"]})
     logs.update(_run_group(3, jobs_b, tmp / "log-b"))
     return {"tmp": tmp, "src": src, "ref": ref, "out": {**{j["name"]: a / j["name"] for j in jobs_a},
                                                       **{j["name"]: b / j["name"] for j in jobs_b},
@@ -195,6 +202,15 @@ def test_a_killed_rank_stops_the_job_and_resume_on_other_ranks_finishes_it(runs)
     resumed = runs["logs"]["resumed"]
     assert all(rec["code"] == 0 for rec in resumed.values()), resumed
     _same_bytes(runs["ref"] / "nvfp4-llama", runs["out"]["resumed"])
+
+
+def test_a_refusal_on_one_rank_refuses_the_job_and_leaves_nothing(runs):
+    logs = runs["logs"]["refused"]
+    assert sorted(logs) == [0, 1, 2] and all(rec["code"] == 2 for rec in logs.values()), logs
+    for rec in logs.values():
+        lines = [ln for ln in rec["err"].splitlines() if ln.strip()]
+        assert len(lines) == 1 and "o_proj" in lines[0], rec
+    assert_nothing_left(runs["tmp"] / "refused")
 
 
 def test_workers_option_spawns_the_ranks_itself(runs, run_cli):

@@ -103,8 +103,10 @@ class World:
                 self.store.set(f"{self._prefix}/meet/{self._seq + 1}/{self.rank}",
                                json.dumps({"error": message, "keep": keep}))
             raise
-        failed = [(r, o) for r, o in enumerate(self._meet({"error": None})) if o["error"]]
+        outcomes = self._meet({"error": None})
+        failed = [(r, o) for r, o in enumerate(outcomes) if o["error"]]
         if failed:
+            self._all_read(sum(not o["error"] for o in outcomes))
             r, o = failed[0]
             cls = PeerStopped if any(x["keep"] for _, x in failed) else PeerRefused
             raise cls(f"rank {r}: {o['error']}" if self.lead else f"rank {self.rank} stopped: rank {r} failed: "
@@ -126,8 +128,18 @@ class World:
                     time.sleep(0.05)
             return [json.loads(self.store.get(f"{key}/{r}")) for r in range(self.size)]
         except (RuntimeError, OSError) as exc:  # the store is gone: rank 0 (which serves it) died
-            raise PeerStopped(f"rank {self.rank} stopped: lost rank 0's store ({type(exc).__name__}); "
-                              f"{self.resume_hint}") from None
+            raise PeerStopped(f"rank {self.rank} stopped: rank 0 is gone (it failed or died; its own line says "
+                              f"why; {type(exc).__name__}); {self.resume_hint}") from None
+
+    def _all_read(self, readers: int) -> None:
+        """Before a failed job ends: rank 0 (whose process may serve the store) waits until every
+        rank still there has read the meeting's outcomes, so each says why in its own words."""
+        key = f"{self._prefix}/meet/{self._seq}/read"
+        with contextlib.suppress(RuntimeError, OSError):
+            self.store.add(key, 1)
+            deadline = time.monotonic() + rank_timeout()
+            while self.lead and self.store.add(key, 0) < readers and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     def _check_alive(self, waiting: set[int]) -> None:
         now = time.monotonic()
