@@ -31,7 +31,7 @@ GROUP_B = [("fp8", "llama"), ("fp8-channel", "moe"), ("mxfp8", "llama"), ("nvfp4
 def _rank_worker(rank: int, size: int, port: int, jobs: list[dict], log: str) -> None:
     """One rank: join the group once, run every job's command line, log (exit code, stderr)."""
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QUANTCLI_RANK_TIMEOUT": "4"})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QUANTCLI_RANK_TIMEOUT": "6"})
     import datetime
 
     import torch.distributed as dist
