@@ -67,6 +67,12 @@ class ConvertBar:
             self.progress.__exit__(*exc)
 
     def __call__(self, n: int, shard: str) -> None:
+        if not n and shard not in self.order:  # a phase before the shards (calibration) names itself
+            if self.progress is not None:
+                self.progress.update(self.task, description=shard)
+            elif self.verbose:
+                self.stderr.print(shard)
+            return
         if shard != self.shard:
             self.shard, self.left = shard, list(self.order.get(shard, []))
         where = f"shard {self.shards.index(shard) + 1}/{len(self.shards)}" if shard in self.order else shard

@@ -202,3 +202,33 @@ def test_bad_buffer_budget_refused(mixtral, tmp_path, run_cli, monkeypatch):
                            "--layout", "modelopt", "--calibration", str(_data(tmp_path / "d.jsonl", _ids())))
     assert code == 2 and "QUANTCLI_CALIBRATION_BUFFER_GIB" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_reuses_the_calibration_and_output_is_identical(mixtral, tmp_path, run_cli, monkeypatch):
+    """Killed after the first shard: --resume finishes without calibrating again (the engine
+    would raise), byte-identical to an uninterrupted run; the cache never reaches DST."""
+    import os
+    import subprocess
+    import sys
+
+    data = _data(tmp_path / "ids.jsonl", _ids())
+    args = ["convert", str(mixtral), "--recipe", "nvfp4", "--layout", "modelopt", "--activations", "static",
+            "--kv-cache", "fp8", "--calibration", str(data), "--quiet"]
+    assert run_cli(args[0], args[1], str(tmp_path / "clean"), *args[2:])[0] == 0
+    out = tmp_path / "out"
+    env = {**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "quantcli", args[0], args[1], str(out), *args[2:]], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert (tmp_path / "out.partial" / ".quantcli-calibration.safetensors").is_file()
+
+    def no_second_calibration(*a, **k):
+        raise AssertionError("calibrated again on --resume")
+
+    monkeypatch.setattr("quantcli.calibrate.run.collect", no_second_calibration)
+    code, _, err = run_cli(args[0], args[1], str(out), *args[2:], "--resume")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "clean").iterdir())
+    for p in (tmp_path / "clean").glob("*.safetensors"):
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+    assert (out / "quantcli_manifest.json").read_text() == (tmp_path / "clean" / "quantcli_manifest.json").read_text()

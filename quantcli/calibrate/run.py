@@ -1,9 +1,17 @@
-"""The calibration pass: data -> layer-by-layer statistics -> ModuleFacts (convert/passes.py)."""
+"""The calibration pass: data -> layer-by-layer statistics -> ModuleFacts (convert/passes.py).
+
+What it learned is kept in the staging folder (`cache`) as safetensors (tensors, and notes in
+the metadata; no pickle), so `--resume` of an interrupted conversion does not calibrate again:
+the staging folder is only resumed by a run with the same fingerprint, which covers the data
+and the calibration options."""
 
 from __future__ import annotations
 
-import sys
+import json
+import os
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -12,27 +20,62 @@ from .data import token_ids
 from .engine import collect
 from .scales import scale_facts
 
+Facts = dict[str, dict[str, object]]
 
-def calibrate(plan: Plan, tensors, device: torch.device) -> dict[str, dict[str, object]]:
+
+def calibrate(plan: Plan, tensors, device: torch.device, cache: Path | None = None,
+              progress: Callable[[int, str], None] | None = None) -> Facts:
     """{module: {ModuleFacts field: value}} from running the source over the calibration data."""
     cal = plan.options.calibration
     if cal is None:
         return {}
+    if cache is not None and cache.is_file():
+        return load_facts(cache)
     ids = token_ids(cal, plan.source.root)
     names = {n for header in plan.source.headers.values() for n in header.tensors}
     stats = collect(plan.source.config, tensors.get, tensors.release, names, ids, cal.batch, device,
-                    progress=_LayerProgress() if sys.stderr.isatty() else None)
-    return scale_facts(plan, stats)
+                    progress=_LayerProgress(progress) if progress is not None else None)
+    facts = scale_facts(plan, stats)
+    if cache is not None:
+        save_facts(cache, facts)
+    return facts
+
+
+def save_facts(path: Path, facts: Facts) -> None:
+    """Atomically: a run killed while writing leaves no cache, so --resume calibrates again."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{m}:{k}": v.detach().cpu().contiguous() for m, found in facts.items() for k, v in found.items()
+               if isinstance(v, torch.Tensor)}
+    notes = {m: found["note"] for m, found in facts.items() if isinstance(found.get("note"), str)}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"notes": json.dumps(notes, sort_keys=True)})
+    os.replace(tmp, path)
+
+
+def load_facts(path: Path) -> Facts:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    facts: Facts = {}
+    for key, value in load_file(str(path)).items():
+        module, _, field = key.rpartition(":")
+        facts.setdefault(module, {})[field] = value
+    with safe_open(str(path), "pt") as f:
+        for module, note in json.loads((f.metadata() or {}).get("notes", "{}")).items():
+            facts.setdefault(module, {})["note"] = note
+    return facts
 
 
 class _LayerProgress:
-    """One self-overwriting stderr line: `calibrating: layer 3/32, 128 samples, 4.1 s/layer (31.2 samples/s)`."""
+    """Reports each decoder layer to the job's progress: `calibrating: layer 3/32, 128 samples,
+    4.1 s/layer (31.2 samples/s)`."""
 
-    def __init__(self) -> None:
+    def __init__(self, report: Callable[[int, str], None]) -> None:
+        self.report = report
         self.start = time.monotonic()
 
     def __call__(self, done: int, total: int, samples: int) -> None:
         per_layer = (time.monotonic() - self.start) / done
-        end = "\n" if done == total else ""
-        print(f"\rcalibrating: layer {done}/{total}, {samples} samples, {per_layer:.1f} s/layer "
-              f"({samples / max(per_layer, 1e-9):.1f} samples/s)", end=end, file=sys.stderr, flush=True)
+        self.report(0, f"calibrating: layer {done}/{total}, {samples} samples, {per_layer:.1f} s/layer "
+                       f"({samples / max(per_layer, 1e-9):.1f} samples/s)")

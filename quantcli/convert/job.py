@@ -23,7 +23,7 @@ from .destination import (FilesystemError, discard, empty_staging, filesystem_er
 from .device import resolve_device
 from .finalize import build_manifest, write_side_files
 from .lock import StagingLock
-from .passes import learn_facts
+from .passes import CALIBRATION_CACHE, learn_facts
 from .progress import PROGRESS_NAME, ProgressFile, changed_source_shard, fingerprint, load_progress, source_identity
 from .reading import ModuleReader
 from .records import ConvertResult, Findings, Progress, RunOptions, ShardResult
@@ -127,6 +127,7 @@ class ConversionJob:
         with writing(stage / MANIFEST_NAME, self.dst):
             (stage / MANIFEST_NAME).write_text(manifest.to_json())
             (stage / PROGRESS_NAME).unlink()
+            (stage / CALIBRATION_CACHE).unlink(missing_ok=True)
             for rank_file in RankRecords.files(stage):
                 rank_file.unlink()
         lock.release()
@@ -140,7 +141,8 @@ class ConversionJob:
             for shard in finished:
                 self.progress(sizes[shard], shard)
         with CheckpointTensors(self.plan.source) as tensors:
-            reader = ModuleReader(self.plan, tensors, self.device, self.run.backend)
+            reader = ModuleReader(self.plan, tensors, self.device, self.run.backend, stage,
+                                  self.progress if self.world.lead else None)
             facts = learn_facts(reader, world=self.world)
             return self.world.settle(lambda: self._write_shards(stage, reader, facts, [s for s in sizes if s in mine]))
 

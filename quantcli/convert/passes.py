@@ -47,6 +47,11 @@ def _partial_group_amax(reader: ModuleReader, groups: list[list[TensorPlan]], sh
     return out
 
 
+# What the calibration pass learned, kept in the staging folder so that --resume does not
+# calibrate again (removed by finalize, never part of the output).
+CALIBRATION_CACHE = ".quantcli-calibration.safetensors"
+
+
 def calibrated_scales(reader: ModuleReader, world: World) -> dict[str, dict[str, object]]:
     """With --calibration: static activation scales and KV-cache scales from running the source
     model layer by layer over the calibration data (quantcli/calibrate). With several ranks rank 0
@@ -56,7 +61,12 @@ def calibrated_scales(reader: ModuleReader, world: World) -> dict[str, dict[str,
     if reader.plan.options.calibration is None:
         return {}
     return world.broadcast(world.settle(
-        lambda: calibrate(reader.plan, reader.tensors, reader.device) if world.lead else None))
+        lambda: calibrate(reader.plan, reader.tensors, reader.device, _cache(reader), reader.progress)
+        if world.lead else None))
+
+
+def _cache(reader: ModuleReader):
+    return reader.stage / CALIBRATION_CACHE if reader.stage is not None else None
 
 
 PASSES: tuple[Pass, ...] = (fused_group_amax, calibrated_scales)

@@ -4,6 +4,8 @@ quantized source. Shared by the passes and the per-shard job."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -22,6 +24,10 @@ class ModuleReader:
     tensors: CheckpointTensors
     device: torch.device
     backend: str
+    # The staging folder (a pass may keep what it learned there, for --resume) and the job's
+    # progress callback (a pass reports its phase as `progress(0, "calibrating: ...")`).
+    stage: Path | None = None
+    progress: Callable[[int, str], None] | None = None
 
     def source_quantized(self, t: TensorPlan) -> QuantizedTensor:
         """A module of a quantized source, read through the source layout."""
