@@ -16,6 +16,11 @@ from .data import token_ids
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 CONSTANT = 512 * 2**20  # interpreter, torch, transformers: measured ~0.4-0.5 GiB before any tensor
+# A forward runs at a fraction of the bare matmul rate (attention, norms, activations, hooks)
+# after a fixed start (importing transformers, building the model on meta): both fitted to
+# scripts/bench_calibrate.py on 2 CPU cores (hidden 1024 x 4 and 2048 x 12 layers).
+EFFICIENCY = 0.6
+START_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
     flops = 2.0 * tokens * _active_params(per_layer, config) * layers / max(1, len(per_layer))
     rate = _matmul_rate(device)
     return CalibrationEstimate(len(ids), tokens, layers, 4 * largest, activations, spilled, peak, flops, rate,
-                               flops / rate)
+                               START_SECONDS + flops / (rate * EFFICIENCY))
 
 
 def _active_params(per_layer: dict[int, int], config: dict) -> float:
