@@ -6,16 +6,16 @@ and the summary's rate are the same number.
   tensor being converted; with `verbose`, one stderr line per tensor written (also without a
   terminal). The bar is transient: the command's one-line summary replaces it.
 - counting_bar: a bar over N items (inspect --stats reads one module at a time).
-- spinner: elapsed time for a job that reports no progress of its own (verify).
+- PhaseBar: modules done / total of a job in phases (verify: reading, then comparing), naming
+  the module in hand; before the first report it pulses with the elapsed time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn,
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.text import Text
 
@@ -101,14 +101,36 @@ def counting_bar(stderr: Console, show: bool, what: str):
     return progress, lambda name, total: progress.update(task, advance=1, total=total, description=f"{what} {name}")
 
 
-@contextmanager
-def spinner(stderr: Console, show: bool, what: str) -> Iterator[None]:
-    """A spinner with the elapsed time while a job that reports nothing runs."""
-    if not show:
-        yield
-        return
-    with Progress(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), console=stderr, transient=True):
-        yield
+class PhaseBar:
+    """A quantcli.verify progress callback, `bar(phase, done, total, current)`, drawn as a bar on
+    stderr: `comparing ━━━━━━  12/64 0:00:41 model.layers.3.self_attn.q_proj`; does nothing when
+    not `show`."""
+
+    def __init__(self, stderr: Console, show: bool, what: str):
+        self.stderr = stderr
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[current]}"),
+                                 console=stderr, transient=True) if show else None
+        self.task = self.progress.add_task(what, total=None, current="") if show else None
+
+    def __enter__(self) -> PhaseBar:
+        if self.progress is not None:
+            self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+    def __call__(self, phase: str, done: int, total: int, current: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, description=phase, completed=done, total=total,
+                                 current=self._tail(current))
+
+    def _tail(self, name: str) -> str:
+        """The module's name, cut at its start when the line is short (the tail tells modules apart)."""
+        room = max(12, self.stderr.width - 50)  # what the other columns leave
+        return name if len(name) <= room else "…" + name[-(room - 1):]
 
 
-__all__ = ["ConvertBar", "counting_bar", "shard_order", "spinner"]
+__all__ = ["ConvertBar", "PhaseBar", "counting_bar", "shard_order"]

@@ -110,13 +110,16 @@ def inspect(
     kv_cache: Annotated[bool, typer.Option("--kv-cache", help="Print the KV-cache byte account from config.json.")] = False,
     kv_budget: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for the KV cache in --kv-cache, e.g. 40GB.  [default: 80GiB]")] = None,
     per_tensor: Annotated[bool, typer.Option("--per-tensor", help="One row per module instead of one per layer pattern.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the layout and bits/param lines (problems and warnings on stderr).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: one row per module (as --per-tensor).")] = False,
     json_out: JsonOut = False,
 ) -> None:
     """Explain a checkpoint from its headers: layout, recipes, scales, bits per parameter."""
     from .commands import run_inspect
 
     raise typer.Exit(run_inspect(path, revision=revision, tensors=tensors, stats=stats, kv_cache=kv_cache,
-                                 kv_budget=kv_budget, json_out=json_out, per_tensor=per_tensor))
+                                 kv_budget=kv_budget, json_out=json_out, per_tensor=per_tensor or verbose,
+                                 quiet=quiet))
 
 
 @app.command(cls=Command)
@@ -131,6 +134,8 @@ def verify(
     threshold: Annotated[Optional[list[str]], typer.Option(metavar="METRIC=VALUE", help="Override a limit: METRIC=VALUE (rel_err, sqnr_db, cosine, margin).")] = None,
     calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help="Rerun the calibration on --reference with this data (the manifest's amounts) and check every static activation and KV-cache scale.")] = None,
     device: Device = "auto",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only PASS or FAIL (each fault on stderr).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: every compared tensor's row, not only the --top worst.")] = False,
     json_out: JsonOut = False,
 ) -> None:
     """Decode a quantized checkpoint and prove it is what it should be. Exit 0 pass, 1 fail, 2 usage."""
@@ -138,7 +143,7 @@ def verify(
 
     raise typer.Exit(run_verify(quant, reference=reference, revision=revision, tensors=tensors, top=top,
                                 exact=exact, tp=tp, thresholds=threshold or [], device=device, json_out=json_out,
-                                calibration=calibration))
+                                calibration=calibration, quiet=quiet, verbose=verbose))
 
 
 @app.command(cls=Command)

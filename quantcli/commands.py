@@ -9,9 +9,9 @@ from pathlib import Path
 
 from .errors import QuantcliError
 from .render import console as _console
-from .bars import ConvertBar, counting_bar, spinner
-from .render import (dense_reasons, emit_json, excluded_lines, human_bytes, plan_table, render_inspect, render_layouts,
-                     render_recipes, render_verify)
+from .bars import ConvertBar, PhaseBar, counting_bar
+from .render import (dense_reasons, emit_json, excluded_lines, human_bytes, plan_table, render_inspect,
+                     render_inspect_brief, render_layouts, render_recipes, render_verify, render_verify_brief)
 from .reports import envelope, excluded_entries, to_json
 
 
@@ -182,13 +182,14 @@ def _calibration_estimate(plan, device: str):
 
 
 def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: bool, kv_cache: bool,
-                kv_budget: str | None, json_out: bool, per_tensor: bool = False) -> int:
+                kv_budget: str | None, json_out: bool, per_tensor: bool = False, quiet: bool = False) -> int:
     from .inspect_report import inspect_checkpoint, kv_cache_account, parse_size
 
     if kv_budget is not None and not kv_cache:
         raise QuantcliError(f"--kv-budget {kv_budget}: only used by the KV-cache account; add --kv-cache")
     budget = parse_size("80GiB" if kv_budget is None else kv_budget)
-    context, advance = counting_bar(_console(stderr=True), stats and sys.stderr.isatty() and not json_out, "reading")
+    show_bar = stats and sys.stderr.isatty() and not json_out and not quiet
+    context, advance = counting_bar(_console(stderr=True), show_bar, "reading")
     with context:
         report = inspect_checkpoint(path, revision=revision, pattern=tensors, stats=stats, progress=advance)
     if kv_cache:
@@ -197,6 +198,8 @@ def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: 
         emit_json(envelope("inspect", report, source=report.source,
                            excluded=[{"module": m, "reason": "in the config's exclusion list"}
                                      for m in report.exclusion_list]))
+    elif quiet:
+        render_inspect_brief(report, _console(), _console(stderr=True))
     else:
         render_inspect(report, _console(), per_tensor)
     return 0
@@ -207,7 +210,7 @@ def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: 
 
 def run_verify(quant: str, *, reference: str | None, revision: str | None, tensors: str | None, top: int,
                exact: bool, tp: int | None, thresholds: list[str], device: str, json_out: bool,
-               calibration: str | None = None) -> int:
+               calibration: str | None = None, quiet: bool = False, verbose: bool = False) -> int:
     from .verify import parse_thresholds, verify_checkpoint
 
     limits = parse_thresholds(thresholds)
@@ -215,14 +218,16 @@ def run_verify(quant: str, *, reference: str | None, revision: str | None, tenso
         raise QuantcliError("--exact needs --reference SRC: it re-quantizes the reference and compares bytes")
     if tp is not None and tp < 1:
         raise QuantcliError(f"--tp {tp}: must be a positive number of ranks")
-    with spinner(_console(stderr=True), sys.stderr.isatty() and not json_out, f"verifying {quant}"):
+    with PhaseBar(_console(stderr=True), sys.stderr.isatty() and not json_out and not quiet, "verifying") as bar:
         report = verify_checkpoint(quant, reference=reference, revision=revision, pattern=tensors, exact=exact,
-                                   tp=tp, limits=limits, device=device, calibration=calibration)
+                                   tp=tp, limits=limits, device=device, calibration=calibration, progress=bar)
     if json_out:  # verify DST --reference SRC: the same source and destination as convert SRC DST
         emit_json(envelope("verify", report, source=reference, destination=quant,
                            thresholds=applied_thresholds(limits)))
+    elif quiet:
+        render_verify_brief(report, _console(), _console(stderr=True))
     else:
-        render_verify(report, _console(), top)
+        render_verify(report, _console(), len(report.tensors) if verbose else top)
     return 0 if report.passed else 1
 
 

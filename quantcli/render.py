@@ -13,7 +13,7 @@ from rich.table import Table
 
 from .reports import OMITTED, to_json
 from .grouping import group_names
-from .tables import Column, named_table, total, value_range
+from .tables import Column, fitted_table, named_table, total, value_range
 
 
 class _Console(Console):
@@ -199,21 +199,17 @@ def _scales_tables(cal, con: Console) -> None:
         con.print(t)
 
 
-def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
-    con.print(f"{report.source}: layout [bold]{report.layout}[/bold] (loads in {report.consumers})"
-              + ("; quantcli manifest present" if report.has_manifest else ""))
-    if report.modules:
-        con.print(_modules_table(report.modules, con, per_tensor))
-        if any(m.stats is not OMITTED for m in report.modules):
-            con.print(_stats_table(report.modules, con, per_tensor))
-    if report.calibrated is not OMITTED:
-        _scales_tables(report.calibrated, con)
-    con.print(_totals_table(report.by_format))
-    if report.params:
-        con.print(f"{report.params:,} params in {human_bytes(report.bytes)}: {report.bits_per_param:.3f} "
-                  f"bits/param, {report.size_vs_bf16:.3f}x the BF16 size")
-    if report.exclusion_list:
-        con.print("excluded: " + ", ".join(report.exclusion_list))
+def _inspect_headline(report) -> str:
+    return (f"{report.source}: layout [bold]{report.layout}[/bold] (loads in {report.consumers})"
+            + ("; quantcli manifest present" if report.has_manifest else ""))
+
+
+def _bits_line(report) -> str:
+    return (f"{report.params:,} params in {human_bytes(report.bytes)}: {report.bits_per_param:.3f} "
+            f"bits/param, {report.size_vs_bf16:.3f}x the BF16 size")
+
+
+def _inspect_problems(report, con: Console) -> None:
     for u in report.unlisted_linears:
         con.print(f"[red]problem[/red]: {u} is neither quantized nor in the exclusion list; vLLM/SGLang will try "
                   f"to load its dense weight into a quantized slot")
@@ -224,6 +220,30 @@ def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
         con.print(f"[red]problem[/red]: {p}")
     for w in report.warnings:
         con.print(f"[yellow]warning[/yellow]: {w}")
+
+
+def render_inspect_brief(report, con: Console, err: Console) -> None:
+    """inspect -q: the headline and bits/param on stdout; problems and warnings on stderr."""
+    con.print(_inspect_headline(report))
+    if report.params:
+        con.print(_bits_line(report))
+    _inspect_problems(report, err)
+
+
+def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
+    con.print(_inspect_headline(report))
+    if report.modules:
+        con.print(_modules_table(report.modules, con, per_tensor))
+        if any(m.stats is not OMITTED for m in report.modules):
+            con.print(_stats_table(report.modules, con, per_tensor))
+    if report.calibrated is not OMITTED:
+        _scales_tables(report.calibrated, con)
+    con.print(_totals_table(report.by_format))
+    if report.params:
+        con.print(_bits_line(report))
+    if report.exclusion_list:
+        con.print("excluded: " + ", ".join(report.exclusion_list))
+    _inspect_problems(report, con)
     if report.kv_cache is not OMITTED:
         con.print(_kv_table(report.kv_cache))
 
@@ -276,17 +296,17 @@ def _limit_text(row) -> str:
     return f"{row.limit_rel_err:.4g} = {basis}"
 
 
-def _rows_table(rows, top: int) -> Table:
-    t = Table(title=f"worst {min(top, len(rows))} tensors")
-    for col in ("tensor", "recipe", "rel err", "ours", "limit", "SQNR dB", "cosine", "max abs", "exact"):
-        t.add_column(col)
+def _rows_table(rows, top: int, con: Console) -> Table:
+    """The worst tensors, worst first; names whole (a common prefix is cut, never the tail)."""
+    columns = [Column(h) for h in ("recipe", "rel err", "ours", "limit", "SQNR dB", "cosine", "max abs", "exact")]
+    cells = []
     for r in rows[:top]:
         exact = r.exact_identical_fraction
         ours = f"{r.baseline_rel_err:.4g}" + ("" if r.absmax_rel_err is OMITTED else f" (absmax {r.absmax_rel_err:.4g})")
-        t.add_row(r.tensor, r.recipe, f"{r.rel_err:.4g}", ours, _limit_text(r),
-                  f"{r.sqnr_db:.2f}", f"{r.cosine:.6f}", f"{r.max_abs:.3g}",
-                  "-" if exact is OMITTED or exact is None else f"{exact:.2%}")
-    return t
+        cells.append([r.recipe, f"{r.rel_err:.4g}", ours, _limit_text(r), f"{r.sqnr_db:.2f}", f"{r.cosine:.6f}",
+                      f"{r.max_abs:.3g}", "-" if exact is OMITTED or exact is None else f"{exact:.2%}"])
+    return fitted_table(con, "tensor", [r.tensor for r in rows[:top]], cells, columns,
+                        title=f"worst {min(top, len(rows))} tensors")
 
 
 def _layer_bars(layers: dict[str, float], con: Console) -> None:
@@ -306,14 +326,23 @@ def render_verify(report, con: Console, top: int) -> None:
         status = "[green]ok[/green]  " if c.passed else f"[red]FAIL[/red] ({c.faults})"
         con.print(f"  {status} {c.check}")
     if report.tensors:
-        con.print(_rows_table(report.tensors, top))
+        con.print(_rows_table(report.tensors, top, con))
         _layer_bars(report.layers, con)
+    _verdict(report, con, con)
+
+
+def _verdict(report, con: Console, err: Console) -> None:
     for w in report.warnings:
-        con.print(f"[yellow]warning[/yellow]: {w}")
+        err.print(f"[yellow]warning[/yellow]: {w}")
     for f in report.faults:
-        con.print(f"[red]FAIL[/red] {f.tensor}: {f.fault}")
+        err.print(f"[red]FAIL[/red] {f.tensor}: {f.fault}")
     con.print("[green]PASS[/green]" if report.passed else f"[red]FAIL[/red]: {len(report.faults)} fault(s)")
 
 
+def render_verify_brief(report, con: Console, err: Console) -> None:
+    """verify -q: PASS or FAIL on stdout; each warning and fault on stderr."""
+    _verdict(report, con, err)
+
+
 __all__ = ["console", "dense_reasons", "emit_json", "excluded_lines", "human_bytes", "plan_table", "render_inspect",
-           "render_layouts", "render_recipes", "render_verify"]
+           "render_inspect_brief", "render_layouts", "render_recipes", "render_verify", "render_verify_brief"]

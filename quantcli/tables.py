@@ -65,6 +65,14 @@ def named_table(con: Console, name_header: str, names: Sequence[str], rows: Sequ
         first = rows[group[0]]
         cells.append([c.merge([rows[m][i] for m in group]) if c.merge else first[i] for i, c in enumerate(columns)])
     counts = None if per_tensor else [str(len(g)) for g in members]
+    return fitted_table(con, name_header, labels, cells, columns, counts=counts, title=title)
+
+
+def fitted_table(con: Console, name_header: str, labels: Sequence[str], cells: Sequence[Sequence[str]],
+                 columns: Sequence[Column], *, counts: Sequence[str] | None = None, title: str | None = None) -> Table:
+    """The rows in the order given, each name whole: as they are when the table fits the console,
+    else with the common dotted prefix cut, else as one card per row."""
+    labels = list(labels)
     table = _build(name_header, labels, counts, cells, columns, title, prefix="")
     if _fits(con, table):
         return table
@@ -113,4 +121,4 @@ def _fits(con: Console, table: Table) -> bool:
     return Measurement.get(con, con.options.update_width(1 << 16), table).maximum <= con.width
 
 
-__all__ = ["Column", "named_table", "total", "value_range"]
+__all__ = ["Column", "fitted_table", "named_table", "total", "value_range"]

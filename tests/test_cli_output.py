@@ -131,3 +131,81 @@ def test_recipes_and_layouts_list_the_registries(run_cli):
     text = run_cli("layouts")[1]
     assert_readable(text)
     assert "TensorRT-LLM" in text
+
+
+def test_verify_reports_progress_per_module_and_draws_a_bar(checkpoints):
+    """verify's progress callback: every module read back, then compared, counts rising to the
+    total; PhaseBar draws it on a terminal (modules done / total and the module's tail)."""
+    import io
+
+    from rich.console import Console
+
+    from quantcli.bars import PhaseBar
+    from quantcli.verify import verify_checkpoint
+
+    calls = []
+    report = verify_checkpoint(str(checkpoints / "moe-nvfp4"), reference=str(checkpoints / "moe"),
+                               progress=lambda *a: calls.append(a))
+    assert report.passed
+    for phase in ("reading", "comparing"):
+        seen = [c for c in calls if c[0] == phase]
+        total = report.modules
+        assert seen[-1] == (phase, total, total, "") and all(c[2] == total for c in seen)
+        assert [c[1] for c in seen] == sorted(c[1] for c in seen)
+        assert {c[3] for c in seen if c[3].startswith("model.")} == {t.tensor for t in report.tensors}
+    assert [c[0] for c in calls].index("comparing") > max(i for i, c in enumerate(calls) if c[0] == "reading")
+
+    out = io.StringIO()
+    con = Console(file=out, force_terminal=True, width=80)
+    with PhaseBar(con, True, "verifying") as bar:
+        bar("comparing", 3, 8, "model.layers.1.mlp.experts.3.down_proj")
+        bar.progress.refresh()
+    assert "comparing" in out.getvalue() and "3/8" in out.getvalue() and "experts.3.down_proj" in out.getvalue()
+    silent = io.StringIO()
+    with PhaseBar(Console(file=silent), False, "verifying") as bar:
+        bar("reading", 1, 2, "x")
+    assert silent.getvalue() == ""
+
+
+def test_verify_table_keeps_names_whole_at_80_columns(run_cli, monkeypatch, checkpoints):
+    monkeypatch.chdir(checkpoints)
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_cli("verify", "moe-nvfp4", "--reference", "moe", "--top", "3")
+    assert code == 0
+    assert_readable(out)
+    worst = out[out.index("worst 3 tensors"):out.index("relative error by layer")]
+    names = re.findall(r"^(?:model\.layers|…)\S+", worst, re.MULTILINE)
+    assert len(names) == 3 and any("experts.3.w2" in n for n in names), names  # each name whole, tail kept
+
+
+def test_quiet_and_verbose_on_inspect_and_verify(run_cli, monkeypatch, checkpoints):
+    """-q: stdout holds only the headline (inspect) or the verdict (verify); -v: one row per tensor."""
+    monkeypatch.chdir(checkpoints)
+    code, out, err = run_cli("inspect", "moe-nvfp4", "-q")
+    assert code == 0 and err == ""
+    assert out.splitlines() == [out.splitlines()[0], out.splitlines()[1]] and "bits/param" in out
+    assert out.startswith("moe-nvfp4: layout modelopt")
+    code, out, err = run_cli("verify", "moe-nvfp4", "--reference", "moe", "--quiet")
+    assert (code, out, err) == (0, "PASS\n", "")
+    per_tensor = run_cli("inspect", "moe-nvfp4", "--per-tensor")[1]
+    assert run_cli("inspect", "moe-nvfp4", "-v")[1] == per_tensor
+    code, out, _ = run_cli("verify", "moe-nvfp4", "--reference", "moe", "-v", "--top", "1")
+    assert code == 0 and "worst 32 tensors" in out  # every module, not --top
+
+
+def test_verify_quiet_sends_faults_to_stderr(run_cli, monkeypatch, checkpoints, tmp_path):
+    """A verify that fails under -q: FAIL on stdout, exit 1, each fault on stderr."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoints / "llama-nvfp4", bad)
+    shard = next(bad.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = next(n for n in tensors if n.endswith("weight_scale_2"))
+    tensors[name] = 1 / tensors[name]  # the inverted global scale producers get wrong
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, out, err = run_cli("verify", bad, "--reference", checkpoints / "llama", "-q")
+    assert code == 1 and out.startswith("FAIL: ") and out.count("\n") == 1
+    assert "FAIL " in err and name.rsplit(".", 1)[0] in err

@@ -29,14 +29,15 @@ from .direction import direction_check
 from .limits import Limits, parse_thresholds
 from .reference import reference_checks
 from .report import Findings, VerifyReport, build_report
-from .structure import read_modules, structure_checks
+from .structure import Progress, no_progress, read_modules, structure_checks
 from .unquantized import verify_unquantized
 
 
 def verify_checkpoint(quant: str, reference: str | None = None, revision: str | None = None,
                       pattern: str | None = None, exact: bool = False, tp: int | None = None,
                       limits: Limits | None = None, device: str = "auto",
-                      calibration: str | None = None) -> VerifyReport:
+                      calibration: str | None = None, progress: Progress = no_progress) -> VerifyReport:
+    """`progress` is called per module read back and per module compared (see structure.Progress)."""
     limits = limits or Limits()
     if calibration is not None and reference is None:
         raise QuantcliError("--calibration needs --reference SRC: the calibration is rerun on the reference model")
@@ -58,14 +59,15 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
     rows, reference_kind = [], None
     with CheckpointTensors(source) as qt:
         modules = structure_checks(source, det, config, qt, pattern, found)
-        decoded_cache = read_modules(det, modules, qt, tp, found, decode=reference is None, dev=dev)
+        decoded_cache = read_modules(det, modules, qt, tp, found, decode=reference is None, dev=dev,
+                                     progress=progress)
         direction_check(decoded_cache, qt, det, found)
         scales = calibrated_check(source, det, config, modules, qt, found)
         if calibration is not None:
             recalibrated_check(source, scales, reference, revision, calibration, dev, found)
         if reference is not None:
             rows, reference_kind = reference_checks(reference, revision, det, decoded_cache, qt, pattern, exact,
-                                                    limits, dev, found)
+                                                    limits, dev, found, progress)
     return build_report(source, det.layout.name, reference, reference_kind, len(modules), found, rows)
 
 

@@ -15,7 +15,7 @@ from ..tensors import CheckpointTensors
 from .compare import IDENTICAL, compare, compare_identical, exact_match, requantized_prior
 from .limits import Limits
 from .report import REF_ERROR, REF_IDENTICAL, REF_MODULES, REF_PRESENT, REF_SAME, FINITE, Findings, TensorRow
-from .structure import finite_check, scale_rule_of
+from .structure import Progress, finite_check, no_progress, scale_rule_of
 
 
 def source_name(module: str, rt: CheckpointTensors) -> str | None:
@@ -190,17 +190,19 @@ class _Comparison:
 
 
 def reference_checks(reference: str, revision: str | None, det, decoded_cache: dict, qt: CheckpointTensors,
-                     pattern: str | None, exact: bool, limits: Limits, dev, found: Findings
-                     ) -> tuple[list[TensorRow], str]:
+                     pattern: str | None, exact: bool, limits: Limits, dev, found: Findings,
+                     progress: Progress = no_progress) -> tuple[list[TensorRow], str]:
     """Every read-back module against the reference, then the tensors neither side quantizes."""
     rows = []
     ref_source = open_source(reference, revision)
     with CheckpointTensors(ref_source) as rt:
         ref = Reference(reference, ref_source, rt, dev)
         job = _Comparison(det, ref, qt, exact, limits, dev, found)
+        progress("comparing", 0, len(decoded_cache), "(fused groups' amax)")
         job.group_amax = reference_group_amax(decoded_cache, ref, job.entries, dev)
         consumed = set()
-        for module, (recipe, q) in decoded_cache.items():
+        for done, (module, (recipe, q)) in enumerate(decoded_cache.items()):
+            progress("comparing", done, len(decoded_cache), module)
             consumed.update(job.consumed_names(module, recipe))
             row = job.row(module, recipe, q)
             if row is None:
@@ -210,6 +212,7 @@ def reference_checks(reference: str, revision: str | None, det, decoded_cache: d
                 ref.release(module)
             for d in det.layout.describe(module, recipe):
                 qt.release(d.name)
+        progress("comparing", len(decoded_cache), len(decoded_cache), "")
         found.ran(REF_MODULES)
         found.ran(FINITE)
         if any(r.limit_basis == IDENTICAL for r in rows):

@@ -5,7 +5,7 @@ is a function that returns its (tensor, fault) findings; the caller files them (
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -21,6 +21,13 @@ from .report import (CONFIG, COVERAGE, FINITE, FUSED, MANIFEST, SCALES, SERVABLE
 
 ROW_PARALLEL = re.compile(r"(o_proj|down_proj|w2|dense|out_proj|fc2|wo)$")
 Finding = tuple[str, str]  # (tensor or module, what is wrong)
+# progress(phase, done, total, current): before each module (`current`), and once at the end with
+# done == total and current "" (the command line draws it as a bar; the library prints nothing)
+Progress = Callable[[str, int, int, str], None]
+
+
+def no_progress(phase: str, done: int, total: int, current: str) -> None:
+    return None
 
 
 def scale_rule_of(rule: str | None) -> str | None:
@@ -136,14 +143,15 @@ def finite_check(module: str, decoded: torch.Tensor, found: Findings) -> bool:
 
 
 def read_modules(det, modules: dict[str, ModuleDescription], qt: CheckpointTensors, tp: int | None,
-                 found: Findings, *, decode: bool, dev) -> dict:
+                 found: Findings, *, decode: bool, dev, progress: Progress = no_progress) -> dict:
     """Read each well-formed module back; scale checks, TP split, and (without a reference, which
     decodes them anyway) the finiteness of the decoded weights. Returns module -> (recipe, q)."""
     layout = det.layout
     rules = {m.module: m.scale_rule for m in det.manifest.modules} if det.manifest else {}
     searches = {m.module: m.scale_search for m in det.manifest.modules} if det.manifest else {}
     out: dict[str, tuple] = {}
-    for module, desc in modules.items():
+    for done, (module, desc) in enumerate(modules.items()):
+        progress("reading", done, len(modules), module)
         if desc.problems:
             continue
         recipe = layout.recipe_for(desc.recipe, scale_rule_of(rules.get(module)))
@@ -163,6 +171,7 @@ def read_modules(det, modules: dict[str, ModuleDescription], qt: CheckpointTenso
             for d in layout.describe(module, recipe):
                 qt.release(d.name)
         out[module] = (recipe, q)
+    progress("reading", len(modules), len(modules), "")
     found.ran(SCALES)
     if decode:
         found.ran(FINITE)

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""The README runs top to bottom as written: clone the repository afresh, then run every
+```bash block of README.md that is marked to run, in order, in one bash session (so
+`. .venv/bin/activate` carries over, as in a user's shell), and stop at the first failing command.
+
+Every ```bash block must say what happens to it on the line just above its fence:
+
+    <!-- readme-check: run -->
+    <!-- readme-check: skip (why: placeholders, needs a GPU, ...) -->
+
+so a block with placeholders (SRC, DST) is skipped deliberately, and a new unmarked block is an
+error here (and in tests/test_readme.py) rather than silently unchecked. Blocks fenced with
+another language (or none) are not shell commands and are left alone.
+
+    python3 scripts/readme_check.py                # clone this repository's HEAD and run
+    python3 scripts/readme_check.py --list         # print the blocks and what happens to each
+    python3 scripts/readme_check.py --from URL --keep
+
+Standard library only: it runs before any virtual environment exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)\s*$")
+MARKER = re.compile(r"^\s*<!--\s*readme-check:\s*(?P<verdict>run|skip)\b(?P<why>.*?)-->\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int  # 1-based line of the opening fence in README.md
+    run: bool
+    why: str  # a skipped block's reason
+    text: str  # the commands, the fence's indentation removed
+
+
+def bash_blocks(readme: str) -> list[Block]:
+    """The ```bash blocks of `readme` with their markers; an unmarked or unclosed one raises ValueError."""
+    lines = readme.splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
+        if end is None:
+            raise ValueError(f"README.md:{i + 1}: a ``` fence that is never closed")
+        if fence["lang"] in ("bash", "sh", "shell"):
+            marker = MARKER.match(lines[i - 1]) if i else None
+            if marker is None:
+                raise ValueError(f"README.md:{i + 1}: a ```{fence['lang']} block without a marker on the line above; "
+                                 "add <!-- readme-check: run --> or <!-- readme-check: skip (why) -->")
+            indent = len(fence["indent"])
+            text = "\n".join(line[indent:] if line.startswith(fence["indent"]) else line.lstrip()
+                             for line in lines[i + 1:end])
+            blocks.append(Block(i + 1, marker["verdict"] == "run", marker["why"].strip(" :()"), text))
+        i = end + 1
+    return blocks
+
+
+def session_script(blocks: list[Block]) -> str:
+    """One bash script that runs the `run` blocks in order and names the README line that failed."""
+    parts = ["set -eo pipefail",
+             "trap 'rc=$?; echo \"readme-check: FAILED in the block at README.md:$block (exit $rc)\" >&2' ERR"]
+    for b in blocks:
+        if b.run:
+            parts += [f"block={b.line}", f"echo {shlex.quote(f'readme-check: README.md:{b.line}')} >&2", b.text]
+    return "\n".join(parts) + "\n"
+
+
+def list_blocks(blocks: list[Block]) -> None:
+    for b in blocks:
+        head = b.text.splitlines()[0] if b.text else ""
+        print(f"README.md:{b.line:<4} {'run ' if b.run else 'skip'}  {head}" + ("" if b.run else f"   ({b.why})"))
+
+
+def check(source: str, keep: bool) -> int:
+    work = Path(tempfile.mkdtemp(prefix="quantcli-readme-"))
+    clone = work / "quantcli"
+    subprocess.run(["git", "clone", "--quiet", source, str(clone)], check=True)
+    commit = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    blocks = bash_blocks((clone / "README.md").read_text())
+    script = work / "readme.sh"
+    script.write_text(session_script(blocks))
+    ran = sum(b.run for b in blocks)
+    print(f"readme-check: {ran} blocks of README.md at {commit}, in {clone}", file=sys.stderr)
+    start = time.monotonic()
+    code = subprocess.run(["bash", str(script)], cwd=clone).returncode
+    took = time.monotonic() - start
+    if code == 0:
+        print(f"readme-check: the README ran top to bottom ({ran} blocks, {len(blocks) - ran} skipped "
+              f"as marked) in {took:.0f} s", file=sys.stderr)
+    if code == 0 and not keep:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"readme-check: the clone is kept in {clone}", file=sys.stderr)
+    return code
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--from", dest="source", default=str(ROOT), metavar="REPO",
+                        help="the repository to clone (default: this one; its HEAD commit, not the work tree)")
+    parser.add_argument("--list", action="store_true", help="print the bash blocks and whether each runs; run nothing")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary clone after a success")
+    args = parser.parse_args()
+    try:
+        if args.list:
+            list_blocks(bash_blocks((ROOT / "README.md").read_text()))
+            return 0
+        return check(args.source, args.keep)
+    except ValueError as exc:
+        print(f"readme-check: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
