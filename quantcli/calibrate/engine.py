@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import QuantcliError
+from ..memory import fix_mmap_threshold
 from .buffer import ActivationBuffer, budget_bytes
 from .data import EXTRA
 from .weights import ExpertModules, WeightMap, experts_blocks
@@ -201,6 +202,7 @@ def collect(config_dict: dict, get, release, names, ids: list[list[int]], batch:
             progress=None) -> Stats:
     """Statistics of the unquantized model over `ids`, layer by layer. `progress(done, total,
     samples)` is called after each decoder layer."""
+    fix_mmap_threshold()  # else freed layers stay in the heap as fragments: memory grows with depth
     model = meta_model(config_dict)
     weights, stats = WeightMap(names), Stats()
     input_batches = batches(ids, batch)
