@@ -32,6 +32,12 @@ class _RateColumn(ProgressColumn):
         return Text("-" if task.speed is None else f"{human_bytes(task.speed)}/s")
 
 
+def tail(name: str, room: int) -> str:
+    """`name` cut at its start to `room` characters (at least 12): the tail tells tensors apart."""
+    room = max(12, room)
+    return name if len(name) <= room else "…" + name[-(room - 1):]
+
+
 def shard_order(plan) -> dict[str, list]:
     """Per shard, its tensors in the order convert writes them: the writer goes through output
     names sorted (safetensors_io.build_header), producing a tensor at its first output."""
@@ -51,10 +57,14 @@ class ConvertBar:
         self.shards = list(self.order)
         self.stderr, self.verbose = stderr, verbose
         self.shard, self.left = None, []
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), _BytesColumn(), _RateColumn(),
+        # on a narrow terminal a short bar leaves the tensor's name room; the columns after the
+        # name take the bar plus 48 characters ("110.03 MiB / 110.03 MiB", "16.52 MiB/s", "0:00:01")
+        self.bar_width = 8 if stderr.width < 100 else 20
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=self.bar_width), _BytesColumn(),
+                                 _RateColumn(),
                                  TimeRemainingColumn(), console=stderr, transient=True) if show_bar else None
         first = next((ts[0].name for ts in self.order.values() if ts), "")
-        self.task = self.progress.add_task(f"shard 1/{len(self.shards)} {first}", total=plan.bytes_in) \
+        self.task = self.progress.add_task(self._describe(f"shard 1/{len(self.shards)}", first), total=plan.bytes_in) \
             if show_bar else None
 
     def __enter__(self) -> ConvertBar:
@@ -87,7 +97,10 @@ class ConvertBar:
                                   f"{human_bytes(t.bytes_in)} -> {human_bytes(t.bytes_out)}")
         if self.progress is not None:
             current = self.left[0].name if self.left else "done"
-            self.progress.update(self.task, advance=n, description=f"{where} {current}")
+            self.progress.update(self.task, advance=n, description=self._describe(where, current))
+
+    def _describe(self, where: str, current: str) -> str:
+        return f"{where} {tail(current, self.stderr.width - len(where) - 1 - self.bar_width - 48)}"
 
 
 def counting_bar(stderr: Console, show: bool, what: str):
@@ -128,9 +141,7 @@ class PhaseBar:
                                  current=self._tail(current))
 
     def _tail(self, name: str) -> str:
-        """The module's name, cut at its start when the line is short (the tail tells modules apart)."""
-        room = max(12, self.stderr.width - 50)  # what the other columns leave
-        return name if len(name) <= room else "…" + name[-(room - 1):]
+        return tail(name, self.stderr.width - 50)  # what the other columns leave
 
 
 __all__ = ["ConvertBar", "PhaseBar", "counting_bar", "shard_order"]

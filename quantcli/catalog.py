@@ -1,11 +1,13 @@
 """What exists, read from the registries (recipes/, quantcli/layouts/): `quantcli recipes` and
 `quantcli layouts`. Nothing here is written out by hand: a new recipe or a new row in a layout's
-table shows up in both listings and in the loadability matrix by itself."""
+table shows up in both listings and in the loadability matrix by itself. Which engines load a
+pair comes from one place, quantcli/engines.py (also the model card's serving commands)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .engines import ENGINES, loads_in
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, layouts_for
 from .recipes import RECIPES
 
@@ -29,11 +31,12 @@ class RecipeInfo:
 @dataclass
 class LayoutInfo:
     name: str
-    engines: list[str]  # who loads it (e.g. vLLM, SGLang, TensorRT-LLM)
+    engines: list[str]  # who loads it (e.g. vLLM, SGLang, TensorRT-LLM): any recipe of `loads_in`
     writes: list[str]  # recipes quantcli writes in this layout, and the engines load
     reads_only: list[str]  # recipes a producer writes in it that no engine loads: read, never written
     exclusion_key: str  # the config key that lists modules left dense
     experts_only: bool  # the layout names MoE expert stacks only
+    loads_in: dict[str, list[str]]  # recipe of `writes` -> the engines that load it in this layout
 
 
 def _block(block: tuple[int, int]) -> str:
@@ -56,17 +59,20 @@ def recipes() -> list[RecipeInfo]:
 
 
 def layouts() -> list[LayoutInfo]:
-    return [LayoutInfo(name=name, engines=[e.strip() for e in layout.consumers.split(", ") if e.strip()],
-                       writes=[r for r in RECIPES if r in layout.recipes],
-                       reads_only=[r for r in RECIPES if r in layout.unservable],
-                       exclusion_key=layout.exclusion_key, experts_only=layout.experts_only)
-            for name, layout in LAYOUTS.items()]
+    out = []
+    for name, layout in LAYOUTS.items():
+        writes = [r for r in RECIPES if r in layout.recipes]
+        engines = {r: list(loads_in(r, name)) for r in writes}
+        out.append(LayoutInfo(name=name, engines=[e for e in ENGINES if any(e in got for got in engines.values())],
+                              writes=writes, reads_only=[r for r in RECIPES if r in layout.unservable],
+                              exclusion_key=layout.exclusion_key, experts_only=layout.experts_only, loads_in=engines))
+    return out
 
 
 def loadability(infos: list[LayoutInfo]) -> dict[str, dict[str, str]]:
-    """layout -> recipe -> 'loads' (written by quantcli, loaded by the layout's engines),
+    """layout -> recipe -> 'loads' (written by quantcli, loaded by the engines in `loads_in`),
     'read only' (a producer writes it, no engine loads it) or 'no'."""
-    return {i.name: {r: "loads" if r in i.writes else "read only" if r in i.reads_only else "no" for r in RECIPES}
+    return {i.name: {r: "loads" if i.loads_in.get(r) else "read only" if r in i.reads_only else "no" for r in RECIPES}
             for i in infos}
 
 

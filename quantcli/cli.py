@@ -162,7 +162,7 @@ def layouts(json_out: JsonOut = False) -> None:
     raise typer.Exit(run_layouts(json_out))
 
 
-app.command(name="push")(push_command)  # quantcli/hub_command.py
+app.command(name="push", cls=Command)(push_command)  # quantcli/hub_command.py
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

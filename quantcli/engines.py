@@ -5,6 +5,8 @@ docs/formats.md, "where each pair loads"); every pair `layouts_for` allows has a
 
 from __future__ import annotations
 
+ENGINES = ("vLLM", "SGLang", "TensorRT-LLM", "transformers")  # every engine below, in the order listings use
+
 LOADS_IN: dict[tuple[str, str], tuple[str, ...]] = {
     ("fp8", "compressed-tensors"): ("vLLM", "SGLang", "transformers"),
     ("fp8", "fp8"): ("vLLM", "SGLang"),

@@ -11,7 +11,7 @@ import typer
 # convert's --push-to-hub options (declared here, with the push command, to keep cli.py short)
 PushToHub = Annotated[Optional[str], typer.Option(
     metavar="REPO", help="Then verify and upload DST to the Hub repo REPO (created if missing), as `quantcli push`.")]
-Private = Annotated[bool, typer.Option(help="--push-to-hub: create the repo private.")]
+Private = Annotated[bool, typer.Option("--private", help="--push-to-hub: create the repo private.")]
 PushRevision = Annotated[Optional[str], typer.Option(
     metavar="BRANCH", help="--push-to-hub: upload to BRANCH (created if missing).")]
 
@@ -19,7 +19,7 @@ PushRevision = Annotated[Optional[str], typer.Option(
 def push_command(
     folder: Annotated[Path, typer.Argument(metavar="DST", help="A finished quantcli output folder.")],
     repo: Annotated[str, typer.Argument(metavar="REPO", help="Hub repo id OWNER/NAME (created if missing).")],
-    private: Annotated[bool, typer.Option(help="Create the repo private.")] = False,
+    private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
     revision: Annotated[Optional[str], typer.Option(metavar="BRANCH", help="Upload to BRANCH (created if missing).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON document.")] = False,
 ) -> None:

@@ -252,33 +252,43 @@ def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
 
 
 def render_recipes(infos, con: Console) -> None:
-    t = Table(title="recipes")
-    for col in ("recipe", "element", "block", "block scale", "global", "bits/param*", "default layout", "layouts"):
-        t.add_column(col, justify="right" if col.startswith("bits") else "left", overflow="fold")
-    for r in infos:
-        t.add_row(r.name, r.element + (" x2/byte" if r.packed else ""), r.block, r.block_scale, r.global_scale or "-",
-                  f"{r.bits_per_param:.3f}", r.default_layout, ", ".join(r.layouts))
-    con.print(t)
+    columns = [Column(h, justify="right" if h.startswith("bits") else "left")
+               for h in ("element", "block", "block scale", "global", "bits/param*", "default layout", "layouts")]
+    cells = [[r.element + (" x2/byte" if r.packed else ""), r.block, r.block_scale, r.global_scale or "-",
+              f"{r.bits_per_param:.3f}", r.default_layout, ", ".join(r.layouts)] for r in infos]
+    # one card per recipe where the table is too wide (80 columns), never a name broken mid-word
+    con.print(fitted_table(con, "recipe", [r.name for r in infos], cells, columns, title="recipes"))
     con.print("* on a 4096x4096 weight, scales included; 1xK: one scale per row")
 
 
 def render_layouts(infos, matrix: dict[str, dict[str, str]], con: Console) -> None:
     t = Table(title="layouts")
-    for col in ("layout", "engines", "exclusion key", "note"):
-        t.add_column(col, overflow="fold")
+    t.add_column("layout", no_wrap=True)  # names and keys whole; the engines wrap between words
+    t.add_column("engines")
+    t.add_column("exclusion key", no_wrap=True)
     for i in infos:
-        t.add_row(i.name, ", ".join(i.engines), i.exclusion_key, "MoE experts only" if i.experts_only else "")
+        t.add_row(i.name, ", ".join(i.engines) + ("; MoE experts only" if i.experts_only else ""), i.exclusion_key)
     con.print(t)
+    # one row per recipe, one column per layout: four layout columns fit 80 columns, ten recipes do not
     recipes = list(next(iter(matrix.values()), {}))
-    m = Table(title="which engines load which recipe in each layout (loads: the layout's engines; read: inspect, "
-                    "verify and convert read it, no engine loads it)")
-    m.add_column("layout")
+    m = Table(title="which engines load each recipe in each layout")
+    m.add_column("recipe", no_wrap=True)
+    for layout in matrix:
+        m.add_column(layout, justify="center", no_wrap=True)
+    engines = {i.name: i.loads_in for i in infos}
     for r in recipes:
-        m.add_column(r, justify="center", overflow="fold")
-    marks = {"loads": "loads", "read only": "read", "no": "-"}
-    for layout, row in matrix.items():
-        m.add_row(layout, *(marks[row[r]] for r in recipes))
+        m.add_row(r, *(_engine_marks(engines[layout].get(r, [])) if row[r] == "loads" else
+                       "read" if row[r] == "read only" else "-" for layout, row in matrix.items()))
     con.print(m)
+    con.print("V vLLM, S SGLang, T TensorRT-LLM, H transformers")
+    con.print("read: quantcli reads it, no engine loads it; -: not written in that layout")
+
+
+_ENGINE_MARKS = {"vLLM": "V", "SGLang": "S", "TensorRT-LLM": "T", "transformers": "H"}
+
+
+def _engine_marks(engines: list[str]) -> str:
+    return " ".join(_ENGINE_MARKS[e] for e in engines)
 
 
 # ---------------------------------------------------------------- verify

@@ -20,7 +20,7 @@ from test_grouping import expand
 
 SNAPSHOTS = Path(__file__).parent / "data" / "snapshots"
 REPRS = ("{'", "[(", "<list", "<str>", "<path>", "<int>", "OMITTED")
-COMMANDS = ([], ["convert"], ["inspect"], ["verify"], ["recipes"], ["layouts"])
+COMMANDS = ([], ["convert"], ["inspect"], ["verify"], ["recipes"], ["layouts"], ["push"])
 
 
 def check_snapshot(name: str, text: str) -> None:
@@ -209,3 +209,23 @@ def test_verify_quiet_sends_faults_to_stderr(run_cli, monkeypatch, checkpoints, 
     code, out, err = run_cli("verify", bad, "--reference", checkpoints / "llama", "-q")
     assert code == 1 and out.startswith("FAIL: ") and out.count("\n") == 1
     assert "FAIL " in err and name.rsplit(".", 1)[0] in err
+
+
+def test_layouts_engines_come_from_one_table(run_cli, monkeypatch):
+    """`quantcli layouts` (text and JSON) and the model card's serving commands read the same
+    table, quantcli/engines.py LOADS_IN; the layouts' prose (inspect's `loads in`) names them all."""
+    from quantcli.engines import LOADS_IN
+    from quantcli.layouts import LAYOUTS
+
+    doc = json.loads(run_cli("layouts", "--json")[1])
+    pairs = {(r, layout["name"]): tuple(engines) for layout in doc["layouts"] for r, engines in layout["loads_in"].items()}
+    assert pairs == LOADS_IN
+    for layout in doc["layouts"]:
+        assert set(layout["engines"]) == {e for (_, name), es in LOADS_IN.items() if name == layout["name"] for e in es}
+        assert all(e in LAYOUTS[layout["name"]].consumers for e in layout["engines"])
+        for recipe, cell in doc["loadability"][layout["name"]].items():
+            assert (cell == "loads") == ((recipe, layout["name"]) in LOADS_IN)
+    monkeypatch.setenv("COLUMNS", "80")
+    text = run_cli("layouts")[1]
+    assert max(map(len, text.splitlines())) <= 80 and "compressed-tensors " in text  # whole, at 80 columns
+    assert re.search(r"│ nvfp4\s+│\s+V S T\s+│\s+V S H\s+│", text)
