@@ -1,7 +1,7 @@
 """CPU cost of --scale-search mse against absmax: seconds per million parameters of the torch
 quantizer (kernels/search.py vs kernels/reference.py) per searched recipe, and the ratio.
 
-    python scripts/bench_scale_search.py [--rows 4096] [--cols 4096] [--repeat 3]
+    python scripts/bench_scale_search.py [--rows 4096] [--cols 4096] [--repeat 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -16,22 +16,29 @@ from quantcli.kernels import quantize
 from quantcli.recipes import RECIPES
 
 
-def best_time(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
+def best_times(fns, repeat: int) -> list[float]:
+    """Best wall time of each function, the runs interleaved so that a busy spell on a shared
+    machine slows both sides of a ratio alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times = [[] for _ in fns]
     for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [min(ts) for ts in times]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=4096)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.distributions.Laplace(0.0, 0.02).sample((args.rows, args.cols)).to(torch.bfloat16)
     mparams = x.numel() / 1e6
@@ -41,8 +48,8 @@ def main() -> None:
     for name in ("nvfp4", "mxfp4", "mxfp8"):
         plain = RECIPES[name].spec
         searched = replace(plain, scale_search="mse")
-        t0 = best_time(lambda: quantize(x, plain, backend="torch"), args.repeat)
-        t1 = best_time(lambda: quantize(x, searched, backend="torch"), args.repeat)
+        t0, t1 = best_times([lambda: quantize(x, plain, backend="torch"),
+                             lambda: quantize(x, searched, backend="torch")], args.repeat)
         print(f"{name:8} {t0 / mparams:16.4f} {t1 / mparams:14.4f} {t1 / t0:6.2f}")
 
 

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from quantcli.facts import ModuleFacts
 from quantcli.kernels import dequantize, quantize, triton_available
+from quantcli.kernels import reference as R
 from quantcli.kernels import search
 from quantcli.recipes import RECIPES
 from quantcli.testing import make_llama
@@ -166,3 +167,128 @@ def test_fp8_only_refuses_the_search(run_cli, llama, tmp_path):
     code, _, err = run_cli("convert", llama, tmp_path / "x", "--recipe", "fp8", "--scale-search", "mse")
     assert code == 2 and "--scale-search mse" in err and "nvfp4" in err
     assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- the definition, as the oracle
+# kernels/search.py computes the criterion batched, with cheaper rounding ops; this is its
+# definition written out op by op (what the Triton kernel computes), one candidate at a time.
+
+
+def oracle_on_grid(y, element):
+    if element == "e4m3":
+        return R.decode_e4m3(R.encode_e4m3(y))
+    inv = torch.where(y < 2.0, 2.0, torch.where(y < 4.0, 1.0, 0.5))
+    return torch.floor(y * inv + 0.5).div_(inv).clamp_max_(6.0)
+
+
+def oracle_block_error(ax, den, element, weight):
+    dd = den.unsqueeze(-1)
+    d = oracle_on_grid(ax / dd, element).mul_(dd).sub_(ax)
+    e = d.mul_(d)
+    e = e if weight is None else e.mul_(weight)
+    while e.shape[-1] > 1:
+        h = e.shape[-1] // 2
+        e = e[..., :h] + e[..., h:]
+    return e[..., 0]
+
+
+def oracle_quantize(x, spec, weight=None):
+    s2 = R.global_scale_for(x, spec, None)
+    g = R._groups(x.float(), spec.group)
+    ax = g.abs()
+    code0, den0 = R.encode_scale(ax.amax(-1), spec, s2)
+    w = search.channel_weight_groups(weight, x.shape[-1], spec.group, x.device)
+    lo, hi = search.code_range(spec)
+    best, best_den = code0.to(torch.int32), den0
+    best_err = oracle_block_error(ax, den0, spec.element.name, w)
+    for step in search.window(spec):
+        cand = code0.to(torch.int32) + step
+        valid = (cand >= lo) & (cand <= hi)
+        cand = cand.clamp(lo, hi)
+        den = R.decode_e4m3(cand.to(torch.uint8)) * s2 if s2 is not None else R.e8m0_to_float(cand.to(torch.uint8))
+        err = oracle_block_error(ax, den, spec.element.name, w)
+        better = valid & (err < best_err)
+        best_err, best, best_den = (torch.where(better, err, best_err), torch.where(better, cand, best),
+                                    torch.where(better, den, best_den))
+    codes = R.encode_elements((g / best_den.unsqueeze(-1)).reshape(x.shape), spec.element)
+    return codes, best.to(torch.uint8)
+
+
+def edge_blocks(x, group):
+    """Blocks that reach the ends of the scale code range and the rounding corner cases."""
+    x[0, :group] = 0
+    x[1, :group] *= 1e-30
+    x[2, :group] = torch.linspace(-1e-38, 1e-38, group)  # FP32 subnormal block: E8M0 byte 0
+    x[3, :group] = 2.0 ** torch.arange(group, dtype=torch.float32).remainder(7).neg()  # on-grid values
+    return x
+
+
+@pytest.mark.parametrize("kind", ["normal", "laplace", "student-t"])
+@pytest.mark.parametrize("name,rule", [("nvfp4", None), ("mxfp4", "even"), ("mxfp4", "floor"), ("mxfp4", "rceil"),
+                                       ("mxfp8", "floor"), ("mxfp8", "even"), ("mxfp8", "rceil")])
+def test_batched_search_equals_the_definition(name, rule, kind):
+    spec = mse_spec(name) if rule is None else replace(mse_spec(name), scale_rule=rule)
+    x = edge_blocks(weights(kind, (70, 512), seed=7).to(torch.bfloat16).float(), spec.group)
+    x[4:6] *= 1e4  # a few rows far above the rest: other blocks sit near the bottom of the window
+    ms = torch.rand(512, generator=torch.Generator().manual_seed(2)) ** 4
+    ms[:3] = 0  # dead channels
+    for w in (None, ms):
+        q = quantize(x, spec, backend="torch", channel_weight=w)
+        codes, scale = oracle_quantize(x, spec, w)
+        assert torch.equal(q.codes, codes) and torch.equal(q.scale, scale)
+
+
+def test_tiny_global_scale_takes_the_unhalved_path():
+    """s2 below 2^-116 (an all-tiny tensor): halving the NVFP4 divisors would not be exact."""
+    x = weights("laplace", (16, 256), seed=5) * 1e-34
+    spec = mse_spec("nvfp4")
+    assert float(R.global_scale_for(x, spec, None)) < search.EXACT_HALF_S2
+    q = quantize(x, spec, backend="torch")
+    codes, scale = oracle_quantize(x, spec)
+    assert torch.equal(q.codes, codes) and torch.equal(q.scale, scale)
+
+
+def test_fast_rounding_equals_the_definition_near_every_threshold():
+    """Every FP32 value within 64 ulps of each rounding threshold and grid point, plus a random
+    sample; (the full non-negative FP32 range was checked once, by scripts/check_scale_search_grid.py)."""
+    points = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0,
+              *(float(v) for v in R.decode_e4m3(torch.arange(0, 127, dtype=torch.uint8))), 456.0, 464.0, 480.0]
+    mids = [(a + b) / 2 for a, b in zip(points, points[1:])]
+    bits = torch.tensor(points + mids, dtype=torch.float32).view(torch.int32)
+    near = (bits.unsqueeze(1) + torch.arange(-64, 65, dtype=torch.int32)).clamp_min(0).reshape(-1)
+    g = torch.Generator().manual_seed(0)
+    sample = torch.randint(0, 0x7F800001, (1 << 16,), generator=g, dtype=torch.int32)
+    y = torch.cat((near, sample, torch.tensor([0x7F800000], dtype=torch.int32))).view(torch.float32)
+    scratch = torch.empty(y.shape, dtype=torch.int32)
+    assert torch.equal(search.e4m3_grid_(y.clone(), scratch), oracle_on_grid(y.clone(), "e4m3"))
+    y = y[y < 1e38]  # the doubled grid takes t = 2y
+    scratch = torch.empty(y.shape, dtype=torch.int32)
+    assert torch.equal(search.e2m1_grid_x2_(y * 2, scratch) * 0.5, oracle_on_grid(y.clone(), "e2m1"))
+
+
+def test_e4m3_scale_codes_decode_by_bits_as_by_cast():
+    codes = torch.arange(0, 127, dtype=torch.int32)
+    s2 = torch.tensor(0.37)
+    assert torch.equal(search.decode_code(codes, mse_spec("nvfp4"), s2), R.decode_e4m3(codes.to(torch.uint8)) * s2)
+
+
+def test_requantizing_a_quantized_source_searches_and_relayout_keeps_its_scales(run_cli, llama, tmp_path):
+    src = tmp_path / "fp8"
+    assert run_cli("convert", llama, src, "--recipe", "fp8-block", "-q")[0] == 0
+    plain, searched = tmp_path / "plain", tmp_path / "mse"
+    assert run_cli("convert", src, plain, "--recipe", "nvfp4", "-q")[0] == 0
+    code, _, err = run_cli("convert", src, searched, "--recipe", "nvfp4", "--scale-search", "mse", "-q")
+    assert code == 0, err
+    manifest = json.loads((searched / "quantcli_manifest.json").read_text())
+    assert {(m["scale_search"], m["requantized_from"]) for m in manifest["modules"]} == {("mse", "fp8-block")}
+    shard = next(searched.glob("*.safetensors")).name
+    a, b = load_file(plain / shard), load_file(searched / shard)
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+    assert not torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8))
+    # nvfp4 -> nvfp4 in another layout copies the bytes: no search chose them, none is recorded.
+    code, _, err = run_cli("convert", searched, tmp_path / "ct", "--recipe", "nvfp4", "--layout",
+                           "compressed-tensors", "--scale-search", "mse")
+    assert code == 0 and "re-laid out byte for byte" in err
+    assert "scale_search" not in (tmp_path / "ct" / "quantcli_manifest.json").read_text()
+    code, _, err = run_cli("convert", src, tmp_path / "x", "--recipe", "fp8", "--scale-search", "mse")
+    assert code == 2 and "--scale-search mse" in err and not (tmp_path / "x").exists()
