@@ -66,7 +66,11 @@ def _target(opts: Options) -> tuple[Layout | None, object]:
     get_recipe(opts.recipe)  # unknown names fail here with the list
     layout = get_layout(opts.layout or DEFAULT_LAYOUT[opts.recipe])
     layout.require(opts.recipe, layouts_for(opts.recipe))
-    return layout, layout.recipe_for(opts.recipe, opts.scale_rule)
+    recipe = layout.recipe_for(opts.recipe, opts.scale_rule)
+    if opts.scale_search != "none" and not recipe.searches:
+        raise QuantcliError(f"--scale-search {opts.scale_search}: only nvfp4, mxfp4 and mxfp8 search their block "
+                            f"scales ({opts.recipe} keeps absmax); drop the option")
+    return layout, recipe.with_scale_search(opts.scale_search)
 
 
 def _module_plan(det: Detected, module: str, src_recipe: str, ct: CheckpointTensors, names: dict,
@@ -105,6 +109,9 @@ def _warnings(src_layout: Layout, opts: Options, source: Source, tensors: list[T
         warnings.append(f"{src_layout.name} scales stored as {'/'.join(sorted(widened))} are written as F32, "
                         f"which consumers expect: every {'/'.join(sorted(widened))} value is exactly an F32 value, "
                         f"so the re-layout stays lossless")
+    if opts.scale_search != "none" and any(t.action == "relayout" for t in tensors):
+        warnings.append(f"--scale-search {opts.scale_search}: modules already {opts.recipe} in the source are "
+                        f"re-laid out byte for byte, so they keep the source's scales (nothing is re-quantized)")
     if any(t.action == "requantize" for t in tensors):
         warnings.append(f"re-quantizing {src_layout.name} weights to {opts.recipe}: the errors of both "
                         f"quantizations add up; check the result with `quantcli verify DST --reference "

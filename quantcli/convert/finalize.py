@@ -74,6 +74,8 @@ def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:
     entry = module_entry(t, recipe, tuple(disk))
     if t.action == "relayout" and recipe.scale_rules:  # the bytes are the source producer's
         entry = replace(entry, scale_rule=f"as in the {plan.source_layout.name} source")
+    if t.action == "relayout":  # so are the scales: no search chose them
+        entry = replace(entry, scale_search=None)
     if t.action == "requantize":  # verify against the original model adds this error to its yardstick
         entry = replace(entry, requantized_from=t.source_recipe, requantize_rel_err=found.errors.get(t.module))
     return entry
