@@ -31,10 +31,14 @@ config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int
                      max_position_embeddings=4096, torch_dtype="bfloat16")
 LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
 """
+# The whole model in memory, every weight touched (from_pretrained alone may leave the
+# memory-mapped file's pages unread, which would understate it).
 LOAD = """
 import sys, torch
 from transformers import AutoModelForCausalLM
-AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+with torch.no_grad():
+    print(sum(float(p.abs().amax()) for p in model.parameters()))
 """
 # Runs one command as its child and prints that child's peak RSS (ru_maxrss is KiB on Linux).
 MEASURE = """
@@ -106,7 +110,7 @@ def main() -> None:
         print(f"| calibration alone (the above minus the plain convert) | {calib:.1f} s | "
               f"{args.samples / calib:.2f} | - |")
         print(f"| `convert --recipe {args.recipe}` (weights only) | {plain_s:.1f} s | - | {gib(plain_rss)} |")
-        print(f"| whole model loaded in transformers (BF16) | {load_s:.1f} s | - | {gib(load_rss)} |")
+        print(f"| whole model in transformers (BF16, every weight read) | {load_s:.1f} s | - | {gib(load_rss)} |")
         print(f"goal: peak RSS < 2 decoder layers ({gib(2 * layer_bf16)} BF16) + activation buffer "
               f"({gib(estimate['activation_bytes'])}) + 1 GiB = {gib(bound)}: "
               f"{'met' if cal_rss < bound else 'NOT met'} ({gib(cal_rss)})")
