@@ -15,11 +15,12 @@ from types import ModuleType
 import torch
 
 from . import reference
+from .reference import cpu_workers
 from .spec import NonFiniteInput, QuantResult, QuantSpec
 
 BACKENDS = ("auto", "torch", "triton")
 
-__all__ = ["BACKENDS", "NonFiniteInput", "QuantResult", "QuantSpec", "dequantize", "quantize",
+__all__ = ["BACKENDS", "NonFiniteInput", "QuantResult", "QuantSpec", "cpu_workers", "dequantize", "quantize",
            "resolve_backend", "tensor_amax", "triton_available"]
 
 

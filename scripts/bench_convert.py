@@ -78,6 +78,10 @@ def timed(cmd: list[str]) -> tuple[float, int]:
     return seconds, usage.ru_maxrss * 1024
 
 
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0)
@@ -96,7 +100,7 @@ def main() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
     total = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     print(f"checkpoint: {total / 1e9:.2f} GB (files) BF16 in {args.shards} shards at {src}; torch threads "
-          f"{torch.get_num_threads()}")
+          f"{torch.get_num_threads()}; load average {_load()} (rerun above ~2 on 2 cores: shared CPUs skew it)")
     timed([sys.executable, "-c", FLOOR, str(src), str(work / "floor")])  # warm the page cache
     shutil.rmtree(work / "floor")
     floor_s, floor_rss = timed([sys.executable, "-c", FLOOR, str(src), str(work / "floor")])
@@ -113,6 +117,7 @@ def main() -> None:
             job = recipe if workers == 1 else f"{recipe} x{workers}"
             print(f"{job:<14}{s:>9.2f}{rate:>8.2f}{rate / floor_rate:>9.2f}{rss / 2**30:>9.2f} GiB", flush=True)
             shutil.rmtree(out)
+    print(f"load average at the end: {_load()}")
     if args.workdir is None:
         shutil.rmtree(work)
 

@@ -16,14 +16,18 @@ from typing import Mapping
 import torch
 
 from ..facts import NO_FACTS, ModuleFacts
+from ..kernels import cpu_workers
 from ..layouts.base import module_of, to_direction
 from ..plan import TensorPlan
 from ..recipes import QuantizedTensor
 from ..safetensors_io import DTYPES, ShardWriter, tensor_bytes
+from .memory import release_freed_memory
 from .reading import ModuleReader
 from .records import Findings, Progress, ShardResult
 
-WRITE_QUEUE = 2
+# Outputs waiting for the writer thread besides the one it writes: one keeps it busy while the
+# next tensor is quantized; two held one more tensor's codes (peak RSS above the floor's).
+WRITE_QUEUE = 1
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ def convert_shard(reader: ModuleReader, shard: str, facts: Mapping[str, ModuleFa
     tmp = out_path.with_name(out_path.name + ".tmp")
     learned: dict[str, Learned] = {}
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f, _compute_threads(reader.device):
             writer = _stream(f, reader, shard, planned, facts, learned, progress or (lambda n, s: None))
             f.flush()
             os.fsync(f.fileno())
@@ -55,6 +59,12 @@ def convert_shard(reader: ModuleReader, shard: str, facts: Mapping[str, ModuleFa
             exc.filename = str(out_path)  # a write() error names no file: name the shard
         raise
     return ShardResult(writer.size, writer.sha256, _findings(learned))
+
+
+def _compute_threads(device: torch.device):
+    """On the CPU, torch's intra-op threads (as many as it would use, set per rank on several
+    ranks) quantize whole chunks side by side instead of splitting every op (cpu_workers)."""
+    return cpu_workers(torch.get_num_threads()) if device.type == "cpu" else contextlib.nullcontext()
 
 
 def _findings(learned: Mapping[str, Learned]) -> Findings:
@@ -88,6 +98,7 @@ def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], fact
                     learned[t.module] = found
                 pending.update(outputs)
                 reader.release(t)
+                release_freed_memory()
                 progress(t.bytes_in, shard)
             data = pending.pop(spec.name)
             queued.append(io.submit(writer.write, spec.name,
