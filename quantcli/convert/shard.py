@@ -21,7 +21,7 @@ from ..layouts.base import module_of, to_direction
 from ..plan import TensorPlan
 from ..recipes import QuantizedTensor
 from ..safetensors_io import DTYPES, ShardWriter, tensor_bytes
-from .memory import release_freed_memory
+from ..memory import release_freed_memory
 from .reading import ModuleReader
 from .records import Findings, Progress, ShardResult
 
