@@ -68,7 +68,11 @@ def decode_code(code: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None) ->
     bits: code << 20 is an FP32 with the code's exponent and mantissa fields (a subnormal for
     exponent 0), and 2^120 rebiases it exactly (decode_e4m3 casts, several times slower)."""
     if spec.scale.has_global:
-        return (code << 20).view(torch.float32).mul_(2.0**120).mul_(s2)
+        raw = (code << 20).view(torch.float32)
+        rebias = float(s2) * 2.0**120  # exact (a power of two times an FP32) unless it overflows
+        if rebias < 2.0**127:
+            return raw.mul_(rebias)  # one rounding of the same real product as decode_e4m3 * s2
+        return raw.mul_(2.0**120).mul_(s2)
     return R.e8m0_to_float(code)
 
 
@@ -129,17 +133,15 @@ def candidates(code0: torch.Tensor, den0: torch.Tensor, spec: QuantSpec, s2: tor
     lo, hi = code_range(spec)
     steps = window(spec)
     base = code0.to(torch.int32).unsqueeze(1)
-    cand = base + torch.tensor(steps, dtype=torch.int32, device=base.device).view(1, -1, 1)
+    cand = base + torch.tensor((0, *steps), dtype=torch.int32, device=base.device).view(1, -1, 1)
     valid = None  # the mask costs more than the search's other block-sized steps: only when needed
     if int(base.min()) + min(steps) < lo or int(base.max()) + max(steps) > hi:
-        valid = (cand >= lo) & (cand <= hi)
-    den = torch.empty((base.shape[0], len(steps) + 1, base.shape[2]), dtype=torch.float32, device=base.device)
-    den[:, 0] = den0
-    den[:, 1:] = decode_code(cand.clamp_(lo, hi), spec, s2)
-    return den, valid
+        valid = (cand[:, 1:] >= lo) & (cand[:, 1:] <= hi)
+        cand = cand.clamp_(lo, hi)
+    return decode_code(cand, spec, s2), valid  # the absmax code's divisor is den0, bit for bit
 
 
-def first_smallest(err: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+def first_smallest(err: torch.Tensor, valid: torch.Tensor | None, weighted: bool) -> torch.Tensor:
     """The candidate index [n, B] (0 = absmax) the definition's loop keeps from `err` [n, C, B]:
     in order, a candidate replaces the best only if its error is strictly smaller, i.e. the first
     candidate with the smallest error. An invalid or NaN error never replaces (inf), a NaN
@@ -147,8 +149,9 @@ def first_smallest(err: torch.Tensor, valid: torch.Tensor | None) -> torch.Tenso
     the largest (C - index) where err == min (float ops throughout: torch's boolean outputs
     cost several times more on the CPU)."""
     c = err.shape[1]
-    err[:, 0] = torch.nan_to_num(err[:, 0], nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    err[:, 1:] = torch.nan_to_num(err[:, 1:], nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+    if weighted:  # without weights every term is finite or +inf: no NaN
+        err[:, 0] = torch.nan_to_num(err[:, 0], nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        err[:, 1:] = torch.nan_to_num(err[:, 1:], nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
     if valid is not None:
         err[:, 1:] = torch.where(valid, err[:, 1:], float("inf"))
     rank = torch.arange(c, 0, -1, dtype=torch.float32, device=err.device).view(1, c, 1)
@@ -218,13 +221,16 @@ def search_codes(ax: torch.Tensor, amax: torch.Tensor, code0: torch.Tensor, den0
     w = None if weight is None else weight.t().reshape(g, 1, nb)
     pruned = [i for i, step in enumerate(steps) if step in pruned_steps(spec)]
     full = [i for i in range(len(steps)) if i not in pruned]
-    err = torch.empty((n, len(steps), nb), dtype=torch.float32, device=ax.device)
-    err[:, full] = batched_errors(ax, den[:, full], None if half is None else half[:, full], spec.element.name, w)
+    if not pruned:
+        err = batched_errors(ax, den, half, spec.element.name, w)
+    else:
+        err = torch.empty((n, len(steps), nb), dtype=torch.float32, device=ax.device)
+        err[:, full] = batched_errors(ax, den[:, full], None if half is None else half[:, full], spec.element.name, w)
     for i in pruned:
         err[:, i] = clipped_errors(ax, amax, err[:, 0], den[:, i], None if half is None else half[:, i],
                                    spec.element.name, weight)
     offsets = torch.tensor(steps, dtype=torch.int32, device=ax.device)
-    code = code0.to(torch.int32) + offsets[first_smallest(err, valid)]
+    code = code0.to(torch.int32) + offsets[first_smallest(err, valid, weight is not None)]
     return code.to(torch.uint8), decode_code(code, spec, s2)
 
 

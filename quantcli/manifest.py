@@ -55,9 +55,13 @@ class ModuleEntry:
     # How block scales were chosen when not by absmax: "mse" (kernels/search.py). Absent for
     # absmax, so those manifests keep their bytes.
     scale_search: str | None = None
+    # What weighted the search's squared error per input channel: "input_channel_ms" (the mean
+    # squared input, from the calibration recorded under `calibration`); absent when data-free.
+    # verify --exact needs that calibration (--calibration DATA) to reproduce these bytes.
+    scale_search_weights: str | None = None
 
 
-OPTIONAL_MODULE_FIELDS = ("requantized_from", "requantize_rel_err", "scale_search")
+OPTIONAL_MODULE_FIELDS = ("requantized_from", "requantize_rel_err", "scale_search", "scale_search_weights")
 
 
 @dataclass(frozen=True)

@@ -292,3 +292,41 @@ def test_requantizing_a_quantized_source_searches_and_relayout_keeps_its_scales(
     assert "scale_search" not in (tmp_path / "ct" / "quantcli_manifest.json").read_text()
     code, _, err = run_cli("convert", src, tmp_path / "x", "--recipe", "fp8", "--scale-search", "mse")
     assert code == 2 and "--scale-search mse" in err and not (tmp_path / "x").exists()
+
+
+def test_weighted_search_is_recorded_and_verify_exact_reproduces_it_with_the_calibration(run_cli, tmp_path):
+    """--calibration weights the search: the manifest says so per module; verify --exact re-runs
+    the calibration (--calibration DATA) and compares bytes, and without it says, in a note, that
+    those modules need it (no byte check, no false fault)."""
+    pytest.importorskip("transformers")
+    from test_calibrate_verify import _tokenizer, _words
+
+    src = make_llama(tmp_path / "llama", hidden=64, layers=1, shards=1)
+    _tokenizer(src)
+    data = tmp_path / "cal.txt"
+    data.write_text("\n".join(_words(i) for i in range(6)) + "\n")
+    dst = tmp_path / "w"
+    code, _, err = run_cli("convert", src, dst, "--recipe", "nvfp4", "--scale-search", "mse", "--calibration", data, "-q")
+    assert code == 0, err
+    modules = json.loads((dst / "quantcli_manifest.json").read_text())["modules"]
+    assert {(m["scale_search"], m.get("scale_search_weights")) for m in modules} == {("mse", "input_channel_ms")}
+
+    code, out, _ = run_cli("verify", dst, "--reference", src, "--exact", "--calibration", data, "--json")
+    report = json.loads(out)
+    assert code == 0, report["faults"]
+    assert all(r["exact_identical_fraction"] == 1.0 for r in report["tensors"])
+    code, out, _ = run_cli("verify", dst, "--reference", src, "--exact", "--json")
+    report = json.loads(out)
+    assert code == 0 and any("--calibration DATA" in n for n in report["notes"])
+    assert any(r["exact_identical_fraction"] < 1.0 for r in report["tensors"])  # data-free differs: not checked
+
+    # A changed block scale: with the calibration, --exact names the module.
+    shard = next(dst.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = "model.layers.0.self_attn.o_proj.weight_scale"
+    raw = tensors[name].view(torch.uint8).clone()
+    raw[0, 0] = raw[0, 0] + 1 if raw[0, 0] < 0x7E else raw[0, 0] - 1
+    tensors[name] = raw.view(torch.float8_e4m3fn)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, out, _ = run_cli("verify", dst, "--reference", src, "--exact", "--calibration", data)
+    assert code == 1 and "o_proj" in out and "bytes were changed" in out

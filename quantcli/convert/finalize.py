@@ -76,6 +76,8 @@ def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:
         entry = replace(entry, scale_rule=f"as in the {plan.source_layout.name} source")
     if t.action == "relayout":  # so are the scales: no search chose them
         entry = replace(entry, scale_search=None)
+    if found.weighted.get(t.module):  # calibration statistics weighted the search
+        entry = replace(entry, scale_search_weights=found.weighted[t.module])
     if t.action == "requantize":  # verify against the original model adds this error to its yardstick
         entry = replace(entry, requantized_from=t.source_recipe, requantize_rel_err=found.errors.get(t.module))
     return entry

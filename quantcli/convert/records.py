@@ -24,10 +24,11 @@ class Findings:
     globals: Mapping[str, float] = field(default_factory=dict)  # module -> global scale (multiplier)
     notes: Mapping[str, str] = field(default_factory=dict)  # module -> what the user must know
     errors: Mapping[str, float] = field(default_factory=dict)  # module -> re-quantize relative L2 error
+    weighted: Mapping[str, str] = field(default_factory=dict)  # module -> what weighted its scale search
 
     @classmethod
     def merge(cls, parts: Iterable[Findings]) -> Findings:
-        merged: dict[str, dict] = {"globals": {}, "notes": {}, "errors": {}}
+        merged: dict[str, dict] = {"globals": {}, "notes": {}, "errors": {}, "weighted": {}}
         for part in parts:
             for key, found in merged.items():
                 found.update(getattr(part, key))
@@ -37,7 +38,10 @@ class Findings:
         return [self.notes[m] for m in sorted(self.notes)]
 
     def to_json(self) -> dict[str, dict]:
-        return {"globals": dict(self.globals), "notes": dict(self.notes), "errors": dict(self.errors)}
+        out = {"globals": dict(self.globals), "notes": dict(self.notes), "errors": dict(self.errors)}
+        if self.weighted:  # only then: other progress records keep their form
+            out["weighted"] = dict(self.weighted)
+        return out
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class ShardResult:
     @classmethod
     def from_json(cls, rec: Mapping) -> ShardResult:
         return cls(rec["size"], rec["sha256"], Findings(dict(rec["globals"]), dict(rec["notes"]),
-                                                        dict(rec["errors"])))
+                                                        dict(rec["errors"]), dict(rec.get("weighted", {}))))
 
 
 @dataclass

@@ -37,6 +37,7 @@ class Learned:
     global_scale: float | None = None  # the multiplier, for the manifest
     note: str | None = None  # what the user must know (an inexact reciprocal)
     error: float | None = None  # re-quantized vs decoded source, relative L2 error
+    weighted: str | None = None  # what weighted its scale search ("input_channel_ms"), if anything
 
 
 def convert_shard(reader: ModuleReader, shard: str, facts: Mapping[str, ModuleFacts], out_path: Path,
@@ -71,7 +72,8 @@ def _findings(learned: Mapping[str, Learned]) -> Findings:
     return Findings(
         globals={m: x.global_scale for m, x in learned.items() if x.global_scale is not None},
         notes={m: x.note for m, x in learned.items() if x.note is not None},
-        errors={m: x.error for m, x in learned.items() if x.error is not None})
+        errors={m: x.error for m, x in learned.items() if x.error is not None},
+        weighted={m: x.weighted for m, x in learned.items() if x.weighted is not None})
 
 
 def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], facts: Mapping[str, ModuleFacts],
@@ -137,7 +139,9 @@ def produce(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts) -> tuple[di
     if t.action == "requantize":  # the combined error, against the decoded source
         d = recipe.dequantize(q, backend=reader.backend)
         error = float((d - w).float().norm() / w.float().norm().clamp_min(1e-30))
-    return plan.layout.to_disk(t.module, q.to("cpu"), facts=facts), Learned(_global_of(q), error=error)
+    weighted = "input_channel_ms" if recipe.scale_search != "none" and facts.input_channel_ms is not None else None
+    return plan.layout.to_disk(t.module, q.to("cpu"), facts=facts), Learned(_global_of(q), error=error,
+                                                                            weighted=weighted)
 
 
 def _global_of(q: QuantizedTensor) -> float | None:

@@ -63,12 +63,16 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
                                      progress=progress)
         direction_check(decoded_cache, qt, det, found)
         scales = calibrated_check(source, det, config, modules, qt, found)
+        stats = None
         if calibration is not None:
-            recalibrated_check(source, scales, reference, revision, calibration, dev, found)
+            weighted = any(m.scale_search_weights for m in det.manifest.modules) if det.manifest else False
+            stats = recalibrated_check(source, scales, reference, revision, calibration, dev, found, weighted)
         if reference is not None:
             rows, reference_kind = reference_checks(reference, revision, det, decoded_cache, qt, pattern, exact,
-                                                    limits, dev, found, progress)
-    return build_report(source, det.layout.name, reference, reference_kind, len(modules), found, rows)
+                                                    limits, dev, found, progress,
+                                                    channel_ms=stats.channel_ms if stats is not None else None)
+    return build_report(source, det.layout.name, reference, reference_kind, len(modules), found, rows,
+                        notes=tuple(found.notes))
 
 
 def _require_selection(pattern: str, source, det) -> None:

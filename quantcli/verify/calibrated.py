@@ -56,12 +56,17 @@ def calibrated_check(source, det, config: dict, modules: dict, qt, found: Findin
 
 
 def recalibrated_check(source, scales: CalibratedScales | None, reference: str, revision: str | None, data: str,
-                       device, found: Findings) -> None:
-    """--calibration DATA: file under RECALIBRATED every stored scale a rerun disagrees with."""
+                       device, found: Findings, weighted: bool = False):
+    """--calibration DATA: file under RECALIBRATED every stored scale a rerun disagrees with.
+    Returns the rerun's statistics (their per-channel mean squared inputs let --exact reproduce
+    an activation-weighted scale search, `weighted`)."""
     from .recalibrate import RECALIBRATED, calibration_of, recalibrated_faults, rerun
 
-    if scales is None or not (scales.inputs or any(r.k_scale is not None for r in scales.kv)):
-        raise QuantcliError(f"--calibration: {source.label} holds no static activation or KV-cache scales to "
-                            f"recompute")
+    has_scales = scales is not None and bool(scales.inputs or any(r.k_scale is not None for r in scales.kv))
+    if not has_scales and not weighted:
+        raise QuantcliError(f"--calibration: {source.label} holds no static activation or KV-cache scales and no "
+                            f"activation-weighted scale search to recompute")
     stats = rerun(reference, revision, calibration_of(source, data), device)
-    found.record(RECALIBRATED, recalibrated_faults(scales, stats))
+    if has_scales:
+        found.record(RECALIBRATED, recalibrated_faults(scales, stats))
+    return stats

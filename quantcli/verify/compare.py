@@ -92,10 +92,11 @@ def requantized_prior(entry) -> tuple[str, float] | None:
     return entry.requantized_from, float(err)
 
 
-def quantize_like(recipe, module: str, w: torch.Tensor, group_amax: dict):
-    """quantcli's own quantization of `w` as convert does it (a fused group shares one global amax)."""
+def quantize_like(recipe, module: str, w: torch.Tensor, group_amax: dict, channel_ms=None):
+    """quantcli's own quantization of `w` as convert does it (a fused group shares one global amax;
+    `channel_ms` weights an activation-weighted scale search)."""
     amax = group_amax.get(fused_group_of(module)) if recipe.has_global_scale else None
-    return recipe.quantize(module, w, facts=ModuleFacts(group_amax=amax))
+    return recipe.quantize(module, w, facts=ModuleFacts(group_amax=amax, input_channel_ms=channel_ms))
 
 
 def _source_estimate(prior, module, layout, w, ref, transpose, group_amax) -> tuple[str, float, float] | None:
@@ -113,7 +114,7 @@ def _source_estimate(prior, module, layout, w, ref, transpose, group_amax) -> tu
 
 
 def compare(module, recipe, layout, decoded, ref, transpose, group_amax, limits: Limits, dev,
-            prior: tuple[str, float] | None = None) -> tuple[TensorRow, object, list[str]]:
+            prior: tuple[str, float] | None = None, channel_ms=None) -> tuple[TensorRow, object, list[str]]:
     """Error of the decoded module against the reference, judged against quantcli's own
     quantization `ours` of the same reference tensor; returns (row, ours, fault reasons).
 
@@ -123,7 +124,7 @@ def compare(module, recipe, layout, decoded, ref, transpose, group_amax, limits:
     own quantization of the reference with the source recipe) plus the re-quantization error that
     convert measured against the decoded source; the margin applies to that sum."""
     w = ref.to(dev).transpose(-1, -2) if transpose else ref.to(dev)
-    ours = quantize_like(recipe, module, w, group_amax)
+    ours = quantize_like(recipe, module, w, group_amax, channel_ms)
     base = metrics(decode_module(layout, module, recipe, ours, transpose=transpose).cpu(), ref)
     row = TensorRow(**metrics(decoded, ref), tensor=module, recipe=recipe.name, baseline_rel_err=base["rel_err"])
     if recipe.scale_search != "none":  # the search's gain, visible per tensor

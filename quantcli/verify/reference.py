@@ -118,8 +118,8 @@ class _Comparison:
         self.layout, self.ref, self.qt, self.exact, self.limits, self.dev, self.found = (
             det.layout, ref, qt, exact, limits, dev, found)
         self.entries = {m.module: m for m in det.manifest.modules} if det.manifest else {}
-        self.calibrated_run = getattr(det.manifest, "calibration", None)  # a calibrated convert records its data
         self.group_amax: dict = {}
+        self.channel_ms = None  # module -> mean squared input per channel, from --calibration
 
     def consumed_names(self, module: str, recipe) -> list[str]:
         """Names of both sides' tensors that this module's comparison accounts for."""
@@ -166,38 +166,56 @@ class _Comparison:
     def _against_yardstick(self, module, recipe, q, decoded, w, transpose) -> tuple[TensorRow, list[str]]:
         entry = self.entries.get(module)
         prior = requantized_prior(entry) if self.ref.det is None or self.ref.recipe_name(module) is None else None
+        ms = self._search_weights(entry, module)
         row, ours, reasons = compare(module, recipe, self.layout, decoded, w, transpose, self.group_amax, self.limits,
-                                     self.dev, prior)
+                                     self.dev, prior, channel_ms=ms)
         if self.exact:
             wq = w.to(self.dev).transpose(-1, -2) if transpose else w.to(self.dev)
             match = exact_match(self.layout, module, recipe, wq, ours.to("cpu"), q, self.qt)
             row.exact_identical_fraction = match["exact_identical_fraction"]
             if "scale_rule_matches" in match:
                 row.scale_rule_matches = match["scale_rule_matches"]
-            reasons += self._searched_bytes(entry, recipe, row.exact_identical_fraction)
+            reasons += self._searched_bytes(entry, recipe, row.exact_identical_fraction, ms is not None)
         return row, reasons
 
-    def _searched_bytes(self, entry, recipe, fraction: float) -> list[str]:
-        """A module quantcli wrote with a scale search (data-free) is reproduced byte for byte by
-        re-quantizing with the recorded method; the absmax path only reports the fraction (other
-        producers round differently). Calibrated (activation-weighted) searches need the data."""
+    def _search_weights(self, entry, module: str):
+        """The per-channel weights an activation-weighted search used, from --calibration's rerun;
+        None for a data-free search, or when the weights are not at hand (then noted, once)."""
+        if entry is None or not entry.scale_search_weights:
+            return None
+        ms = self.channel_ms(module) if self.channel_ms is not None else None
+        if ms is None and not self.found.notes:
+            self.found.notes.append(
+                "activation-weighted scale search (manifest scale_search_weights): those modules are compared with "
+                "a data-free search and --exact cannot check their bytes; pass --calibration DATA (the data convert "
+                "used) to re-quantize them with the same weights and compare byte for byte")
+        return ms
+
+    def _searched_bytes(self, entry, recipe, fraction: float, weights_known: bool) -> list[str]:
+        """A module quantcli wrote with a scale search is reproduced byte for byte by re-quantizing
+        with the recorded method (an activation-weighted one with the rerun calibration's
+        weights); the absmax path only reports the fraction (other producers round differently)."""
         if entry is None or entry.requantized_from or recipe.scale_search == "none" or fraction >= 1.0:
             return []
-        if self.calibrated_run is not None:
-            return []
+        if entry.scale_search_weights and not weights_known:
+            return []  # noted: needs --calibration
+        how = "the rerun calibration's channel weights" if weights_known else "no weights (data-free)"
         return [f"--exact: {100 * (1 - fraction):.3g}% of code/scale bytes differ from quantcli's own quantization "
-                f"with the recorded scale search ({recipe.scale_search}): the bytes were changed after convert"]
+                f"with the recorded scale search ({recipe.scale_search}, {how}): the bytes were changed after convert"]
 
 
 def reference_checks(reference: str, revision: str | None, det, decoded_cache: dict, qt: CheckpointTensors,
                      pattern: str | None, exact: bool, limits: Limits, dev, found: Findings,
-                     progress: Progress = no_progress) -> tuple[list[TensorRow], str]:
-    """Every read-back module against the reference, then the tensors neither side quantizes."""
+                     progress: Progress = no_progress, channel_ms=None) -> tuple[list[TensorRow], str]:
+    """Every read-back module against the reference, then the tensors neither side quantizes.
+    `channel_ms(module)`: a calibration rerun's mean squared input per channel, for modules whose
+    scale search it weighted (None: no --calibration)."""
     rows = []
     ref_source = open_source(reference, revision)
     with CheckpointTensors(ref_source) as rt:
         ref = Reference(reference, ref_source, rt, dev)
         job = _Comparison(det, ref, qt, exact, limits, dev, found)
+        job.channel_ms = channel_ms
         progress("comparing", 0, len(decoded_cache), "(fused groups' amax)")
         job.group_amax = reference_group_amax(decoded_cache, ref, job.entries, dev)
         consumed = set()

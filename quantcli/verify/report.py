@@ -90,6 +90,7 @@ class Findings:
     def __init__(self) -> None:
         self.faults: list[Fault] = []
         self.checks: list[str] = []
+        self.notes: list[str] = []  # what the user must know about what was (not) checked
 
     def fault(self, check: str, tensor: str, what: str) -> None:
         self.faults.append(Fault(check=check, tensor=tensor, fault=what))
