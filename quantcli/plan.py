@@ -347,7 +347,8 @@ def _unmatched_patterns(opts: Options, modules: list[str]) -> list[str]:
                          ("override", [p for p, _ in opts.overrides])):
         for p in given:
             if not any(matches(p, m) for m in modules):
-                close = difflib.get_close_matches(p.removeprefix("re:"), modules, n=1, cutoff=0.0)
+                # a name's closest module is a likely typo; a regular expression's is not
+                close = [] if p.startswith("re:") else difflib.get_close_matches(p, modules, n=1, cutoff=0.0)
                 hint = f" (closest module name: {close[0]!r})" if close else ""
                 out.append(f"{label} pattern {p!r} matches no Linear or expert module, so it has no effect{hint}")
     return out

@@ -346,6 +346,18 @@ def _remote_headers(repo_id: str, revision: str | None, shards: list[str]) -> di
     return out
 
 
+def _hub_failure(exc: Exception) -> str:
+    """What went wrong on the Hub, in our words (huggingface_hub's run to several lines)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    if isinstance(exc, RepositoryNotFoundError):
+        return "no such repo on the Hub (or it is private: log in with `hf auth login`)"
+    if isinstance(exc, LocalEntryNotFoundError):
+        return "not in the local Hugging Face cache, and the Hub cannot be reached (offline or HF_HUB_OFFLINE=1)"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"the Hub or the local cache could not provide it ({first[:100]})"
+
+
 def open_hub(repo_id: str, revision: str | None) -> Source:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -354,9 +366,8 @@ def open_hub(repo_id: str, revision: str | None) -> Source:
     try:
         root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=SMALL_FILE_PATTERNS))
     except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{label}: no such local folder, and no such repo in the Hub or the local cache "
-                              f"({first}); check the path, or the repo id and --revision") from None
+        raise CheckpointError(f"{label}: no such local folder, and {_hub_failure(exc)}; check the path, or the "
+                              f"repo id and --revision") from None
     if (root / INDEX).exists():
         shards, weight_map = _shards_from_folder(root, label)
     else:
@@ -381,6 +392,9 @@ def open_source(src: str, revision: str | None = None) -> Source:
     near = _local_near_miss(path)
     if near is not None:  # `demo/tinyllama` next to `demo/tiny-llama`: a typo, not a Hub id
         raise CheckpointError(f"{src}: no such file or folder{near}")
+    if path.parent.is_dir() and str(path.parent) not in ("", "."):  # `demo/` is here: a local path
+        raise CheckpointError(f"{src}: no such file or folder in {path.parent.as_posix()}/ (to read the Hub repo "
+                              f"{src} instead, run from a folder without {path.parent.as_posix()}/)")
     if REPO_ID.match(src) and not src.startswith((".", "/")):
         return open_hub(src, revision)
     raise CheckpointError(f"{src}: no such file or folder, and not a Hub repo id (owner/name)")

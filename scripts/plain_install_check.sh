@@ -23,4 +23,16 @@ for src in llama moe; do
   done
 done
 "venv/bin/python" -c "import quantcli, sys; assert 'site-packages' in quantcli.__file__, quantcli.__file__"
-echo "plain install: 14 conversions inspected and verified"
+# the JSON schemas ship as package data: a --json document validates against its installed schema's keys
+"venv/bin/quantcli" recipes --json > recipes.json
+"venv/bin/python" -c "
+import json; from quantcli.reports import json_schema
+doc, schema = json.load(open('recipes.json')), json_schema('recipes')
+assert doc['schema_version'] == 1 and schema['\$id'].endswith('recipes'), schema.get('\$id')"
+# calibration needs the optional extra: a plain install refuses it in one line, writing nothing
+echo '{"input_ids": [1, 2, 3]}' > ids.jsonl
+if "venv/bin/quantcli" convert llama out-cal --recipe nvfp4 --activations static --calibration ids.jsonl 2> cal.err; then
+  echo "calibration without the extra should be refused"; exit 1
+fi
+grep -q "calibrate extra" cal.err && [ "$(wc -l < cal.err)" -eq 1 ] && [ ! -e out-cal ] && [ ! -e out-cal.partial ]
+echo "plain install: 14 conversions inspected and verified; schemas shipped; calibration refused without its extra"

@@ -232,3 +232,38 @@ def test_hub_dataset_refusals_one_line(src, tmp_path, run_cli, monkeypatch, case
                            "--layout", "compressed-tensors", "--calibration", "org/nope:train")
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_fewer_samples_than_asked_warns_and_the_manifest_records_both(src, tmp_path, run_cli):
+    data = tmp_path / "two.txt"
+    data.write_text("w1 w2 w3\nw4 w5 w6\n")
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", str(src), str(out), "--recipe", "fp8", "--layout", "compressed-tensors",
+                           "--activations", "static", "--calibration", str(data), "--calibration-samples", "4")
+    assert code == 0, err
+    assert "holds 2 sample(s), fewer than --calibration-samples 4; calibrating with 2" in err
+    run = json.loads((out / "quantcli_manifest.json").read_text())["calibration"]
+    assert run["samples"] == 4 and run["samples_used"] == 2
+
+
+def test_kv_cache_advice_names_only_layouts_that_hold_the_recipe(src, tmp_path, run_cli):
+    data = tmp_path / "d.txt"
+    data.write_text("w1 w2\n")
+    code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "fp8", "--layout", "fp8",
+                           "--kv-cache", "fp8", "--calibration", str(data))
+    assert code == 2 and "use --layout compressed-tensors" in err and "modelopt" not in err, err
+
+
+def test_messages_without_chat_template_refused_up_front(src, tmp_path, run_cli):
+    plain = tmp_path / "plain"
+    shutil.copytree(src, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "w1"}]}) + "\n")
+    code, _, err = run_cli("convert", str(plain), str(tmp_path / "out"), "--recipe", "fp8", "--activations", "static",
+                           "--calibration", str(data))
+    assert code == 2 and "chat template" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

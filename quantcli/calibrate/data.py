@@ -15,7 +15,8 @@ from pathlib import Path
 from ..errors import QuantcliError
 from ..facts import Calibration
 
-EXTRA = "pip install 'quantcli[calibrate]'"
+# The name `quantcli` on PyPI is another project: the extra is installed from this source tree.
+EXTRA = "install the calibrate extra: pip install -e '.[calibrate]' in the quantcli source folder"
 HUB_DATASET = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+){0,2}$")
 KEYS = ("input_ids", "messages", "text")
 
@@ -127,6 +128,17 @@ def token_ids(cal: Calibration, source_root: Path) -> list[list[int]]:
     return out
 
 
+def check_tokenizer(samples: list, cal: Calibration, source_root: Path) -> None:
+    """Refuse up front text samples without a tokenizer, and messages without a chat template."""
+    if all(isinstance(s, list) and all(isinstance(v, int) for v in s) for s in samples):
+        return
+    tokenizer = _tokenizer(source_root, cal)
+    if any(isinstance(s, list) and not all(isinstance(v, int) for v in s) for s in samples) \
+            and not getattr(tokenizer, "chat_template", None):
+        raise QuantcliError(f"--calibration {cal.data}: 'messages' samples need the source's chat template, which "
+                            f"{source_root}'s tokenizer lacks; give 'text' or 'input_ids' instead")
+
+
 def _tokenizer(source_root: Path, cal: Calibration):
     try:
         from transformers import AutoTokenizer
@@ -134,6 +146,7 @@ def _tokenizer(source_root: Path, cal: Calibration):
         raise QuantcliError(f"--calibration needs transformers and tokenizers: {EXTRA}") from None
     try:
         return AutoTokenizer.from_pretrained(str(source_root))
-    except (OSError, ValueError) as exc:
-        raise QuantcliError(f"--calibration {cal.data}: text samples need the source's tokenizer, which "
-                            f"{source_root} lacks ({str(exc).splitlines()[0][:120]}); or give input_ids") from None
+    except (OSError, ValueError):  # transformers' own text names no file; ours says what is missing
+        raise QuantcliError(f"--calibration {cal.data}: text samples need the source's tokenizer "
+                            f"(tokenizer.json or tokenizer_config.json), which {source_root} lacks; copy it there, "
+                            f"or give token ids ({{\"input_ids\": [...]}} per .jsonl line)") from None

@@ -10,7 +10,7 @@ from ..layouts.base import ONE, SCALAR
 from ..plan import Exclusion, Plan, TensorPlan, fused_group_of
 from ..safetensors_io import OutSpec
 from .buffer import budget_bytes
-from .data import read_samples
+from .data import check_tokenizer, read_samples
 
 # Decoder-only architectures whose layers engine.py runs: dense Llama-style attention + MLP, and
 # MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters (weights.py).
@@ -42,18 +42,26 @@ def checked_plan(plan: Plan) -> Plan:
     arch = (plan.source.config.get("architectures") or ["(none in config.json)"])[0]
     if arch not in SUPPORTED:
         raise QuantcliError(f"--calibration: architecture {arch} is not supported (supported: {', '.join(SUPPORTED)})")
-    read_samples(opts.calibration)  # a missing or empty file is refused here
+    samples = read_samples(opts.calibration)  # a missing or empty file is refused here,
+    check_tokenizer(samples, opts.calibration, plan.source.root)  # text without a tokenizer too
+    found = len(samples)
     budget_bytes()  # so is a malformed activation-buffer budget
     if opts.kv_cache == "fp8" and not plan.layout.kv_scales:
-        able = [name for name, layout in LAYOUTS.items() if layout.kv_scales]
-        raise QuantcliError(f"--kv-cache fp8: layout {plan.layout.name} has no KV-cache scale tensors; use "
-                            f"--layout {' or '.join(able)}")
+        recipes = set(plan.recipes)
+        able = [name for name, layout in LAYOUTS.items() if layout.kv_scales and recipes <= set(layout.recipes)]
+        fix = (f"use --layout {' or '.join(able)}" if able else
+               f"no layout with KV-cache scales holds {', '.join(sorted(recipes))}; choose another recipe")
+        raise QuantcliError(f"--kv-cache fp8: layout {plan.layout.name} has no KV-cache scale tensors; {fix}")
     plan = _without_unreached(plan, reached_tensors(plan))
     tensors = [replace(t, outputs=t.outputs + _added(plan, t)) for t in plan.tensors]
     kv_names = {o.name for t in tensors for o in t.outputs} - {o.name for t in plan.tensors for o in t.outputs}
     if opts.kv_cache == "fp8" and not any(n.endswith(plan.layout.kv_scales) for n in kv_names):
         raise QuantcliError(f"--kv-cache fp8: {plan.source.label} has no self_attn.k_proj/v_proj weights")
-    return replace(plan, tensors=tensors, warnings=plan.warnings[len(plan.source.warnings):])
+    warnings = plan.warnings[len(plan.source.warnings):]
+    if found < opts.calibration.samples:
+        warnings.append(f"--calibration {opts.calibration.data}: holds {found} sample(s), fewer than "
+                        f"--calibration-samples {opts.calibration.samples}; calibrating with {found}")
+    return replace(plan, tensors=tensors, warnings=warnings)
 
 
 def _added(plan: Plan, t) -> tuple[OutSpec, ...]:

@@ -8,15 +8,18 @@ from pathlib import Path
 from ..layouts.base import Layout
 from ..manifest import DiskEntry
 from ..plan import Plan, TensorPlan
-from .data import data_digest, is_hub_dataset
+from .data import data_digest, is_hub_dataset, read_samples
 
 
 def calibration_record(plan: Plan) -> dict[str, object] | None:
+    """`samples` / `seq_len` / `batch` as asked (at most; what verify --calibration reruns with),
+    `samples_used` as found in the data."""
     cal = plan.options.calibration
     if cal is None:
         return None
     name = cal.data if is_hub_dataset(cal.data) else Path(cal.data).name
-    return {"data": name, "data_sha256": data_digest(cal), "samples": cal.samples, "seq_len": cal.seq_len,
+    return {"data": name, "data_sha256": data_digest(cal), "samples_used": len(read_samples(cal)),
+            "samples": cal.samples, "seq_len": cal.seq_len,
             "batch": cal.batch, "activations": plan.options.activations or "dynamic",
             "kv_cache": plan.options.kv_cache, "statistic": "max |x| over the unquantized model's forward"}
 

@@ -1,0 +1,1 @@
+"""JSON Schemas of every command's --json (data files; see docs/cli.md)."""
