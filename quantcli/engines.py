@@ -10,6 +10,7 @@ ENGINES = ("vLLM", "SGLang", "TensorRT-LLM", "transformers")  # every engine bel
 LOADS_IN: dict[tuple[str, str], tuple[str, ...]] = {
     ("fp8", "compressed-tensors"): ("vLLM", "SGLang", "transformers"),
     ("fp8", "fp8"): ("vLLM", "SGLang"),
+    ("fp8", "modelopt"): ("vLLM", "SGLang", "TensorRT-LLM"),  # quant_algo FP8: with static input scales only
     ("fp8-channel", "modelopt"): ("vLLM",),  # SGLang treats FP8_PER_CHANNEL_PER_TOKEN as unquantized
     ("fp8-channel", "compressed-tensors"): ("vLLM", "SGLang", "transformers"),
     ("fp8-block", "modelopt"): ("vLLM",),  # and only when N and K are multiples of 128

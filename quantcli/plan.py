@@ -251,6 +251,7 @@ def _layout_and_recipes(opts: Options) -> tuple[Layout, dict[str, Recipe]]:
     for name in sorted(used):
         get_recipe(name)
         layout.require(name, layouts_for(name))
+        layout.require_static(name, opts.activations == "static", layouts_for(name))
         recipes[name] = layout.recipe_for(name, opts.scale_rule if get_recipe(name).scale_rules else None
                                           ).with_scale_search(opts.scale_search)
     if opts.scale_rule and not any(r.scale_rules for r in recipes.values()):

@@ -66,6 +66,8 @@ def _target(opts: Options) -> tuple[Layout | None, object]:
     get_recipe(opts.recipe)  # unknown names fail here with the list
     layout = get_layout(opts.layout or DEFAULT_LAYOUT[opts.recipe])
     layout.require(opts.recipe, layouts_for(opts.recipe))
+    # static activation scales come from calibrating the dense model, never from a quantized source
+    layout.require_static(opts.recipe, False, layouts_for(opts.recipe))
     recipe = layout.recipe_for(opts.recipe, opts.scale_rule)
     if opts.scale_search != "none" and not recipe.searches:
         raise QuantcliError(f"--scale-search {opts.scale_search}: only nvfp4, mxfp4 and mxfp8 search their block "

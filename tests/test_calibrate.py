@@ -80,7 +80,7 @@ def _close(a: float, b: float) -> bool:
 
 
 @pytest.mark.parametrize("recipe,layout", [("nvfp4", "modelopt"), ("nvfp4", "compressed-tensors"),
-                                           ("fp8", "compressed-tensors")])
+                                           ("fp8", "compressed-tensors"), ("fp8", "modelopt")])
 def test_scales_equal_hooked_amax(src, data, tmp_path, run_cli, recipe, layout):
     out = tmp_path / "out"
     code, _, err = run_cli("convert", str(src), str(out), "--recipe", recipe, "--layout", layout,
@@ -110,7 +110,10 @@ def test_scales_equal_hooked_amax(src, data, tmp_path, run_cli, recipe, layout):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     if layout == "modelopt":
         hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
-        assert hq["quant_algo"] == "NVFP4" and hq["kv_cache_quant_algo"] == "FP8"
+        assert hq["quant_algo"] == {"nvfp4": "NVFP4", "fp8": "FP8"}[recipe] and hq["kv_cache_quant_algo"] == "FP8"
+        if recipe == "fp8":  # FORMATS B 3.1: 0-d F32 weight and input scales
+            assert t["model.layers.0.mlp.down_proj.weight_scale"].shape == ()
+            assert t["model.layers.0.mlp.down_proj.input_scale"].shape == ()
     else:
         assert qc["kv_cache_scheme"]["num_bits"] == 8
         assert qc["config_groups"]["group_0"]["input_activations"]["dynamic"] in (False, "local")
@@ -142,6 +145,9 @@ def test_text_data_with_tokenizer_free_ids_txt_refused(src, tmp_path, run_cli):
     (["--recipe", "nvfp4", "--kv-cache", "fp8"], "--kv-cache fp8 needs --calibration"),
     (["--recipe", "mxfp4", "--activations", "static", "--calibration", "DATA"], "recipe mxfp4"),
     (["--recipe", "fp8-block", "--kv-cache", "fp8", "--calibration", "DATA"], "no KV-cache scale tensors"),
+    (["--recipe", "fp8", "--layout", "modelopt"], "only with static activation scales"),
+    (["--recipe", "fp8", "--layout", "modelopt", "--kv-cache", "fp8", "--calibration", "DATA"],
+     "only with static activation scales"),
     (["--recipe", "nvfp4", "--kv-cache", "fp8", "--calibration", "missing.jsonl"], "no such file"),
 ])
 def test_refusals_one_line_write_nothing(src, data, tmp_path, run_cli, args, needle):

@@ -252,6 +252,9 @@ def test_kv_cache_advice_names_only_layouts_that_hold_the_recipe(src, tmp_path, 
     code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "fp8", "--layout", "fp8",
                            "--kv-cache", "fp8", "--calibration", str(data))
     assert code == 2 and "use --layout compressed-tensors" in err and "modelopt" not in err, err
+    code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "fp8", "--layout", "fp8",
+                           "--activations", "static", "--kv-cache", "fp8", "--calibration", str(data))
+    assert code == 2 and "use --layout modelopt or compressed-tensors" in err, err  # static: modelopt FP8 too
 
 
 def test_messages_without_chat_template_refused_up_front(src, tmp_path, run_cli):

@@ -73,8 +73,13 @@ def test_gpt_oss_shapes():
 def test_refused_pairs_name_the_layouts_that_load():
     with pytest.raises(LayoutError, match="--layout modelopt cannot hold recipe mxfp4.*layouts that do: compressed-tensors, gpt-oss"):
         layout_for("mxfp4", "modelopt")
-    with pytest.raises(LayoutError, match="cannot hold recipe fp8 .*layouts that do: compressed-tensors, fp8"):
-        layout_for("fp8", "modelopt")
+    with pytest.raises(LayoutError, match="cannot hold recipe fp8 .*layouts that do: modelopt, compressed-tensors, fp8"):
+        layout_for("fp8", "gpt-oss")
+    # modelopt holds per-tensor fp8 (quant_algo FP8) only with static activation scales
+    with pytest.raises(LayoutError, match="modelopt holds recipe fp8 only with static activation scales.*"
+                                          "--layout compressed-tensors or fp8"):
+        get_layout("modelopt").require_static("fp8", False, ["compressed-tensors", "fp8", "modelopt"])
+    get_layout("modelopt").require_static("fp8", True, [])
 
 
 def test_default_scale_rules_per_producer():

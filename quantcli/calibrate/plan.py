@@ -48,7 +48,9 @@ def checked_plan(plan: Plan) -> Plan:
     budget_bytes()  # so is a malformed activation-buffer budget
     if opts.kv_cache == "fp8" and not plan.layout.kv_scales:
         recipes = set(plan.recipes)
-        able = [name for name, layout in LAYOUTS.items() if layout.kv_scales and recipes <= set(layout.recipes)]
+        static = opts.activations == "static"
+        able = [name for name, layout in LAYOUTS.items() if layout.kv_scales and recipes <= set(layout.recipes)
+                and (static or not recipes & set(layout.needs_static))]
         fix = (f"use --layout {' or '.join(able)}" if able else
                f"no layout with KV-cache scales holds {', '.join(sorted(recipes))}; choose another recipe")
         raise QuantcliError(f"--kv-cache fp8: layout {plan.layout.name} has no KV-cache scale tensors; {fix}")

@@ -95,6 +95,9 @@ class Layout:
     # Recipes a producer writes in this layout that no serving engine loads: read (inspect,
     # verify, convert from them), never written, and verify fails them.
     unservable: tuple[str, ...] = ()
+    # Recipes engines load in this layout only with calibrated static activation scales
+    # (modelopt `quant_algo: FP8` reads an `input_scale` per Linear): refused without them.
+    needs_static: tuple[str, ...] = ()
     default_scale_rule: str | None = None  # for MX recipes
     exclusion_key: str = ""
     experts_only = False  # the layout names 3-D MoE expert stacks only (gpt-oss)
@@ -112,6 +115,14 @@ class Layout:
             raise LayoutError(
                 f"--layout {self.name} cannot hold recipe {recipe} (no engine loads that pair); "
                 f"layouts that do: {', '.join(layouts_that_do) or 'none'}")
+
+    def require_static(self, recipe: str, static: bool, layouts_that_do: list[str]) -> None:
+        if recipe in self.needs_static and not static:
+            others = [n for n in layouts_that_do if n != self.name]
+            raise LayoutError(
+                f"--layout {self.name} holds recipe {recipe} only with static activation scales, which engines "
+                f"read per Linear: convert the dense checkpoint with --activations static --calibration DATA, or use "
+                f"--layout {' or '.join(others)} (dynamic activations)")
 
     def recipe_for(self, recipe: str, scale_rule: str | None = None) -> Recipe:
         r = get_recipe(recipe)

@@ -1,6 +1,8 @@
 """modelopt layout (`quant_method: modelopt`), loaded by vLLM, SGLang and TensorRT-LLM.
 
     nvfp4        weight U8 [N, K/2], weight_scale F8_E4M3 [N, K/16], weight_scale_2 F32 [] (multiply)
+    fp8          weight F8_E4M3 [N, K], weight_scale F32 [], input_scale F32 []   FP8 (static
+                 activations only: written with --activations static; FORMATS.md B 3.1)
     fp8-channel  weight F8_E4M3 [N, K], weight_scale F32 [N]            FP8_PER_CHANNEL_PER_TOKEN
     fp8-block    weight F8_E4M3 [N, K], weight_scale F32 [N/128, 1, K/128, 1]   FP8_PB_WO
     mxfp8        weight F8_E4M3 [N, K], weight_scale U8 E8M0 [N, K/32]  MXFP8 (rule rceil)
@@ -24,6 +26,7 @@ _CODES = TensorRow(".weight", "codes")
 _SCALE = TensorRow(".weight_scale", "block_scale", direction="multiply")
 TABLES = {
     "nvfp4": (_CODES, _SCALE, TensorRow(".weight_scale_2", "global_scale", SCALAR, "multiply")),
+    "fp8": (_CODES, TensorRow(".weight_scale", "block_scale", SCALAR, "multiply")),
     "fp8-channel": (_CODES, _SCALE),
     "fp8-block": (_CODES, TensorRow(".weight_scale", "block_scale", BLOCK4D, "multiply")),
     "mxfp8": (_CODES, _SCALE),
@@ -31,9 +34,9 @@ TABLES = {
 }
 # Static activation scales, multipliers (FORMATS.md B 3.1, 6.1): filled from ModuleFacts.
 _INPUT = TensorRow(".input_scale", "input_scale", SCALAR, "multiply", fact="input_scale")
-OPTIONAL = {"nvfp4": (_INPUT,), "fp8-channel": (_INPUT,)}
+OPTIONAL = {"nvfp4": (_INPUT,), "fp8": (_INPUT,), "fp8-channel": (_INPUT,)}
 
-QUANT_ALGO = {"nvfp4": "W4A16_NVFP4", "fp8-channel": "FP8_PER_CHANNEL_PER_TOKEN",
+QUANT_ALGO = {"nvfp4": "W4A16_NVFP4", "fp8": "FP8", "fp8-channel": "FP8_PER_CHANNEL_PER_TOKEN",
               "fp8-block": "FP8_PB_WO", "mxfp8": "MXFP8"}
 ALGO_TO_RECIPE = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8_PER_CHANNEL_PER_TOKEN": "fp8-channel",
                   "FP8_PB_WO": "fp8-block", "MXFP8": "mxfp8", "FP8": "fp8",
@@ -48,6 +51,7 @@ class ModelOptLayout(Layout):
     optional = OPTIONAL
     kv_scales = ("k_proj.k_scale", "v_proj.v_scale")  # relative to the attention module
     unservable = ("mxfp4",)
+    needs_static = ("fp8",)
     default_scale_rule = "rceil"
     exclusion_key = "exclude_modules"
 
