@@ -270,3 +270,17 @@ def test_messages_without_chat_template_refused_up_front(src, tmp_path, run_cli)
                            "--calibration", str(data))
     assert code == 2 and "chat template" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("ids,needle", [([5, -1, 7], "token id -1, outside"), ([5, 512, 7], "token id 512, outside"),
+                                        ([5, 10**30], "outside the model's vocabulary"),
+                                        ([True, False], "must be a list of integer token ids"),
+                                        ("1 2 3", "must be a list of integer token ids")])
+def test_bad_token_ids_refused_up_front(src, tmp_path, run_cli, ids, needle):
+    data = tmp_path / "ids.jsonl"
+    data.write_text(json.dumps({"input_ids": ids}) + "\n")
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", str(src), str(out), "--recipe", "nvfp4", "--layout", "modelopt",
+                           "--activations", "static", "--calibration", str(data))
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.glob("out*"))

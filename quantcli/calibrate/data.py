@@ -19,6 +19,26 @@ from ..facts import Calibration
 EXTRA = "install the calibrate extra: pip install -e '.[calibrate]' in the quantcli source folder"
 HUB_DATASET = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+){0,2}$")
 KEYS = ("input_ids", "messages", "text")
+KIND_OK = {"input_ids": lambda v: isinstance(v, list) and all(is_token_id(t) for t in v),
+           "messages": lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v),
+           "text": lambda v: isinstance(v, str)}
+KIND_SAID = {"input_ids": "a list of integer token ids", "messages": "a list of {role, content} objects",
+             "text": "a string"}
+
+
+def is_token_id(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not token 1
+
+
+def check_token_ids(samples: list, cal: Calibration, vocab_size: int | None) -> None:
+    """Every pre-tokenized id inside the model's vocabulary (an embedding lookup would fail deep in
+    the forward otherwise)."""
+    for i, s in enumerate(samples, 1):
+        if isinstance(s, list) and all(is_token_id(v) for v in s):
+            bad = next((v for v in s if v < 0 or (vocab_size is not None and v >= vocab_size)), None)
+            if bad is not None:
+                raise QuantcliError(f"--calibration {cal.data}: sample {i} has token id {bad}, outside the model's "
+                                    f"vocabulary (0..{(vocab_size or 0) - 1}, config.json vocab_size)")
 
 
 def is_hub_dataset(data: str) -> bool:
@@ -77,11 +97,9 @@ def _row_sample(obj, where: str):
         for key in KEYS:
             if key in obj:
                 value = obj[key]
-                ok = (all(isinstance(v, int) for v in value) if key == "input_ids" and isinstance(value, list)
-                      else isinstance(value, list) if key == "messages" else isinstance(value, str))
-                if ok:
+                if KIND_OK[key](value):
                     return value
-                raise QuantcliError(f"{where}: {key!r} has the wrong type")
+                raise QuantcliError(f"{where}: {key!r} must be {KIND_SAID[key]}, not {type(value).__name__}")
     raise QuantcliError(f"{where} has none of 'text', 'messages', 'input_ids'")
 
 
@@ -118,7 +136,7 @@ def token_ids(cal: Calibration, source_root: Path) -> list[list[int]]:
     tokenizer = None
     out = []
     for s in samples:
-        if not (isinstance(s, list) and all(isinstance(v, int) for v in s)):
+        if not (isinstance(s, list) and all(is_token_id(v) for v in s)):
             tokenizer = tokenizer or _tokenizer(source_root, cal)
             if isinstance(s, list):
                 s = tokenizer.apply_chat_template(s, tokenize=False)
@@ -130,10 +148,10 @@ def token_ids(cal: Calibration, source_root: Path) -> list[list[int]]:
 
 def check_tokenizer(samples: list, cal: Calibration, source_root: Path) -> None:
     """Refuse up front text samples without a tokenizer, and messages without a chat template."""
-    if all(isinstance(s, list) and all(isinstance(v, int) for v in s) for s in samples):
+    if all(isinstance(s, list) and all(is_token_id(v) for v in s) for s in samples):
         return
     tokenizer = _tokenizer(source_root, cal)
-    if any(isinstance(s, list) and not all(isinstance(v, int) for v in s) for s in samples) \
+    if any(isinstance(s, list) and not all(is_token_id(v) for v in s) for s in samples) \
             and not getattr(tokenizer, "chat_template", None):
         raise QuantcliError(f"--calibration {cal.data}: 'messages' samples need the source's chat template, which "
                             f"{source_root}'s tokenizer lacks; give 'text' or 'input_ids' instead")

@@ -10,7 +10,7 @@ from ..layouts.base import ONE, SCALAR
 from ..plan import Exclusion, Plan, TensorPlan, fused_group_of
 from ..safetensors_io import OutSpec
 from .buffer import budget_bytes
-from .data import check_tokenizer, read_samples
+from .data import check_token_ids, check_tokenizer, read_samples
 
 # Decoder-only architectures whose layers engine.py runs: dense Llama-style attention + MLP, and
 # MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters (weights.py).
@@ -43,7 +43,9 @@ def checked_plan(plan: Plan) -> Plan:
     if arch not in SUPPORTED:
         raise QuantcliError(f"--calibration: architecture {arch} is not supported (supported: {', '.join(SUPPORTED)})")
     samples = read_samples(opts.calibration)  # a missing or empty file is refused here,
-    check_tokenizer(samples, opts.calibration, plan.source.root)  # text without a tokenizer too
+    check_tokenizer(samples, opts.calibration, plan.source.root)  # text without a tokenizer too,
+    vocab = plan.source.config.get("vocab_size")
+    check_token_ids(samples, opts.calibration, vocab if isinstance(vocab, int) else None)  # ids out of range
     found = len(samples)
     budget_bytes()  # so is a malformed activation-buffer budget
     if opts.kv_cache == "fp8" and not plan.layout.kv_scales:
