@@ -26,7 +26,7 @@ __all__ = ["BACKEND_NAMES", "LAYOUT_NAMES", "RECIPE_NAMES", "SCALE_RULE_NAMES", 
 
 app = typer.Typer(cls=Commands, add_completion=True, pretty_exceptions_enable=False, no_args_is_help=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Quantize and convert Hugging Face safetensors checkpoints (FP8, MXFP8, MXFP4, NVFP4). "
+                  help="Quantize and convert Hugging Face safetensors checkpoints (FP8, MXFP8, MXFP4, NVFP4, INT8). "
                        "Run 'quantcli help COMMAND' (or 'quantcli COMMAND --help') for a command's options.",
                   epilog=EXIT_CODES)
 
@@ -66,7 +66,7 @@ def convert(
     kv_cache: Annotated[Optional[str], typer.Option(
         metavar="DTYPE", callback=one_of("--kv-cache", "KV-cache dtype", lambda: ["fp8", "none"]),
         help="fp8: write calibrated k_scale/v_scale; needs --calibration.")] = None,
-    calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help="Calibration samples: .txt or .jsonl (text, messages or input_ids).")] = None,
+    calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help="Calibration samples: .txt or .jsonl (text, messages or input_ids), or a Hub dataset OWNER/NAME[:SPLIT] (needs the datasets package).")] = None,
     calibration_samples: Annotated[Optional[int], typer.Option(metavar="N", help="Samples to use.  [default: 128]")] = None,
     calibration_seq_len: Annotated[Optional[int], typer.Option(metavar="L", help="Tokens per sample, at most.  [default: 512]")] = None,
     calibration_batch: Annotated[Optional[int], typer.Option(metavar="B", help="Samples per forward.  [default: 1]")] = None,
@@ -79,13 +79,15 @@ def convert(
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run with the same inputs.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty destination.")] = False,
     per_tensor: Annotated[bool, typer.Option("--per-tensor", help="--dry-run: one row per tensor instead of one per layer pattern.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the destination path (errors and warnings go to stderr).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the destination path, or with --dry-run the total line (errors and warnings go to stderr).")] = False,
     workers: Annotated[int, typer.Option(metavar="N", min=1, help="Convert on N processes on this machine (torch.distributed; under torchrun the ranks come from torchrun).")] = 1,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: each tensor as it is written (stderr), the dry run per tensor.")] = False,
     push_to_hub: PushToHub = None, private: Private = False, push_revision: PushRevision = None,
     json_out: JsonOut = False,
 ) -> None:
-    """Quantize (or re-layout, or dequantize) a checkpoint. Values are case-insensitive."""
+    """Quantize, re-layout or dequantize a checkpoint.
+
+    Values are case-insensitive."""
     from .commands import run_convert
 
     if not dry_run:
@@ -108,13 +110,15 @@ def inspect(
     tensors: Tensors = None,
     stats: Annotated[bool, typer.Option("--stats", help="Read the data: scale ranges, zero blocks, saturation, NaN/Inf.")] = False,
     kv_cache: Annotated[bool, typer.Option("--kv-cache", help="Print the KV-cache byte account from config.json.")] = False,
-    kv_budget: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for the KV cache in --kv-cache, e.g. 40GB.  [default: 80GiB]")] = None,
+    kv_budget: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for the KV cache in --kv-cache, e.g. 40GiB.  [default: 80GiB]")] = None,
     per_tensor: Annotated[bool, typer.Option("--per-tensor", help="One row per module instead of one per layer pattern.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the layout and bits/param lines (problems and warnings on stderr).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: one row per module (as --per-tensor).")] = False,
     json_out: JsonOut = False,
 ) -> None:
-    """Explain a checkpoint from its headers: layout, recipes, scales, bits per parameter."""
+    """Explain a checkpoint from its headers.
+
+    Layout, recipes, scales, bits per parameter."""
     from .commands import run_inspect
 
     raise typer.Exit(run_inspect(path, revision=revision, tensors=tensors, stats=stats, kv_cache=kv_cache,
@@ -126,7 +130,7 @@ def inspect(
 def verify(
     quant: Annotated[str, typer.Argument(metavar="QUANT", help="The quantized checkpoint.")],
     reference: Annotated[Optional[str], typer.Option(metavar="SRC", help="The source checkpoint to compare against.")] = None,
-    revision: Revision = None,
+    revision: Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision (branch, tag or commit) of a --reference repo id; QUANT is read as given.")] = None,
     tensors: Tensors = None,
     top: Annotated[int, typer.Option(metavar="N", min=0, help="How many worst tensors to list.")] = 10,
     exact: Annotated[bool, typer.Option("--exact", help="Re-quantize the reference and compare codes and scales byte for byte.")] = False,
@@ -138,7 +142,9 @@ def verify(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: every compared tensor's row, not only the --top worst.")] = False,
     json_out: JsonOut = False,
 ) -> None:
-    """Decode a quantized checkpoint and prove it is what it should be. Exit 0 pass, 1 fail, 2 usage."""
+    """Decode a quantized checkpoint and check it.
+
+    Proves it is what it should be. Exit 0 pass, 1 fail, 2 usage."""
     from .commands import run_verify
 
     raise typer.Exit(run_verify(quant, reference=reference, revision=revision, tensors=tensors, top=top,
@@ -148,7 +154,9 @@ def verify(
 
 @app.command(cls=Command)
 def recipes(json_out: JsonOut = False) -> None:
-    """List the recipes: element, block, scale format, bits per parameter, the layouts that hold each."""
+    """List the recipes and their formats.
+
+    Element, block, scale format, bits per parameter, the layouts that hold each."""
     from .commands import run_recipes
 
     raise typer.Exit(run_recipes(json_out))
@@ -156,7 +164,9 @@ def recipes(json_out: JsonOut = False) -> None:
 
 @app.command(cls=Command)
 def layouts(json_out: JsonOut = False) -> None:
-    """List the layouts, the engines that load each, and which recipe each layout holds (the loadability matrix)."""
+    """List the layouts and the engines that load them.
+
+    The engines that load each, and which recipe each layout holds (the loadability matrix)."""
     from .commands import run_layouts
 
     raise typer.Exit(run_layouts(json_out))

@@ -225,11 +225,12 @@ def _calibrated(det: Detected | None, config: dict, modules: list[ModuleDescript
 
 
 def _count_scales(by_format: dict[str, FormatTotals], scales: CalibratedScales, tensors_bytes: int) -> None:
-    """Input and KV-cache scales are their own line in the totals, not a dense f32 format."""
+    """Input and KV-cache scales are their own line in the totals, not a dense f32 format: their bytes
+    count, their values are not parameters (a parameter is a weight, as codes or dense)."""
     for key, count in (("input scales", len(scales.inputs)),
                        ("kv scales", sum((r.k_scale is not None) + (r.v_scale is not None) for r in scales.kv))):
         if count:
-            by_format[key] = FormatTotals(params=count, bytes=count * tensors_bytes)
+            by_format[key] = FormatTotals(params=0, bytes=count * tensors_bytes)
 
 
 def _kv_warnings(scales: CalibratedScales) -> list[str]:

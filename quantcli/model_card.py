@@ -32,7 +32,7 @@ def write_model_card(plan: Plan, stage: Path) -> None:
     readme = stage / "README.md"
     card = _read_card(readme.read_text(encoding="utf-8") if readme.exists() else "")
     _update_metadata(card.data, plan)
-    text = with_model_card(_without_title(card.text), card_section(plan))
+    text = with_model_card(_without_title(card.text), card_section(plan, card.data.get("base_model")))
     card.text = "\n" + _title(plan, card.data.get("base_model")) + ("" if text.startswith("\n") else "\n") + text
     readme.write_text(str(card).rstrip("\n") + "\n", encoding="utf-8")
 
@@ -126,10 +126,11 @@ def with_model_card(text: str, card: str) -> str:
     return head + card + tail
 
 
-def card_section(plan: Plan) -> str:
-    """quantcli's section: what was done, the quantization table, what stayed dense, how to serve."""
+def card_section(plan: Plan, base: object = None) -> str:
+    """quantcli's section: what was done, the quantization table, what stayed dense, how to serve.
+    The source is named as the front matter's base_model (the Hub id) when there is one."""
     lines = ["", CARD_HEADING, ""]
-    source = _model_name(plan, plan.source.repo_id)
+    source = base if isinstance(base, str) and base else _model_name(plan, plan.source.repo_id)
     if plan.layout is None:
         lines += [f"Dequantized to {plan.dense_dtype} from the {plan.source_layout.name} checkpoint `{source}` with "
                   f"quantcli {__version__}: a plain checkpoint, no quantization_config.", ""]

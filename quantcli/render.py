@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 from rich.console import Console
@@ -13,7 +14,7 @@ from rich.table import Table
 
 from .reports import OMITTED, to_json
 from .grouping import group_names
-from .tables import Column, fitted_table, named_table, total, value_range
+from .tables import ERROR, SCALE, Column, fitted_table, named_table, total, value_range
 
 
 class _Console(Console):
@@ -21,6 +22,14 @@ class _Console(Console):
         # Rich turns a closed stdout into SystemExit(1), which a pipeline would read as
         # "verify found a problem"; let main() end it quietly with 141 instead.
         raise BrokenPipeError
+
+    def _render_buffer(self, buffer) -> str:
+        # Rich pads grid cells (the cards, wrapped text) to the full width; no printed line keeps
+        # trailing spaces (before an end-of-line style code too), so a pipe or a diff sees the text.
+        return _TRAILING.sub(r"\1", super()._render_buffer(buffer))
+
+
+_TRAILING = re.compile(r"[ \t]+((?:\x1b\[[0-9;]*m)*)$", re.MULTILINE)
 
 
 def console(stderr: bool = False) -> Console:
@@ -83,7 +92,8 @@ def dense_reasons(exclusions) -> str:
     """'3 MoE router/gate, 1 output head': how many modules were left dense for each reason."""
     counts: dict[str, int] = {}
     for e in exclusions:
-        counts[e.reason] = counts.get(e.reason, 0) + 1
+        reason = "already dense in the source" if e.reason == "dense in the source" else e.reason
+        counts[reason] = counts.get(reason, 0) + 1
     return ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
@@ -95,8 +105,8 @@ def _dims(shape) -> str:
 
 
 def _module_cells(m) -> list:
-    scales = ", ".join(f"{e.name.rsplit('.', 1)[-1]} {e.dtype} {e.direction}"
-                       for e in m.tensors if e.role == "block_scale")
+    block_scales = [e for e in m.tensors if e.role == "block_scale"]
+    scales = ", ".join(f"{e.name.rsplit('.', 1)[-1]} {e.dtype}" for e in block_scales)
     values = [e for e in m.tensors if e.value is not OMITTED]
     # an undescribable module has no logical/storage facts: '?' as before
     logical_dtype = "?" if m.logical_dtype is OMITTED else m.logical_dtype
@@ -106,13 +116,23 @@ def _module_cells(m) -> list:
         scales = f"{scales} ({m.scale_rule.rsplit(' + ', 1)[-1]})"
     return [m.recipe, f"{logical_dtype} {_dims(m.logical_shape)}", f"{storage_dtype} {_dims(m.storage_shape)}",
             "x".join(str(b) if b else "all" for b in block), scales or "-",
-            values[0].value if values else None, values[0].direction if values else "-",
+            values[0].value if values else None, _direction(block_scales, values[:1]),
             f"{m.bits_per_param:.3f}" if m.bits_per_param else "-"]
 
 
+def _direction(block_scales, global_scales) -> str:
+    """How the scales apply, said once: 'multiply', or each kind's where the two differ."""
+    block = {e.direction for e in block_scales}
+    glob = {e.direction for e in global_scales}
+    if len(block | glob) <= 1:
+        return next(iter(block | glob), "-")
+    return f"block {'/'.join(sorted(block))}, global {'/'.join(sorted(glob))}"
+
+
 # The global scale is the one column that differs within a layer pattern: a group shows its range.
-_MODULE_COLUMNS = [Column("recipe"), Column("logical"), Column("storage"), Column("block"), Column("scales"),
-                   Column("global", merge=value_range("{:.6g}")), Column("direction"),
+# Storage follows from logical, recipe and bits/param: the first column left out where space is short.
+_MODULE_COLUMNS = [Column("recipe"), Column("logical"), Column("storage", optional=True), Column("block"),
+                   Column("scales"), Column("global", merge=value_range(SCALE)), Column("direction"),
                    Column("bits/param", justify="right")]
 
 
@@ -145,7 +165,7 @@ _STATS_COLUMNS = [Column("recipe"), Column("scale range", merge=lambda v: _span(
 def _span(pairs: list) -> str:
     lows = [lo for lo, _ in pairs if lo is not None]
     highs = [hi for _, hi in pairs if hi is not None]
-    return f"{min(lows):.4g}..{max(highs):.4g}" if lows and highs else "-"
+    return f"{SCALE.format(min(lows))}..{SCALE.format(max(highs))}" if lows and highs else "-"
 
 
 def _stats_table(modules, con: Console, per_tensor: bool) -> Table:
@@ -166,7 +186,7 @@ def _totals_table(by_format) -> Table:
     for col in ("format", "modules", "params", "bytes"):
         t.add_column(col)
     for fmt, f in sorted(by_format.items()):
-        t.add_row(fmt, str(f.modules or "-"), f"{f.params:,}", human_bytes(f.bytes))
+        t.add_row(fmt, str(f.modules or "-"), f"{f.params:,}" if f.params else "-", human_bytes(f.bytes))
     return t
 
 
@@ -188,14 +208,14 @@ def _scales_tables(cal, con: Console) -> None:
         for col in ("tensor", "value", "direction", "implied amax"):
             t.add_column(col)
         for s in cal.inputs:
-            t.add_row(s.tensor, f"{s.value:.6g}", s.direction, f"{s.amax:.6g}")
+            t.add_row(s.tensor, SCALE.format(s.value), s.direction, SCALE.format(s.amax))
         con.print(t)
     if cal.kv:
         t = Table(title="KV-cache scales")
         for col in ("attention", "k_scale", "v_scale"):
             t.add_column(col)
         for r in cal.kv:
-            t.add_row(r.attention, *("missing" if v is None else f"{v:.6g}" for v in (r.k_scale, r.v_scale)))
+            t.add_row(r.attention, *("missing" if v is None else SCALE.format(v) for v in (r.k_scale, r.v_scale)))
         con.print(t)
 
 
@@ -298,12 +318,12 @@ def _limit_text(row) -> str:
     """The limit and what it is made of: '0 (identical ...)', '0.1234 = (nvfp4 0.09 + re-quantize 0.02) x 1.19'."""
     basis = row.limit_basis
     if not basis:
-        return f"{row.limit_rel_err:.4g}"
+        return ERROR.format(row.limit_rel_err)
     if row.limit_rel_err == 0:
         return f"0 ({basis})"
     if basis.startswith("(quantcli's own)"):
-        return f"{row.limit_rel_err:.4g}"
-    return f"{row.limit_rel_err:.4g} = {basis}"
+        return ERROR.format(row.limit_rel_err)
+    return f"{ERROR.format(row.limit_rel_err)} = {basis}"
 
 
 def _rows_table(rows, top: int, con: Console) -> Table:
@@ -312,9 +332,10 @@ def _rows_table(rows, top: int, con: Console) -> Table:
     cells = []
     for r in rows[:top]:
         exact = r.exact_identical_fraction
-        ours = f"{r.baseline_rel_err:.4g}" + ("" if r.absmax_rel_err is OMITTED else f" (absmax {r.absmax_rel_err:.4g})")
-        cells.append([r.recipe, f"{r.rel_err:.4g}", ours, _limit_text(r), f"{r.sqnr_db:.2f}", f"{r.cosine:.6f}",
-                      f"{r.max_abs:.3g}", "-" if exact is OMITTED or exact is None else f"{exact:.2%}"])
+        ours = ERROR.format(r.baseline_rel_err) + ("" if r.absmax_rel_err is OMITTED else
+                                                     f" (absmax {ERROR.format(r.absmax_rel_err)})")
+        cells.append([r.recipe, ERROR.format(r.rel_err), ours, _limit_text(r), f"{r.sqnr_db:.2f}", f"{r.cosine:.6f}",
+                      ERROR.format(r.max_abs), "-" if exact is OMITTED or exact is None else f"{exact:.2%}"])
     return fitted_table(con, "tensor", [r.tensor for r in rows[:top]], cells, columns,
                         title=f"worst {min(top, len(rows))} tensors")
 
@@ -323,7 +344,7 @@ def _layer_bars(layers: dict[str, float], con: Console) -> None:
     worst = max(layers.values()) or 1.0
     con.print("relative error by layer (worst tensor):")
     for layer, v in sorted(layers.items(), key=lambda kv: (kv[0] == "other", int(kv[0]) if kv[0].isdigit() else 0)):
-        con.print(f"  {layer:>5} {'█' * max(1, int(40 * v / worst))} {v:.4g}")
+        con.print(f"  {layer:>5} {'█' * max(1, int(40 * v / worst))} {ERROR.format(v)}")
 
 
 def render_verify(report, con: Console, top: int) -> None:

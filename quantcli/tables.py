@@ -22,6 +22,10 @@ from rich.text import Text
 from .grouping import group_names, natural_key, short_prefix
 
 ELLIPSIS = "…"
+# One rule per kind of number, in every table: errors to 4 significant digits with trailing zeros
+# kept (0.09530 beside 0.09566), scales to 4 significant digits (%.4g: 3.342e-05, 0.0018).
+ERROR = "{:#.4g}"
+SCALE = "{:.4g}"
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,9 @@ class Column:
     justify: str = "left"
     # None: the cell is part of the grouping key (a string); else it merges the group's values
     merge: Callable[[list], str] | None = None
+    # a column the reader can do without (it repeats what others say): left out, and named under
+    # the table, before the rows fall back to cards
+    optional: bool = False
 
 
 def value_range(fmt: str = "{:.4g}") -> Callable[[list], str]:
@@ -77,9 +84,16 @@ def fitted_table(con: Console, name_header: str, labels: Sequence[str], cells: S
     if _fits(con, table):
         return table
     prefix = short_prefix(labels)
+    cut = [ELLIPSIS + label[len(prefix):] if prefix and label.startswith(prefix) else label for label in labels]
     if prefix:
-        cut = [ELLIPSIS + label[len(prefix):] if label.startswith(prefix) else label for label in labels]
         table = _build(name_header, cut, counts, cells, columns, title, prefix)
+        if _fits(con, table):
+            return table
+    keep = [i for i, c in enumerate(columns) if not c.optional]
+    if len(keep) < len(columns):
+        table = _build(name_header, cut, counts, [[row[i] for i in keep] for row in cells],
+                       [columns[i] for i in keep], title, prefix,
+                       left_out=[c.header for c in columns if c.optional])
         if _fits(con, table):
             return table
     # Too narrow for one line per row: each row becomes its name on a line of its own, then its
@@ -103,8 +117,11 @@ def _cards(name_header: str, labels: list[str], counts: list[str] | None, cells:
 
 
 def _build(name_header: str, labels: list[str], counts: list[str] | None, cells: list[list[str]],
-           columns: Sequence[Column], title: str | None, prefix: str) -> Table:
-    caption = f"{ELLIPSIS} = {prefix}" if prefix else None
+           columns: Sequence[Column], title: str | None, prefix: str, left_out: Sequence[str] = ()) -> Table:
+    notes = [f"{ELLIPSIS} = {prefix}"] if prefix else []
+    if left_out:
+        notes.append(f"left out to fit: {', '.join(left_out)} (--json has it)")
+    caption = "; ".join(notes) or None
     table = Table(title=title, caption=caption, caption_justify="left")
     table.add_column(name_header, overflow="fold")
     if counts is not None:
@@ -121,4 +138,4 @@ def _fits(con: Console, table: Table) -> bool:
     return Measurement.get(con, con.options.update_width(1 << 16), table).maximum <= con.width
 
 
-__all__ = ["Column", "fitted_table", "named_table", "total", "value_range"]
+__all__ = ["ERROR", "SCALE", "Column", "fitted_table", "named_table", "total", "value_range"]

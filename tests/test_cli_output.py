@@ -229,3 +229,55 @@ def test_layouts_engines_come_from_one_table(run_cli, monkeypatch):
     text = run_cli("layouts")[1]
     assert max(map(len, text.splitlines())) <= 80 and "compressed-tensors " in text  # whole, at 80 columns
     assert re.search(r"│ nvfp4\s+│\s+V S T\s+│\s+V S H\s+│", text)
+
+
+def test_dry_run_quiet_prints_only_the_total_line_with_the_real_peak(run_cli, monkeypatch, checkpoints):
+    monkeypatch.chdir(checkpoints)
+    code, out, err = run_cli("convert", "moe", "x", "--recipe", "nvfp4", "--dry-run", "-q")
+    assert code == 0, err
+    assert len(out.splitlines()) == 1 and out.startswith("total ")
+    # the process constant is part of the peak: never the few KiB of one small tensor
+    assert re.search(r"estimated peak memory \d+\.\d\d MiB \(process 256\.00 MiB \+ largest", out)
+    doc = json.loads(run_cli("convert", "moe", "x", "--recipe", "nvfp4", "--dry-run", "--json")[1])
+    assert doc["estimated_peak_memory_bytes"] > 256 * 2**20
+
+
+def test_piped_moe_at_160_columns_is_one_line_per_row_without_trailing_spaces(run_cli, monkeypatch, checkpoints):
+    monkeypatch.chdir(checkpoints)
+    monkeypatch.setenv("COLUMNS", "160")
+    out = run_cli("inspect", "moe-nvfp4")[1]
+    assert "┃ module" in out and "(8 modules)" not in out  # a table, not cards
+    assert "F8_E4M3 multiply" not in out  # the direction is said once, in its own column
+    monkeypatch.setenv("COLUMNS", "80")
+    for text in (out, run_cli("recipes")[1], run_cli("inspect", "moe-nvfp4")[1]):
+        assert not [line for line in text.splitlines() if line != line.rstrip()]
+
+
+def test_relayout_summary_says_carried_over_and_already_dense(run_cli, monkeypatch, checkpoints):
+    monkeypatch.chdir(checkpoints)
+    code, out, err = run_cli("convert", "moe-nvfp4", "ct", "--layout", "compressed-tensors")
+    assert code == 0, err
+    assert re.search(r"\d+ of \d+ tensors carried over \(nvfp4 -> compressed-tensors\)", out)
+    assert "left dense: 3 already dense in the source" in out
+    assert " in 0.0 s" not in out and out.count("quantcli verify") == 1
+
+
+def test_calibration_scalars_are_bytes_not_params():
+    from quantcli.inspect_report import FormatTotals, _count_scales
+    from types import SimpleNamespace
+
+    by_format: dict[str, FormatTotals] = {}
+    kv = [SimpleNamespace(k_scale=0.1, v_scale=None)]
+    _count_scales(by_format, SimpleNamespace(inputs=[1, 2, 3], kv=kv), 4)
+    assert by_format["input scales"].params == 0 and by_format["input scales"].bytes == 12
+    assert by_format["kv scales"].params == 0 and by_format["kv scales"].bytes == 4
+
+
+def test_model_card_names_the_source_as_its_front_matter_does(run_cli, tmp_path):
+    make_llama(tmp_path / "src", hidden=64, layers=1, shards=1, seed=0)
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**config, "_name_or_path": "acme/tiny-llama"}))
+    code, _, err = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "out"), "--recipe", "fp8", "-q")
+    assert code == 0, err
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "base_model: acme/tiny-llama" in card and "Converted from `acme/tiny-llama`" in card
