@@ -2,6 +2,7 @@
 
     python scripts/make_checkpoint.py demo/tiny-llama
     python scripts/make_checkpoint.py demo/tiny-moe --arch moe --shards 2
+    python scripts/make_checkpoint.py demo/moe-8x --arch moe --experts 8 --hidden 512 --layers 4
 
 Writes exactly --shards safetensors files (fewer only when there are fewer tensors). Run again
 into the same folder, it first deletes the weights of the earlier run (*.safetensors and the
@@ -21,23 +22,29 @@ from quantcli.testing import make_llama, make_moe  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--arch", choices=["llama", "moe"], default="llama")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("out", type=Path, help="folder to write (created; an earlier run's weights are replaced)")
+    ap.add_argument("--arch", choices=["llama", "moe"], default="llama",
+                    help="llama: dense Llama; moe: Mixtral-style experts (default: llama)")
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
+    ap.add_argument("--experts", type=int, default=4, help="--arch moe: experts per layer (default: 4)")
+    ap.add_argument("--shards", type=int, default=2, help="safetensors files to write (default: 2)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: 0)")
     args = ap.parse_args()
-    if args.shards < 1:
-        ap.error(f"--shards {args.shards}: must be 1 or more")
+    for option in ("hidden", "layers", "experts", "shards"):
+        if getattr(args, option) < 1:
+            ap.error(f"--{option} {getattr(args, option)}: must be 1 or more")
     if args.out.is_dir():  # the earlier run's weights; other files are rewritten or kept
         for old in [*args.out.glob("*.safetensors"), *args.out.glob("*.safetensors.index.json")]:
             old.unlink()
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # save_pretrained's one-step bar says nothing here
-    make = make_llama if args.arch == "llama" else make_moe
-    make(args.out, hidden=args.hidden, layers=args.layers, shards=args.shards, seed=args.seed)
+    size = dict(hidden=args.hidden, layers=args.layers, shards=args.shards, seed=args.seed)
+    if args.arch == "llama":
+        make_llama(args.out, **size)
+    else:
+        make_moe(args.out, experts=args.experts, **size)
     print(f"wrote {args.out}")
 
 
