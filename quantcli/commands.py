@@ -50,6 +50,10 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     if workers > 1 and not launched():  # refusals before any rank is spawned
         check_destination(local_src, dst, run)
         plan = plan_conversion(open_source(src, revision), opts)
+        shards = len(plan.source.shards)
+        if workers > shards:  # a rank per shard at most: more would only start idle processes
+            raise QuantcliError(f"--workers {workers}: {plan.source.label} has {shards} shard(s), and a worker "
+                                f"converts whole shards; use --workers {shards}")
     # One process, or the ranks torchrun or --workers started: rank 0 checks DST, every rank
     # plans from the headers (the same plan), and only rank 0 prints.
     with rank_world(device, workers, argv) as world:

@@ -67,5 +67,23 @@ def spawn_ranks(argv: list[str], workers: int) -> Iterator[tuple[Any, dict[str, 
 def _rank_main(argv: list[str], env: dict[str, str]) -> None:
     """A spawned rank: the command line itself (imported by name: the library does not depend on
     the command layer), which exits with the rank's code."""
+    _die_with_parent()
     os.environ.update(env)
     importlib.import_module("quantcli.cli").main(argv)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this rank when rank 0's process dies (even by SIGKILL), so no rank outlives
+    the job as an orphan; it then exits as on any SIGTERM, keeping DST.partial for --resume."""
+    import ctypes
+    import ctypes.util
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before the call: do not start at all
+        raise SystemExit(143)

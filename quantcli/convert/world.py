@@ -32,7 +32,10 @@ from .destination import FilesystemError
 
 T = TypeVar("T")
 BEAT_S = 0.5  # heartbeat period
-COLLECTIVE_TIMEOUT_S = 600  # a collective runs only once every rank has arrived, so this is generous
+# A collective runs only once every rank has posted to the meeting before it, so it is short;
+# but a rank that dies right after posting leaves the others blocked inside gloo/NCCL (where
+# Ctrl-C does not reach) until this timeout: keep it close to the rank timeout.
+COLLECTIVE_MARGIN_S = 30
 
 
 class PeerRefused(QuantcliError):
@@ -235,7 +238,7 @@ def open_world(device: str, store: Any = None, env: Mapping[str, str] | None = N
     if cuda:
         torch.cuda.set_device(local)
     if created:
-        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        timeout = timedelta(seconds=rank_timeout() + COLLECTIVE_MARGIN_S)
         backend = "nccl" if cuda else "gloo"
         if store is not None:
             # The prefix env:// adds on the other ranks, so that their keys meet ours.
