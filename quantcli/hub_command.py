@@ -23,7 +23,9 @@ def push_command(
     revision: Annotated[Optional[str], typer.Option(metavar="BRANCH", help="Upload to BRANCH (created if missing).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON document.")] = False,
 ) -> None:
-    """Verify a finished output (structural checks) and upload it to the Hugging Face Hub."""
+    """Verify and upload a finished output to the Hugging Face Hub.
+
+    The structural checks of `quantcli verify` run first; nothing is uploaded if they fail."""
     from .push import push
     from .render import console, emit_json
     from .reports import envelope
