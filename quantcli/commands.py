@@ -120,7 +120,20 @@ def _print_convert_result(plan, result, src: str) -> None:
               f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)}{_timing(result)}")
     if plan.exclusions:
         con.print(f"left dense: {dense_reasons(plan.exclusions)}")
-    con.print(f"next: quantcli verify {shlex.quote(str(result.dst))} --reference {shlex.quote(src)}")
+    cal = plan.options.calibration
+    if cal is not None:
+        con.print(f"calibrated: {_calibrated_counts(plan)} from {cal.data}")
+    recheck = f" --calibration {shlex.quote(cal.data)}" if cal is not None else ""
+    con.print(f"next: quantcli verify {shlex.quote(str(result.dst))} --reference {shlex.quote(src)}{recheck}")
+
+
+def _calibrated_counts(plan) -> str:
+    """`14 activation scales, 4 KV-cache scales`: the calibrated tensors the plan wrote."""
+    written = [o.name for t in plan.tensors for o in t.outputs]
+    inputs = sum(n.endswith((".input_scale", ".input_global_scale")) for n in written)
+    kv = sum(n.endswith((".k_scale", ".v_scale")) for n in written)
+    parts = [f"{inputs} activation scales"] * bool(inputs) + [f"{kv} KV-cache scales"] * bool(kv)
+    return ", ".join(parts) or "activation-weighted block scales (--scale-search mse)"
 
 
 def _what_was_done(plan, result) -> str:

@@ -284,3 +284,15 @@ def test_bad_token_ids_refused_up_front(src, tmp_path, run_cli, ids, needle):
                            "--activations", "static", "--calibration", str(data))
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert not list(tmp_path.glob("out*"))
+
+
+def test_summary_counts_the_calibrated_scales_and_suggests_the_rerun(src, tmp_path, run_cli):
+    data = tmp_path / "d.txt"
+    data.write_text("w1 w2 w3\n")
+    out = tmp_path / "out"
+    code, stdout, err = run_cli("convert", str(src), str(out), "--recipe", "nvfp4", "--layout", "modelopt",
+                                "--activations", "static", "--kv-cache", "fp8", "--calibration", str(data),
+                                "--calibration-samples", "1")
+    assert code == 0, err
+    assert f"calibrated: 14 activation scales, 4 KV-cache scales from {data}" in stdout
+    assert f"--calibration {data}" in stdout.splitlines()[-1]
