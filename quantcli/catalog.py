@@ -5,7 +5,7 @@ pair comes from one place, quantcli/engines.py (also the model card's serving co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .engines import ENGINES, loads_in
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, layouts_for
@@ -37,6 +37,7 @@ class LayoutInfo:
     exclusion_key: str  # the config key that lists modules left dense
     experts_only: bool  # the layout names MoE expert stacks only
     loads_in: dict[str, list[str]]  # recipe of `writes` -> the engines that load it in this layout
+    static_only: list[str] = field(default_factory=list)  # recipes written only with --activations static
 
 
 def _block(block: tuple[int, int]) -> str:
@@ -65,7 +66,8 @@ def layouts() -> list[LayoutInfo]:
         engines = {r: list(loads_in(r, name)) for r in writes}
         out.append(LayoutInfo(name=name, engines=[e for e in ENGINES if any(e in got for got in engines.values())],
                               writes=writes, reads_only=[r for r in RECIPES if r in layout.unservable],
-                              exclusion_key=layout.exclusion_key, experts_only=layout.experts_only, loads_in=engines))
+                              exclusion_key=layout.exclusion_key, experts_only=layout.experts_only, loads_in=engines,
+                              static_only=[r for r in writes if r in layout.needs_static]))
     return out
 
 

@@ -296,11 +296,15 @@ def render_layouts(infos, matrix: dict[str, dict[str, str]], con: Console) -> No
     for layout in matrix:
         m.add_column(layout, justify="center", no_wrap=True)
     engines = {i.name: i.loads_in for i in infos}
+    static = {(i.name, r) for i in infos for r in i.static_only}
     for r in recipes:
-        m.add_row(r, *(_engine_marks(engines[layout].get(r, [])) if row[r] == "loads" else
-                       "read" if row[r] == "read only" else "-" for layout, row in matrix.items()))
+        m.add_row(r, *(_engine_marks(engines[layout].get(r, [])) + ("*" if (layout, r) in static else "")
+                       if row[r] == "loads" else "read" if row[r] == "read only" else "-"
+                       for layout, row in matrix.items()))
     con.print(m)
     con.print("V vLLM, S SGLang, T TensorRT-LLM, H transformers")
+    if static:
+        con.print("*: only with calibrated activation scales (--activations static)")
     con.print("read: quantcli reads it, no engine loads it; -: not written in that layout")
 
 
