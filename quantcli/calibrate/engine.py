@@ -38,12 +38,17 @@ class Stats:
     # checkpoint expert module -> its experts block and role ("layers.0.mlp.experts:down"): an
     # expert no token was routed to takes the max of its block's experts in that role.
     expert_roles: dict[str, str] = field(default_factory=dict)
+    # Off when nothing reads sumsq (no activation-weighted search): an FP64 pass over every
+    # Linear's input that the max alone does not need.
+    channel_stats: bool = True
 
     def add(self, module: str, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1])
         if x.shape[0] == 0:
             return
         self.inputs[module] = max(self.inputs.get(module, 0.0), float(x.abs().amax()))
+        if not self.channel_stats:
+            return
         sq = x.double().square().sum(0).cpu()
         self.sumsq[module] = self.sumsq[module] + sq if module in self.sumsq else sq
         self.tokens[module] = self.tokens.get(module, 0) + x.shape[0]
@@ -199,12 +204,13 @@ def _expert_roles(stats: Stats, path: str, modules: ExpertModules) -> None:
 
 
 def collect(config_dict: dict, get, release, names, ids: list[list[int]], batch: int, device: torch.device,
-            progress=None) -> Stats:
+            progress=None, channel_stats: bool = True) -> Stats:
     """Statistics of the unquantized model over `ids`, layer by layer. `progress(done, total,
-    samples)` is called after each decoder layer."""
+    samples)` is called after each decoder layer; `channel_stats`: also each Linear's mean
+    squared input per channel."""
     fix_mmap_threshold()  # else freed layers stay in the heap as fragments: memory grows with depth
     model = meta_model(config_dict)
-    weights, stats = WeightMap(names), Stats()
+    weights, stats = WeightMap(names), Stats(channel_stats=channel_stats)
     input_batches = batches(ids, batch)
     shapes = [(*b.shape, model.config.hidden_size) for b in input_batches]
     with torch.inference_mode(), ActivationBuffer(shapes, device, budget_bytes()) as buffer:

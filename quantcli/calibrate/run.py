@@ -34,7 +34,8 @@ def calibrate(plan: Plan, tensors, device: torch.device, cache: Path | None = No
     ids = token_ids(cal, plan.source.root)
     names = {n for header in plan.source.headers.values() for n in header.tensors}
     stats = collect(plan.source.config, tensors.get, tensors.release, names, ids, cal.batch, device,
-                    progress=_LayerProgress(progress) if progress is not None else None)
+                    progress=_LayerProgress(progress) if progress is not None else None,
+                    channel_stats=plan.options.scale_search == "mse")
     facts = scale_facts(plan, stats)
     if cache is not None:
         save_facts(cache, facts)

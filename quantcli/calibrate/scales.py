@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import torch
 
+from ..calibrated import FP8_DIVISOR, divisor_of
 from ..errors import QuantcliError
 from ..plan import Plan, fused_group_of
 from .engine import Stats
 
-E4M3_MAX, E2M1_MAX = 448.0, 6.0
-# The largest value the activation's element format reaches with scale 1 (the divisor of amax).
-ACTIVATION_DIVISOR = {"fp8": E4M3_MAX, "fp8-channel": E4M3_MAX, "nvfp4": E2M1_MAX * E4M3_MAX}
 
-
-def _f32(x: float) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.float64).to(torch.float32)
+def scale_for(amax: float, divisor: float) -> torch.Tensor:
+    """The F32 multiplier amax / divisor, rounded once from the exact quotient; an all-zero
+    activation gets amax 1 (a scale is never 0, its reciprocal never Inf). verify's rerun uses it too."""
+    return torch.tensor((amax if amax > 0 else 1.0) / divisor, dtype=torch.float64).to(torch.float32)
 
 
 def scale_facts(plan: Plan, stats: Stats) -> dict[str, dict[str, object]]:
@@ -25,9 +24,9 @@ def scale_facts(plan: Plan, stats: Stats) -> dict[str, dict[str, object]]:
         _input_scales(plan, stats, out)
     if plan.options.kv_cache == "fp8":
         for attn, k in stats.keys.items():
-            out.setdefault(f"{attn}.k_proj", {})["k_scale"] = _f32(_positive(k) / E4M3_MAX)
-            out.setdefault(f"{attn}.v_proj", {})["v_scale"] = _f32(_positive(stats.values[attn]) / E4M3_MAX)
-    if getattr(plan.options, "scale_search", None) == "mse":  # activation-weighted search
+            out.setdefault(f"{attn}.k_proj", {})["k_scale"] = scale_for(k, FP8_DIVISOR)
+            out.setdefault(f"{attn}.v_proj", {})["v_scale"] = scale_for(stats.values[attn], FP8_DIVISOR)
+    if plan.options.scale_search == "mse":  # activation-weighted search
         for t in plan.tensors:
             ms = stats.channel_ms(t.module) if t.quantized else None
             if ms is not None:
@@ -41,7 +40,7 @@ def _input_scales(plan: Plan, stats: Stats, out: dict[str, dict[str, object]]) -
     noted: set[str] = set()
     for t in quantized:
         found = out.setdefault(t.module, {})
-        found["input_scale"] = _f32(_positive(shared[t.module]) / ACTIVATION_DIVISOR[t.recipe])
+        found["input_scale"] = scale_for(shared[t.module], divisor_of(t.recipe))
         expert = t.module.rpartition(".")[0]  # one note per expert, on its first module
         if t.module in unrouted and expert not in noted:
             noted.add(expert)
@@ -80,8 +79,3 @@ def _fill_unrouted_experts(modules: list[str], stats: Stats, amax: dict[str, flo
             amax[m] = role_max[role]
             unrouted[m] = role.split(":")[0]
     return unrouted
-
-
-def _positive(amax: float) -> float:
-    """An all-zero activation gets amax 1 (scale never 0, its reciprocal never Inf)."""
-    return amax if amax > 0 else 1.0

@@ -82,19 +82,18 @@ class WeightMap:
 
     def tensor(self, param: str, get: Callable[[str], torch.Tensor], experts: dict[str, ExpertModules]) -> torch.Tensor:
         """The model parameter `param` built from the source (FP32 conversion is the caller's)."""
-        path, _, leaf = param.rpartition(".")
-        if path in experts and leaf in FUSED_PARAMS:
-            mods = experts[path]
-            if len(mods.gate) == 1:
-                return get(mods.gate[0] if leaf == "gate_up_proj" else mods.down[0])
-            if leaf == "gate_up_proj":
-                return torch.stack([torch.cat([get(f"{g}.weight"), get(f"{u}.weight")]) for g, u in zip(mods.gate, mods.up)])
-            return torch.stack([get(f"{d}.weight") for d in mods.down])
-        source = self._renamed(param)
-        if source is None:
+        names = self.sources(param, experts)
+        if not names:
             raise QuantcliError(f"--calibration: the checkpoint has no tensor for the model's {param} (nor a known "
                                 f"renaming of it); it does not match its config.json architecture")
-        return get(source)
+        tensors = [get(n) for n in names]
+        path, _, leaf = param.rpartition(".")
+        if path not in experts or leaf not in FUSED_PARAMS or len(experts[path].gate) == 1:
+            return tensors[0]  # a plain parameter, or the checkpoint's own fused 3-D tensor
+        if leaf == "gate_up_proj":  # sources(): every expert's gate, then every expert's up
+            count = len(tensors) // 2
+            return torch.stack([torch.cat(pair) for pair in zip(tensors[:count], tensors[count:])])
+        return torch.stack(tensors)
 
     def sources(self, param: str, experts: dict[str, ExpertModules]) -> list[str]:
         """The checkpoint tensor names `param` is built from (empty: none)."""

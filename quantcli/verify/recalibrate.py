@@ -14,8 +14,8 @@ import torch
 from ..calibrate.data import data_digest, is_hub_dataset, token_ids
 from ..calibrate.engine import Stats, collect
 from ..calibrate.plan import SUPPORTED
-from ..calibrate.scales import E4M3_MAX, input_amax
-from ..calibrated import CalibratedScales
+from ..calibrate.scales import input_amax, scale_for
+from ..calibrated import FP8_DIVISOR, CalibratedScales
 from ..errors import QuantcliError
 from ..facts import Calibration
 from ..manifest import MANIFEST_NAME
@@ -56,7 +56,7 @@ def recalibrated_faults(scales: CalibratedScales, stats: Stats) -> Iterator[tupl
     if scales.inputs:
         shared, _ = input_amax([s.module for s in scales.inputs], stats)
         for s in scales.inputs:
-            want = _f32(shared[s.module] or 1.0, s.divisor)
+            want = float(scale_for(shared[s.module], s.divisor))
             if not _close(s.amax / s.divisor, want):
                 yield s.tensor, (f"stores a scale for activation amax {s.amax:.6g}; the calibration rerun on the "
                                  f"reference gives amax {shared[s.module]:.6g}")
@@ -65,13 +65,9 @@ def recalibrated_faults(scales: CalibratedScales, stats: Stats) -> Iterator[tupl
                                  (r.v_tensor, r.v_scale, stats.values.get(r.attention))):
             if have is None or amax is None:
                 continue
-            want = _f32(amax or 1.0, E4M3_MAX)
+            want = float(scale_for(amax, FP8_DIVISOR))
             if not _close(have, want):
                 yield name, f"is {have:.6g}; the calibration rerun on the reference gives {want:.6g} (amax {amax:.6g} / 448)"
-
-
-def _f32(amax: float, divisor: float) -> float:
-    return float(torch.tensor(amax / divisor, dtype=torch.float64).to(torch.float32))
 
 
 def _close(a: float, b: float) -> bool:
