@@ -48,7 +48,22 @@ def shard_order(plan) -> dict[str, list]:
     return out
 
 
-class ConvertBar:
+class _Shown:
+    """A context around `self.progress`, a rich Progress or None when nothing is shown."""
+
+    progress: Progress | None = None
+
+    def __enter__(self):
+        if self.progress is not None:
+            self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+
+class ConvertBar(_Shown):
     """The progress callback of a conversion: `bar(n, shard)` after each tensor (or once for a
     whole shard that --resume reused)."""
 
@@ -66,15 +81,6 @@ class ConvertBar:
         first = next((ts[0].name for ts in self.order.values() if ts), "")
         self.task = self.progress.add_task(self._describe(f"shard 1/{len(self.shards)}", first), total=plan.bytes_in) \
             if show_bar else None
-
-    def __enter__(self) -> ConvertBar:
-        if self.progress is not None:
-            self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.progress is not None:
-            self.progress.__exit__(*exc)
 
     def __call__(self, n: int, shard: str) -> None:
         if not n and shard not in self.order:  # a phase before the shards (calibration) names itself
@@ -114,7 +120,7 @@ def counting_bar(stderr: Console, show: bool, what: str):
     return progress, lambda name, total: progress.update(task, advance=1, total=total, description=f"{what} {name}")
 
 
-class PhaseBar:
+class PhaseBar(_Shown):
     """A quantcli.verify progress callback, `bar(phase, done, total, current)`, drawn as a bar on
     stderr: `comparing ━━━━━━  12/64 0:00:41 model.layers.3.self_attn.q_proj`; does nothing when
     not `show`."""
@@ -125,15 +131,6 @@ class PhaseBar:
                                  TimeElapsedColumn(), TextColumn("{task.fields[current]}"),
                                  console=stderr, transient=True) if show else None
         self.task = self.progress.add_task(what, total=None, current="") if show else None
-
-    def __enter__(self) -> PhaseBar:
-        if self.progress is not None:
-            self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.progress is not None:
-            self.progress.__exit__(*exc)
 
     def __call__(self, phase: str, done: int, total: int, current: str) -> None:
         if self.progress is not None:
