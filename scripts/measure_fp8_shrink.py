@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from measure_scale_search import EVAL, embed, linears, load, model_dir  # scripts/ is on sys.path
+from measure_scale_search import EVAL, embed, linears, load, model_dir, output_error  # scripts/ on sys.path
 from quantcli.kernels import reference as R
 
 BLOCK = 128
@@ -96,12 +96,8 @@ def main() -> None:
                 d = unblock(quantize(w, geo, shrink), tuple(w.shape), geo)
                 pairs.append((d, w))
                 state[f"{name}.weight"] = d.to(lin.weight.dtype)
-            model.load_state_dict(state)
-            hidden, emb = embed(model, tok, EVAL)
-            cos = float((emb * ref_emb).sum(-1).mean())
-            herr = float((hidden - ref_hidden).norm() / ref_hidden.norm())
+            cos, herr = output_error(model, tok, state, original, (ref_hidden, ref_emb))
             print(f"| all-MiniLM-L6-v2 | {recipe} | {label} | {rel_err(pairs):.5f} | {1 - cos:.2e} | {herr:.4f} |")
-            model.load_state_dict(original)
 
 
 if __name__ == "__main__":

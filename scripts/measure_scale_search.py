@@ -110,6 +110,16 @@ def quantized_copy(model, recipe, ms: dict | None):
     return state, (num / den) ** 0.5
 
 
+def output_error(model, tok, state: dict, original: dict, reference: tuple) -> tuple[float, float]:
+    """(mean embedding cosine, hidden-state relative error) of `model` with weights `state` against
+    `reference` = (hidden, embeddings) of the original; `original` is put back afterwards."""
+    ref_hidden, ref_emb = reference
+    model.load_state_dict(state)
+    hidden, emb = embed(model, tok, EVAL)
+    model.load_state_dict(original)
+    return float((emb * ref_emb).sum(-1).mean()), float((hidden - ref_hidden).norm() / ref_hidden.norm())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model folder or the package's model.zip (default: the installed package)")
@@ -125,12 +135,8 @@ def main() -> None:
         for label, search, weights in (("absmax", "none", None), ("mse", "mse", None), ("mse+act", "mse", ms)):
             recipe = RECIPES[name].with_scale_search(search)
             state, werr = quantized_copy(model, recipe, weights)
-            model.load_state_dict(state)
-            hidden, emb = embed(model, tok, EVAL)
-            cos = float((emb * ref_emb).sum(-1).mean())
-            herr = float((hidden - ref_hidden).norm() / ref_hidden.norm())
+            cos, herr = output_error(model, tok, state, original, (ref_hidden, ref_emb))
             print(f"| {name} | {label} | {werr:.4f} | {cos:.5f} | {1 - cos:.2e} | {herr:.4f} |")
-            model.load_state_dict(original)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,16 @@ def mse_spec(name: str):
     return replace(RECIPES[name].spec, scale_search="mse")
 
 
+def _step_first_block_scale(dst, name: str) -> None:
+    """Move the first E4M3 block scale of `name` in DST's shard one code up (or down at the top)."""
+    shard = next(dst.glob("*.safetensors"))
+    tensors = load_file(shard)
+    raw = tensors[name].view(torch.uint8).clone()
+    raw[0, 0] = raw[0, 0] + 1 if raw[0, 0] < 0x7E else raw[0, 0] - 1
+    tensors[name] = raw.view(torch.float8_e4m3fn)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("kind", ["normal", "laplace", "student-t"])
 @pytest.mark.parametrize("name", SEARCHED)
 def test_never_worse_than_absmax_per_block(name, kind):
@@ -138,13 +148,7 @@ def test_convert_records_the_method_and_verify_exact_reproduces_it(run_cli, llam
     assert code == 0 and out.count('"scale_rule": "absmax + mse search"') == 7
 
     # One block scale changed after convert: --exact names the module.
-    shard = next(dst.glob("*.safetensors"))
-    tensors = load_file(shard)
-    name = "model.layers.0.mlp.down_proj.weight_scale"
-    raw = tensors[name].view(torch.uint8).clone()
-    raw[0, 0] = raw[0, 0] + 1 if raw[0, 0] < 0x7E else raw[0, 0] - 1
-    tensors[name] = raw.view(torch.float8_e4m3fn)
-    save_file(tensors, shard, metadata={"format": "pt"})
+    _step_first_block_scale(dst, "model.layers.0.mlp.down_proj.weight_scale")
     code, out, _ = run_cli("verify", dst, "--reference", llama, "--exact")
     assert code == 1 and "down_proj" in out and "bytes were changed" in out
 
@@ -321,12 +325,6 @@ def test_weighted_search_is_recorded_and_verify_exact_reproduces_it_with_the_cal
     assert any(r["exact_identical_fraction"] < 1.0 for r in report["tensors"])  # data-free differs: not checked
 
     # A changed block scale: with the calibration, --exact names the module.
-    shard = next(dst.glob("*.safetensors"))
-    tensors = load_file(shard)
-    name = "model.layers.0.self_attn.o_proj.weight_scale"
-    raw = tensors[name].view(torch.uint8).clone()
-    raw[0, 0] = raw[0, 0] + 1 if raw[0, 0] < 0x7E else raw[0, 0] - 1
-    tensors[name] = raw.view(torch.float8_e4m3fn)
-    save_file(tensors, shard, metadata={"format": "pt"})
+    _step_first_block_scale(dst, "model.layers.0.self_attn.o_proj.weight_scale")
     code, out, _ = run_cli("verify", dst, "--reference", src, "--exact", "--calibration", data)
     assert code == 1 and "o_proj" in out and "bytes were changed" in out
