@@ -215,7 +215,8 @@ def test_hub_dataset_id_reads_rows_like_jsonl(src, tmp_path, run_cli, monkeypatc
     local.write_text("".join(json.dumps({"text": s}) + "\n" for s in samples))
     _convert(run_cli, src, tmp_path / "hub", "org/calib:main:validation", "--calibration-samples", "5")
     _convert(run_cli, src, tmp_path / "local", local, "--calibration-samples", "5")
-    assert ("org/calib", "main", "validation", True) in fake.calls
+    # streamed once for the plan's checks, the fingerprint, the engine and the manifest together
+    assert fake.calls == [("org/calib", "main", "validation", True)]
     shards = [{p.name: p.read_bytes() for p in (tmp_path / d).glob("*.safetensors")} for d in ("hub", "local")]
     assert shards[0] == shards[1]
     run = json.loads((tmp_path / "hub" / "quantcli_manifest.json").read_text())["calibration"]

@@ -7,8 +7,10 @@ N kept."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -59,11 +61,26 @@ def data_digest(cal: Calibration) -> str:
 
 def read_samples(cal: Calibration) -> list:
     """The first `cal.samples` raw samples (str, messages list or token-id list); refused when
-    the file is missing, of another kind, or holds no text."""
+    the file is missing, of another kind, or holds no text. Read once per process and version of
+    the file (size, mtime): the plan's checks, the resume fingerprint, the engine and the
+    manifest all ask for them, and a Hub dataset would otherwise be streamed each time."""
+    return list(_read_samples(cal, _version(cal.data)))
+
+
+def _version(data: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(data)
+    except OSError:
+        return None  # a Hub dataset id, or a missing file (refused when read)
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=8)
+def _read_samples(cal: Calibration, version: tuple[int, int] | None) -> tuple:
     path = Path(cal.data)
     where = f"--calibration {cal.data}"
     if is_hub_dataset(cal.data):
-        return _hub_samples(cal, where)
+        return tuple(_hub_samples(cal, where))
     if not path.is_file():
         raise QuantcliError(f"{where}: no such file (a local .txt or .jsonl, or a Hub dataset OWNER/NAME[:SPLIT])")
     try:
@@ -80,7 +97,7 @@ def read_samples(cal: Calibration) -> list:
     samples = [s for s in samples if s]
     if not samples:
         raise QuantcliError(f"{where}: holds no text (no non-empty sample)")
-    return samples[: cal.samples]
+    return tuple(samples[: cal.samples])
 
 
 def _jsonl_sample(line: str, i: int, where: str):
