@@ -1,6 +1,7 @@
 """The single dispatch point for quantize/dequantize: `backend = auto | torch | triton`.
 
-`kernels.reference` (pure torch, CPU or GPU) and `kernels.triton_quant` share one signature;
+`kernels.reference` (pure torch, CPU or GPU), `kernels.cpu` (its arithmetic in place, for CPU
+tensors) and `kernels.triton_quant` share one signature;
 `auto` picks Triton for CUDA tensors when Triton imports, else the reference. This package is
 the only place that imports triton, and only when the Triton backend is actually used, so the
 CLI and the CPU path never pay for it.
@@ -14,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from . import reference
+from . import cpu, reference
 from .reference import cpu_workers
 from .spec import NonFiniteInput, QuantResult, QuantSpec
 
@@ -58,7 +59,7 @@ def _impl(backend: str, device: torch.device) -> ModuleType:
         from . import triton_quant
 
         return triton_quant
-    return reference
+    return cpu if device.type == "cpu" else reference
 
 
 def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None,
@@ -68,7 +69,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None 
     impl = _impl(backend, x.device)
     if spec.scale_search == "none":
         return impl.quantize(x, spec, global_amax)
-    if impl is reference:
+    if impl in (cpu, reference):
         from . import search
 
         return search.quantize(x, spec, global_amax, channel_weight)

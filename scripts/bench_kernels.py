@@ -1,7 +1,8 @@
 """Kernel throughput: every recipe on BF16 8192x28672, 28672x8192 and 4096x4096.
 
     python scripts/bench_kernels.py            # CUDA: Triton vs copy bandwidth vs torch reference
-    python scripts/bench_kernels.py --cpu      # the torch reference on the CPU (smaller shapes)
+    python scripts/bench_kernels.py --cpu      # CPU: the in-place path vs the torch reference
+    python scripts/bench_kernels.py --cpu --chunks 17,18,19,20   # ... per chunk size (kernels/cpu.py)
 
 On CUDA, for each shape and recipe: the median time (triton.testing.do_bench), GB/s counting bytes
 read plus written, the percentage of a device-to-device copy of the same bytes measured in the
@@ -45,32 +46,46 @@ def bench_cuda() -> None:
                   f"{ref_ms / tri_ms:>9.1f}x")
 
 
-def bench_cpu() -> None:
-    print(f"device: CPU, {torch.get_num_threads()} threads (torch reference)")
-    print(f"{'shape':>12} {'recipe':<12}{'ms':>9}{'GB/s':>8}")
-    for shape in [(2048, 4096), (4096, 2048)]:
-        x = torch.randn(shape, dtype=torch.bfloat16)
-        for name in RECIPES:
-            recipe = get_recipe(name)
-            quantize(x, recipe.spec, backend="torch")
-            times = []
-            for _ in range(3):
-                t = time.perf_counter()
-                quantize(x, recipe.spec, backend="torch")
-                times.append(time.perf_counter() - t)
-            ms = sorted(times)[1] * 1e3
-            moved = x.numel() * 2 + out_bytes(recipe, shape)
-            print(f"{'x'.join(map(str, shape)):>12} {name:<12}{ms:>9.1f}{moved / ms / 1e6:>8.2f}")
+def _best_ms(fn, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3
+
+
+def bench_cpu(chunks: list[int]) -> None:
+    """The in-place CPU path (kernels/cpu.py, what convert runs) against the functional torch
+    reference it must match, both on the thread pool convert uses, per chunk size."""
+    from quantcli.kernels import cpu, cpu_workers, reference
+
+    threads = torch.get_num_threads()
+    print(f"device: CPU, {threads} threads (chunks side by side, as convert runs them)")
+    print(f"{'shape':>10} {'recipe':<12}{'chunk':>9}{'reference ms':>14}{'cpu ms':>9}{'GB/s':>7}{'speedup':>9}")
+    x = torch.randn(4096, 4096, dtype=torch.bfloat16)
+    for name in RECIPES:
+        spec = get_recipe(name).spec
+        moved = x.numel() * 2 + out_bytes(get_recipe(name), tuple(x.shape))
+        with cpu_workers(threads):
+            ref_ms = _best_ms(lambda: reference.quantize(x, spec))
+            for chunk in chunks:
+                cpu.CHUNK = chunk
+                ms = _best_ms(lambda: cpu.quantize(x, spec))
+                print(f"{'4096x4096':>10} {name:<12}{'2^' + str(chunk.bit_length() - 1):>9}{ref_ms:>14.1f}{ms:>9.1f}"
+                      f"{moved / ms / 1e6:>7.2f}{ref_ms / ms:>8.1f}x", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu", action="store_true", help="benchmark the torch reference on the CPU")
+    ap.add_argument("--cpu", action="store_true", help="benchmark the CPU paths (also without a GPU)")
+    ap.add_argument("--chunks", default="19", help="CPU: comma-separated log2 chunk sizes, e.g. 17,18,19,20")
     args = ap.parse_args()
     if torch.cuda.is_available() and not args.cpu:
         bench_cuda()
     else:
-        bench_cpu()
+        bench_cpu([1 << int(c) for c in args.chunks.split(",")])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from quantcli.kernels import reference as ref
+from quantcli.kernels import chunks, cpu, reference as ref
 from quantcli.recipes import RECIPES, get_recipe
 from quantcli.errors import RecipeError
 from quantcli.facts import ModuleFacts
@@ -319,6 +319,10 @@ def test_chunking_never_changes_a_byte(name, monkeypatch):
     x = torch.randn(3, 300, 256).bfloat16()
     r = get_recipe(name)
     whole = r.quantize("w", x)
-    monkeypatch.setattr(ref, "CHUNK_ELEMENTS", 1000)  # forces many row bands per matrix
+    # Many row bands per matrix on both CPU paths (the reference's bands read chunks' constant).
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 1000)
+    monkeypatch.setattr(cpu, "CHUNK", 1000)
     banded = r.quantize("w", x)
     assert torch.equal(whole.codes, banded.codes) and torch.equal(whole.scale, banded.scale)
+    reference = ref.quantize(x, r.spec)
+    assert torch.equal(whole.codes, reference.codes) and torch.equal(whole.scale, reference.scale)
