@@ -9,6 +9,7 @@ holds a whole shard.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -16,6 +17,7 @@ import os
 import stat
 import struct
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable
@@ -312,6 +314,17 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
+# Tensors at least this big are hashed while they are written. Copying into the page cache and
+# SHA-256 each take about as long per byte (1.2 s and 0.4 s for 0.72 GB of fp8 codes on a 2-core
+# VM), and one after the other they were the longest chain of an fp8 convert.
+OVERLAP_BYTES = 1 << 20
+
+
+@functools.cache
+def _hash_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="quantcli-hash")
+
+
 class ShardWriter:
     """Writes one safetensors file: the header first, then tensors in header order. It hashes
     what it writes (`sha256`, `size`), so nobody has to read the file back to checksum it."""
@@ -325,8 +338,15 @@ class ShardWriter:
         self._next = 0
 
     def _emit(self, data: memoryview | bytes) -> None:
-        self._f.write(data)
-        self._hash.update(data)
+        if len(data) < OVERLAP_BYTES:
+            self._f.write(data)
+            self._hash.update(data)
+        else:  # hash on a second thread while this one writes: both release the GIL
+            hashing = _hash_thread().submit(self._hash.update, data)
+            try:
+                self._f.write(data)
+            finally:
+                hashing.result()  # in order: the next tensor's bytes are hashed after these
         self.size += len(data)
 
     def write(self, name: str, data: memoryview | bytes) -> None:

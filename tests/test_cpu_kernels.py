@@ -110,3 +110,4 @@ def test_convert_uses_the_cpu_path_for_cpu_tensors(monkeypatch):
     monkeypatch.setattr(cpu, "quantize", lambda *a, **k: calls.append(a) or ref.quantize(*a, **k))
     get_recipe("nvfp4").quantize("w", torch.randn(32, 64))
     assert len(calls) == 1
+
