@@ -54,24 +54,27 @@ _WS = _Workspace()
 # ---------------------------------------------------------------- element encoders, in place
 
 
-def _encode_e2m1(f: torch.Tensor, codes: torch.Tensor) -> None:
-    """reference.encode_e2m1 + pack_nibbles of the FP32 values `f` (overwritten) into `codes`.
+def _encode_e2m1(mag: torch.Tensor, signed: torch.Tensor, codes: torch.Tensor) -> None:
+    """reference.encode_e2m1 + pack_nibbles into `codes`, from the scaled magnitudes `mag` and
+    any FP32 tensor `signed` with their signs (both overwritten).
 
-    The reference's `k -= magic; k += twice; k -= 254` is one `k += (twice - magic - 254)`:
-    int32 arithmetic is modular, and no step overflows either way (|k|, magic < 2^31). Packing
-    reads each pair of int32 codes as one little-endian int64 `p = c0 | c1 << 32`: since c0 < 16,
-    the low byte of `p | p >> 28` is `c0 | c1 << 4`, which the narrowing copy to uint8 keeps
-    (a cast to an unsigned type is modulo 256)."""
-    n = f.numel()
-    bits = f.view(-1).view(torch.int32)
-    magic, offset, sign = (_WS.get(b, n, torch.int32) for b in ("m", "t", "s"))
+    The reference encodes v = x / d with d > 0, taking the magnitude from |v|'s bits and bit 3
+    from v's sign; here `mag` = |x| / d, which is |v| exactly (IEEE division is sign-symmetric),
+    and `signed` = x, whose sign is v's (also when v underflows to -0). The reference's
+    `k -= magic; k += twice; k -= 254` is one `k += (twice - magic - 254)`: int32 arithmetic is
+    modular, and no step overflows either way (|k|, magic < 2^31). Packing reads each pair of
+    int32 codes as one little-endian int64 `p = c0 | c1 << 32`: since c0 < 16, the low byte of
+    `p | p >> 28` is `c0 | c1 << 4`, which the narrowing copy to uint8 keeps (a cast to an
+    unsigned type is modulo 256)."""
+    n = mag.numel()
+    bits = mag.view(-1).view(torch.int32)
+    sign = signed.view(-1).view(torch.int32).bitwise_right_shift_(28).bitwise_and_(0x8)
+    magic, offset = _WS.get("t", n, torch.int32), _WS.get("s", n, torch.int32)
     torch.bitwise_and(bits, 0x7F800000, out=magic).clamp_(127 << 23, 130 << 23)  # the binade
     torch.bitwise_right_shift(magic, 22, out=offset)  # twice
     magic.add_(22 << 23)
     offset.sub_(magic).sub_(2 * 127)
-    torch.bitwise_right_shift(bits, 28, out=sign).bitwise_and_(0x8)
-    bits.bitwise_and_(0x7FFFFFFF)
-    f.view(-1).add_(magic.view(torch.float32))  # the one FPU rounding (RNE) of the reference
+    mag.view(-1).add_(magic.view(torch.float32))  # the one FPU rounding (RNE) of the reference
     bits.add_(offset).clamp_(max=7).bitwise_or_(sign)
     pairs = bits.view(torch.int64)
     packed = torch.bitwise_right_shift(pairs, 28, out=magic.view(torch.int64)[:n // 2]).bitwise_or_(pairs)
@@ -79,9 +82,10 @@ def _encode_e2m1(f: torch.Tensor, codes: torch.Tensor) -> None:
 
 
 def _encode(f: torch.Tensor, element: str, codes: torch.Tensor) -> None:
-    """reference.encode_elements of `f` (overwritten) into the uint8 `codes`."""
+    """reference.encode_elements of `f` (overwritten) into the uint8 `codes` (8-bit elements;
+    E2M1 groups take _encode_e2m1's shorter way)."""
     if element == "e2m1":
-        _encode_e2m1(f, codes)
+        _encode_e2m1(f.abs(), f, codes)
     elif element == "int8":
         torch.round(f, out=f).clamp_(-128, 127)
         codes.view(torch.int8).copy_(f)
@@ -97,7 +101,7 @@ def _load(x: torch.Tensor) -> torch.Tensor:
 
 
 def _abs(f: torch.Tensor) -> torch.Tensor:
-    """|f| in the workspace buffer that the E2M1 encoder later reuses for its magic numbers."""
+    """|f| in the workspace."""
     return torch.abs(f, out=_WS.get("m", f.numel(), torch.float32).view(f.shape))
 
 
@@ -107,9 +111,15 @@ def _abs(f: torch.Tensor) -> torch.Tensor:
 def _group_chunk(x, spec: QuantSpec, s2, codes, scale) -> None:
     rows, k = x.shape
     f = _load(x)
-    amax = R._check_finite(F.max_pool1d(_abs(f).unsqueeze(1), spec.group).squeeze(1))
+    mag = _abs(f)
+    amax = R._check_finite(F.max_pool1d(mag.unsqueeze(1), spec.group).squeeze(1))
     stored, denom = R.encode_scale(amax, spec, s2)
     scale.copy_(stored)
+    if spec.element.name == "e2m1":  # scale |x| (already here for the amax) and keep x's signs
+        groups = mag.view(rows, k // spec.group, spec.group)
+        torch.div(groups, denom.unsqueeze(-1), out=groups)
+        _encode_e2m1(mag, f, codes)
+        return
     groups = f.view(rows, k // spec.group, spec.group)
     torch.div(groups, denom.unsqueeze(-1), out=groups)
     _encode(f, spec.element.name, codes)
