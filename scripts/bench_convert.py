@@ -8,6 +8,11 @@ Builds a synthetic Llama-shaped checkpoint, then in one run times (each in a fre
 peak memory is measured per job): the floor (safetensors load_file + save_file of every shard)
 and `quantcli convert` for each recipe and worker count. Prints GB/s of source bytes, the ratio to
 the floor and the peak resident memory (of the largest process, with several workers).
+
+Each job also pays a fixed start-up (Python, torch and the CLI's imports, planning, the side
+files), measured here on a 1-layer checkpoint; "steady x floor" divides it out of both sides,
+(floor - floor start-up) / (job - job start-up), which is the ratio a checkpoint large enough
+for start-up not to matter would see.
 """
 
 from __future__ import annotations
@@ -67,10 +72,10 @@ def make_checkpoint(root: Path, size_gb: float, shards: int, hidden: int = 4096)
     return total
 
 
-def timed(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child process."""
+def timed(cmd: list[str], quiet: bool = False) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process (`quiet`: its stdout dropped)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL if quiet else None)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
@@ -105,17 +110,30 @@ def main() -> None:
     shutil.rmtree(work / "floor")
     floor_s, floor_rss = timed([sys.executable, "-c", FLOOR, str(src), str(work / "floor")])
     shutil.rmtree(work / "floor")
+    floor_start = min(timed([sys.executable, "-c", "from safetensors.torch import load_file, save_file"])[0]
+                      for _ in range(2))
+    worker_counts = [int(w) for w in args.workers.split(",")]
+    tiny = work / "tiny"  # one small layer per shard, as many shards as the most workers
+    subprocess.run([sys.executable, "-c", code.replace(repr(str(src)), repr(str(tiny)))
+                    .replace(f"{args.size_gb}, {args.shards})", f"0.0, {max(worker_counts)}, 256)")], check=True)
     floor_rate = total / floor_s / 1e9
-    print(f"{'job':<14}{'seconds':>9}{'GB/s':>8}{'x floor':>9}{'peak RSS':>11}")
-    print(f"{'floor':<14}{floor_s:>9.2f}{floor_rate:>8.2f}{1.0:>9.2f}{floor_rss / 2**30:>9.2f} GiB")
+    print(f"start-up: floor {floor_start:.2f} s (imports); each job's below, on a checkpoint of tiny layers")
+    print(f"{'job':<14}{'seconds':>9}{'GB/s':>8}{'x floor':>9}{'start-up':>10}{'steady x floor':>16}{'peak RSS':>11}")
+    print(f"{'floor':<14}{floor_s:>9.2f}{floor_rate:>8.2f}{1.0:>9.2f}{floor_start:>9.2f}s{1.0:>16.2f}"
+          f"{floor_rss / 2**30:>7.2f} GiB")
     for recipe in args.recipes:
-        for workers in [int(w) for w in args.workers.split(",")]:
+        for workers in worker_counts:
             out = work / recipe
-            s, rss = timed([sys.executable, "-m", "quantcli", "convert", str(src), str(out), "--recipe", recipe,
-                            "--device", args.device, "--quiet", "--overwrite", "--workers", str(workers)])
+            job_cmd = lambda s, o: [sys.executable, "-m", "quantcli", "convert", str(s), str(o),  # noqa: E731
+                                    "--recipe", recipe, "--device", args.device, "--quiet", "--overwrite",
+                                    "--workers", str(workers)]
+            start = min(timed(job_cmd(tiny, work / "tiny-out"), quiet=True)[0] for _ in range(2))
+            s, rss = timed(job_cmd(src, out), quiet=True)
             rate = total / s / 1e9
+            steady = (floor_s - floor_start) / max(s - start, 1e-9)
             job = recipe if workers == 1 else f"{recipe} x{workers}"
-            print(f"{job:<14}{s:>9.2f}{rate:>8.2f}{rate / floor_rate:>9.2f}{rss / 2**30:>9.2f} GiB", flush=True)
+            print(f"{job:<14}{s:>9.2f}{rate:>8.2f}{rate / floor_rate:>9.2f}{start:>9.2f}s{steady:>16.2f}"
+                  f"{rss / 2**30:>7.2f} GiB", flush=True)
             shutil.rmtree(out)
     print(f"load average at the end: {_load()}")
     if args.workdir is None:
