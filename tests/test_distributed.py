@@ -1,14 +1,16 @@
 """Conversion on several torch.distributed ranks (gloo, CPU): byte-identical to one process.
 
 Two spawned groups are shared by every case (a torch import per rank is the cost): a 2-rank
-group runs half the recipes, a re-layout of a quantized source and finally a job whose rank 1
-is killed mid-run; a 3-rank group runs the other recipes, a fused group split over ranks and
-the --resume of the killed job. Each output is compared file by file with one process's.
+group runs half the recipes, a re-layout of a quantized source, two calibrated jobs (the ranks
+split the batches; with an activation-weighted search rank 0 calibrates alone) and finally a job
+whose rank 1 is killed mid-run; a 3-rank group runs the other recipes, a fused group split over
+ranks, a calibrated MoE and the --resume of the killed job. Each output is compared file by file with one process's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -24,6 +26,7 @@ from faults import assert_nothing_left, tree_state
 from quantcli.convert.world import assign_shards
 from quantcli.testing import make_llama, make_moe
 
+CALIBRATE = importlib.util.find_spec("transformers") is not None
 GROUP_A = [("nvfp4", "llama"), ("fp8-block", "llama"), ("mxfp4", "moe"), ("int8-channel", "llama")]
 GROUP_B = [("fp8", "llama"), ("fp8-channel", "moe"), ("mxfp8", "llama"), ("nvfp4", "moe")]
 
@@ -121,11 +124,24 @@ def runs(tmp_path_factory):
     extra = {"relayout": ["--recipe", "nvfp4", "--layout", "compressed-tensors"], "dequantize": ["--recipe", "bf16"]}
     jobs_a = cases(a, GROUP_A) + [{"name": "relayout", "argv": ["convert", str(quantized), str(a / "relayout"),
                                                                 *extra["relayout"], "--quiet"]}]
+    if CALIBRATE:  # ranks split the batches (maxima) or rank 0 calibrates alone (a weighted search)
+        ids = tmp / "ids.jsonl"
+        ids.write_text("".join(json.dumps({"input_ids": [(7 * i + 13 * j) % 512 for j in range(8 + 4 * (i % 3))]})
+                               + "\n" for i in range(12)))
+        static = ["--activations", "static", "--kv-cache", "fp8", "--calibration", str(ids),
+                  "--calibration-samples", "12", "--device", "cpu", "--quiet"]
+        jobs_a += [{"name": "calibrated-llama", "argv": ["convert", str(src["llama"]), str(a / "calibrated-llama"),
+                                                         "--recipe", "nvfp4", *static]},
+                   {"name": "calibrated-search", "argv": ["convert", str(src["llama"]), str(a / "calibrated-search"),
+                                                          "--recipe", "nvfp4", "--scale-search", "mse", *static]}]
     jobs_a.append({"name": "killed", "argv": ["convert", str(src["llama"]), str(tmp / "killed"), "--recipe", "nvfp4",
                                               "--quiet"], "env": {"1": {"QUANTCLI_KILL_AFTER_SHARDS": "1"}}})
     jobs_b = cases(b, GROUP_B) + [
         {"name": "dequantize", "argv": ["convert", str(quantized), str(b / "dequantize"), *extra["dequantize"],
                                         "--quiet"]}]
+    if CALIBRATE:  # three ranks over the MoE's batches: an expert may be reached on one rank only
+        jobs_b.append({"name": "calibrated-moe", "argv": ["convert", str(src["moe"]), str(b / "calibrated-moe"),
+                                                          "--recipe", "nvfp4", *static]})
     for job in [*jobs_a[:-1], *jobs_b]:  # the same command lines in one process (nvfp4-llama first)
         argv = list(job["argv"])
         argv[2] = str(ref / job["name"])
@@ -152,7 +168,9 @@ def _same_bytes(one: Path, many: Path) -> None:
     assert tree_state(one) == tree_state(many), f"{many} differs from {one}"
 
 
-@pytest.mark.parametrize("name", [f"{r}-{s}" for r, s in GROUP_A + GROUP_B] + ["relayout", "dequantize"])
+@pytest.mark.parametrize("name", [f"{r}-{s}" for r, s in GROUP_A + GROUP_B] + ["relayout", "dequantize"] + [
+    pytest.param(n, marks=pytest.mark.skipif(not CALIBRATE, reason="needs the calibrate extra"))
+    for n in ("calibrated-llama", "calibrated-search", "calibrated-moe")])
 def test_ranks_write_the_bytes_of_one_process(runs, name):
     logs = runs["logs"][name]
     assert sorted(logs) == list(range(len(logs))) and len(logs) in (2, 3)
@@ -226,3 +244,46 @@ def test_lpt_split_is_balanced_and_stable():
     owner = assign_shards(sizes, 2)
     loads = [sum(n for s, n in sizes.items() if owner[s] == r) for r in range(2)]
     assert owner == assign_shards(dict(reversed(sizes.items())), 2) and sorted(loads) == [15, 17]
+
+
+def test_merged_calibration_stats_are_the_max_and_leave_unreached_experts_absent():
+    """Two ranks in threads, meeting through a barrier: each max is the larger one, a module one
+    rank reached is there for both, and an expert no rank reached stays absent (so scales.py
+    fills it from its block, as in one process)."""
+    import threading
+
+    from quantcli.calibrate.engine import Stats
+    from quantcli.calibrate.run import merged_stats
+
+    ranks = [Stats(inputs={"a": 1.0, "e0": 2.0}, keys={"attn": 0.5}, values={"attn": 3.0}, channel_stats=False,
+                   expert_roles={"e0": "x:down", "e1": "x:down", "e2": "x:down"}),
+             Stats(inputs={"a": 4.0, "e1": 0.25}, keys={"attn": 0.75}, values={"attn": 1.0}, channel_stats=False,
+                   expert_roles={"e0": "x:down", "e1": "x:down", "e2": "x:down"})]
+    barrier, posted, out = threading.Barrier(2), [None, None], [None, None]
+
+    def rank(r: int) -> None:
+        def share(value):
+            posted[r] = value
+            barrier.wait()
+            both = list(posted)
+            barrier.wait()
+            return both
+
+        def all_max(t):
+            posted[r] = t
+            barrier.wait()
+            m = torch.maximum(posted[0], posted[1])
+            barrier.wait()
+            return m
+
+        out[r] = merged_stats(ranks[r], share, all_max)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for merged in out:
+        assert merged.inputs == {"a": 4.0, "e0": 2.0, "e1": 0.25}
+        assert merged.keys == {"attn": 0.75} and merged.values == {"attn": 3.0}
+        assert merged.expert_roles["e2"] == "x:down"

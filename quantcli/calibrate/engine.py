@@ -204,14 +204,15 @@ def _expert_roles(stats: Stats, path: str, modules: ExpertModules) -> None:
 
 
 def collect(config_dict: dict, get, release, names, ids: list[list[int]], batch: int, device: torch.device,
-            progress=None, channel_stats: bool = True) -> Stats:
+            progress=None, channel_stats: bool = True, part: tuple[int, int] = (0, 1)) -> Stats:
     """Statistics of the unquantized model over `ids`, layer by layer. `progress(done, total,
     samples)` is called after each decoder layer; `channel_stats`: also each Linear's mean
-    squared input per channel."""
+    squared input per channel; `part` = (i, n): only batches i, i + n, ... (rank i of n; each
+    batch is computed exactly as one process computes it, so the maxima combine exactly)."""
     fix_mmap_threshold()  # else freed layers stay in the heap as fragments: memory grows with depth
     model = meta_model(config_dict)
     weights, stats = WeightMap(names), Stats(channel_stats=channel_stats)
-    input_batches = batches(ids, batch)
+    input_batches = batches(ids, batch)[part[0]::part[1]]
     shapes = [(*b.shape, model.config.hidden_size) for b in input_batches]
     with torch.inference_mode(), ActivationBuffer(shapes, device, budget_bytes()) as buffer:
         captured = capture_inputs(model, get, device, input_batches, buffer)

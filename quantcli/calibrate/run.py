@@ -17,7 +17,7 @@ import torch
 
 from ..plan import Plan
 from .data import token_ids
-from .engine import collect
+from .engine import Stats, collect
 from .scales import scale_facts
 
 Facts = dict[str, dict[str, object]]
@@ -26,20 +26,51 @@ Facts = dict[str, dict[str, object]]
 def calibrate(plan: Plan, tensors, device: torch.device, cache: Path | None = None,
               progress: Callable[[int, str], None] | None = None) -> Facts:
     """{module: {ModuleFacts field: value}} from running the source over the calibration data."""
-    cal = plan.options.calibration
-    if cal is None:
+    if plan.options.calibration is None:
         return {}
     if cache is not None and cache.is_file():
         return load_facts(cache)
-    ids = token_ids(cal, plan.source.root)
-    names = {n for header in plan.source.headers.values() for n in header.tensors}
-    stats = collect(plan.source.config, tensors.get, tensors.release, names, ids, cal.batch, device,
-                    progress=_LayerProgress(progress) if progress is not None else None,
-                    channel_stats=plan.options.scale_search == "mse")
-    facts = scale_facts(plan, stats)
+    facts = scale_facts(plan, collect_stats(plan, tensors, device, progress))
     if cache is not None:
         save_facts(cache, facts)
     return facts
+
+
+def collect_stats(plan: Plan, tensors, device: torch.device, progress: Callable[[int, str], None] | None = None,
+                  part: tuple[int, int] = (0, 1)) -> Stats:
+    """The statistics of the source over the calibration data (`part`: this rank's batches)."""
+    cal = plan.options.calibration
+    ids = token_ids(cal, plan.source.root)
+    names = {n for header in plan.source.headers.values() for n in header.tensors}
+    return collect(plan.source.config, tensors.get, tensors.release, names, ids, cal.batch, device,
+                   progress=_LayerProgress(progress) if progress is not None else None,
+                   channel_stats=plan.options.scale_search == "mse", part=part)
+
+
+def splits_exactly(plan: Plan) -> bool:
+    """Whether ranks may each calibrate on their share of the batches and combine the results
+    bit for bit: yes for maxima (activation and KV scales); no when an activation-weighted scale
+    search also needs each Linear's FP64 sum of squared inputs, whose rounding depends on the
+    order the batches are added in."""
+    return plan.options.scale_search != "mse"
+
+
+def merged_stats(stats: Stats, share: Callable[[object], list],
+                 all_max: Callable[[torch.Tensor], torch.Tensor]) -> Stats:
+    """Every rank's maxima combined (maxima only: see splits_exactly). `share(value)` returns
+    every rank's JSON `value`, `all_max(t)` the elementwise max of `t` over the ranks. A module
+    no rank's tokens reached (an expert the router never chose) stays absent, as in one process."""
+    names = share({"inputs": sorted(stats.inputs), "attention": sorted(stats.keys)})
+    inputs = sorted({m for n in names for m in n["inputs"]})
+    attention = sorted({a for n in names for a in n["attention"]})
+    missing = -1.0  # every statistic is a max |x| >= 0
+    local = [stats.inputs.get(m, missing) for m in inputs] + [stats.keys.get(a, missing) for a in attention]
+    local += [stats.values.get(a, missing) for a in attention]
+    best = all_max(torch.tensor(local, dtype=torch.float64)).tolist()
+    n, a = len(inputs), len(attention)
+    return Stats(inputs={m: v for m, v in zip(inputs, best[:n]) if v != missing},
+                 keys=dict(zip(attention, best[n:n + a])), values=dict(zip(attention, best[n + a:])),
+                 expert_roles=dict(stats.expert_roles), channel_stats=False)
 
 
 def save_facts(path: Path, facts: Facts) -> None:

@@ -58,8 +58,7 @@ class ConversionJob:
         world.resume_hint = f"{stage} is kept: rerun with --resume (any number of workers) to continue"
         lock, created, fresh = StagingLock(stage), [], [False]
         try:
-            step = world.broadcast(world.settle(lambda: self._start(stage, fp, lock, created, fresh)
-                                                if world.lead else None))
+            step = world.settle_all(lambda: self._start(stage, fp, lock, created, fresh) if world.lead else None)[0]
             if step["kind"] == "complete":
                 return self._result(0, 0, [], step["notes"], already_complete=True)
             if step["kind"] == "finished":
@@ -112,7 +111,7 @@ class ConversionJob:
         finished = {s: ShardResult.from_json(r) for s, r in step["finished"].items()}
         mine = self._convert_shards(stage, finished)
         gathered: dict[str, dict] = {}
-        for part in world.all_gather({s: r.to_json() for s, r in mine.items()}):
+        for part in world.settle_all(lambda: {s: r.to_json() for s, r in mine.items()}):
             gathered.update(part)
         results = {s: finished[s] if s in finished else ShardResult.from_json(gathered[s])
                    for s in self.plan.by_shard()}

@@ -54,15 +54,35 @@ CALIBRATION_CACHE = ".quantcli-calibration.safetensors"
 
 def calibrated_scales(reader: ModuleReader, world: World) -> dict[str, dict[str, object]]:
     """With --calibration: static activation scales and KV-cache scales from running the source
-    model layer by layer over the calibration data (quantcli/calibrate). With several ranks rank 0
-    calibrates alone and broadcasts what it learned (the others wait: simple, and exact)."""
-    from ..calibrate.run import calibrate
+    model layer by layer over the calibration data (quantcli/calibrate).
 
-    if reader.plan.options.calibration is None:
+    Several ranks split the batches (each runs every layer on its share) and combine their maxima
+    with all_reduce(MAX): the one-process values bit for bit. An activation-weighted scale search
+    also needs FP64 sums whose rounding a split would change, so there rank 0 calibrates alone.
+    Either way rank 0 keeps the result in the staging folder, which --resume reads on any rank."""
+    from ..calibrate.run import calibrate, collect_stats, load_facts, merged_stats, save_facts, splits_exactly
+    from ..calibrate.scales import scale_facts
+
+    plan, cache = reader.plan, _cache(reader)
+    if plan.options.calibration is None:
         return {}
-    return world.broadcast(world.settle(
-        lambda: calibrate(reader.plan, reader.tensors, reader.device, _cache(reader), reader.progress)
-        if world.lead else None))
+    if world.size == 1:
+        return calibrate(plan, reader.tensors, reader.device, cache, reader.progress)
+    if cache is None:
+        raise RuntimeError("internal: calibration on several ranks needs the staging folder")
+    if world.settle_all(lambda: cache.is_file() if world.lead else None)[0]:
+        return load_facts(cache)  # the staging folder is shared (checked before any shard)
+    if not splits_exactly(plan):
+        world.settle(lambda: calibrate(plan, reader.tensors, reader.device, cache, reader.progress)
+                     if world.lead else None)
+        return load_facts(cache)
+    stats = world.settle(lambda: collect_stats(plan, reader.tensors, reader.device, reader.progress,
+                                               part=(world.rank, world.size)))
+    merged = merged_stats(stats, lambda value: world.settle_all(lambda: value), world.all_max)
+    facts = world.settle(lambda: scale_facts(plan, merged))
+    if world.lead:
+        save_facts(cache, facts)
+    return facts
 
 
 def _cache(reader: ModuleReader):

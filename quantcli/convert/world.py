@@ -9,8 +9,9 @@ and every operation here is the identity, so the single-process path is unchange
 Long phases (reading fused groups, converting shards) end in `settle`: each rank posts its
 outcome in the job's key-value store and waits for the others while checking their heartbeats,
 so a rank that dies or hangs stops the rest after QUANTCLI_RANK_TIMEOUT seconds (default 60)
-with one line, however long the phase itself takes. The data then moves in short collectives
-(all_reduce MAX, broadcast, all_gather) under the process group's own timeout.
+with one line, however long the phase itself takes. Small results travel with the meeting as
+JSON (`settle_all`); tensors move in short collectives (all_reduce MAX) under the process
+group's own timeout. torch's object collectives are not used: they unpickle what peers send.
 """
 
 from __future__ import annotations
@@ -96,6 +97,16 @@ class World:
         error or, if another rank failed, PeerRefused / PeerStopped naming it."""
         if self.size == 1:
             return work()
+        return self._settle(work, share=False)[0]
+
+    def settle_all(self, work: Callable[[], T]) -> list[T]:
+        """settle, then every rank's result (rank order). The results travel as JSON through
+        the store, so they must be JSON values; nothing a rank sends is ever unpickled."""
+        if self.size == 1:
+            return [work()]
+        return self._settle(work, share=True)[1]
+
+    def _settle(self, work: Callable[[], T], share: bool) -> tuple[T, list]:
         try:
             out = work()
         except BaseException as exc:
@@ -106,7 +117,7 @@ class World:
                 self.store.set(f"{self._prefix}/meet/{self._seq + 1}/{self.rank}",
                                json.dumps({"error": message, "keep": keep}))
             raise
-        outcomes = self._meet({"error": None})
+        outcomes = self._meet({"error": None, **({"value": out} if share else {})})
         failed = [(r, o) for r, o in enumerate(outcomes) if o["error"]]
         if failed:
             self._all_read(sum(not o["error"] for o in outcomes))
@@ -114,7 +125,7 @@ class World:
             cls = PeerStopped if any(x["keep"] for _, x in failed) else PeerRefused
             raise cls(f"rank {r}: {o['error']}" if self.lead else f"rank {self.rank} stopped: rank {r} failed: "
                       f"{o['error']}")
-        return out
+        return out, [o.get("value") for o in outcomes]
 
     def _meet(self, outcome: dict) -> list[dict]:
         """Post `outcome`, wait for every rank's (watching their heartbeats), return them all."""
@@ -168,26 +179,12 @@ class World:
     # --- collectives (every rank has arrived: they are short)
 
     def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise max of `x` over the ranks (a tensor collective: nothing pickled)."""
         if self.size == 1:
             return x
         y = x.to(self.comm_device).clone()
         self._collective(lambda: torch.distributed.all_reduce(y, op=torch.distributed.ReduceOp.MAX))
         return y.cpu()
-
-    def broadcast(self, obj: T) -> T:
-        """Rank 0's `obj` on every rank."""
-        if self.size == 1:
-            return obj
-        box = [obj if self.lead else None]
-        self._collective(lambda: torch.distributed.broadcast_object_list(box, src=0, device=self.comm_device))
-        return box[0]
-
-    def all_gather(self, obj: T) -> list[T]:
-        if self.size == 1:
-            return [obj]
-        out: list = [None] * self.size
-        self._collective(lambda: torch.distributed.all_gather_object(out, obj))
-        return out
 
     def _collective(self, op: Callable[[], object]) -> None:
         try:
