@@ -97,7 +97,7 @@ def test_second_conversion_replaces_the_card(nvfp4, tmp_path, run_cli):
 
 
 def test_card_section_replaced_up_to_next_heading():
-    from quantcli.convert.finalize import with_model_card
+    from quantcli.model_card import with_model_card
 
     card = "\n## Quantization (quantcli)\n\nnew\n"
     assert with_model_card("# M\n\nhi", card) == "# M\n\nhi\n" + card

@@ -21,7 +21,7 @@ from ..tensors import CheckpointTensors
 from .destination import (FilesystemError, discard, empty_staging, filesystem_error, install, leftovers,
                           manifest_doc, missing_parents, staging_dir, writing)
 from .device import resolve_device
-from .finalize import build_manifest, write_side_files
+from .finalize import build_manifest, import_ahead, write_side_files
 from .lock import StagingLock
 from .passes import CALIBRATION_CACHE, learn_facts
 from .progress import PROGRESS_NAME, ProgressFile, changed_source_shard, fingerprint, load_progress, source_identity
@@ -109,6 +109,8 @@ class ConversionJob:
             check_shared_staging(world, stage)
             self.records = self.records or RankRecords(stage, world.rank)
         finished = {s: ShardResult.from_json(r) for s, r in step["finished"].items()}
+        if world.lead:
+            import_ahead()
         mine = self._convert_shards(stage, finished)
         gathered: dict[str, dict] = {}
         for part in world.settle_all(lambda: {s: r.to_json() for s, r in mine.items()}):

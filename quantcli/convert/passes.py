@@ -60,12 +60,12 @@ def calibrated_scales(reader: ModuleReader, world: World) -> dict[str, dict[str,
     with all_reduce(MAX): the one-process values bit for bit. An activation-weighted scale search
     also needs FP64 sums whose rounding a split would change, so there rank 0 calibrates alone.
     Either way rank 0 keeps the result in the staging folder, which --resume reads on any rank."""
-    from ..calibrate.run import calibrate, collect_stats, load_facts, merged_stats, save_facts, splits_exactly
-    from ..calibrate.scales import scale_facts
-
     plan, cache = reader.plan, _cache(reader)
     if plan.options.calibration is None:
         return {}
+    from ..calibrate.run import calibrate, collect_stats, load_facts, merged_stats, save_facts, splits_exactly
+    from ..calibrate.scales import scale_facts
+
     if world.size == 1:
         return calibrate(plan, reader.tensors, reader.device, cache, reader.progress)
     if cache is None:
