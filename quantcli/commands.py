@@ -60,7 +60,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
         run.device = world.rank_device(device)
         world.settle(lambda: check_destination(local_src, dst, run) if world.lead else None)
         plan = world.settle(lambda: plan or plan_conversion(open_source(src, revision), opts))
-        for w in plan.warnings if world.lead else []:  # before the work starts, on stderr (stdout stays JSON)
+        for w in plan.all_warnings if world.lead else []:  # before the work starts, on stderr (stdout stays JSON)
             _console(stderr=True).print(f"warning: {w}")
         show_bar = not quiet and not json_out and sys.stderr.isatty()
         if world.lead and (show_bar or verbose):
@@ -70,7 +70,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
             result = convert(plan, dst, run, None, world)
     if not world.lead:
         return 0
-    for w in result.warnings[len(plan.warnings):]:  # found while finishing (the plan's were printed above)
+    for w in result.warnings[len(plan.all_warnings):]:  # found while finishing (the plan's were printed above)
         _console(stderr=True).print(f"warning: {w}")
     pushed = _push(result.dst, push_to_hub, hub_api, quiet or json_out) if push_to_hub else None
     if json_out:
@@ -179,7 +179,7 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
            "tensors": rows, "excluded": excluded_entries(plan.exclusions),
            "exclusion_key": plan.layout.exclusion_key if plan.layout else None,
            "exclusion_list": plan.excluded_names() if plan.layout else [],
-           "warnings": plan.warnings, "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
+           "warnings": plan.all_warnings, "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
            "params": total_params, "params_quantized": params_q,
            "bits_per_param": round(8 * plan.bytes_out / max(1, total_params), 3),
            "estimated_peak_memory_bytes": peak, "fingerprint": fingerprint(plan)}
@@ -193,7 +193,7 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
         con.print(plan_table(rows, f"plan: {plan.source.label} -> {plan.target}", con, per_tensor))
         for line in excluded_lines(plan.exclusions, per_tensor):
             con.print(line)
-    for w in plan.warnings:
+    for w in plan.all_warnings:
         (_console(stderr=True) if quiet else con).print(f"warning: {w}")
     con.print(f"total {human_bytes(plan.bytes_in)} -> {human_bytes(plan.bytes_out)}, {doc['bits_per_param']:.2f} "
               f"bits/param over {total_params:,} params ({params_q:,} quantized); estimated peak memory "

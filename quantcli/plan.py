@@ -105,16 +105,18 @@ class Plan:
     options: Options
     tensors: list[TensorPlan]
     exclusions: list[Exclusion]
-    warnings: list[str]
+    warnings: list[str]  # what planning found; `all_warnings` puts the source's first
     recipes: dict[str, Recipe]
     source_layout: Layout | None = None  # set when the source is quantized
     dense_dtype: str | None = None
     notes: list[str] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        # What opening the source found (duplicate or unindexed tensors) comes first, for every
-        # plan (dense or quantized source), so convert and --dry-run print it.
-        self.warnings = [*self.source.warnings, *self.warnings]
+    @property
+    def all_warnings(self) -> list[str]:
+        """What opening the source found (duplicate or unindexed tensors), then what planning
+        found: for every plan (dense or quantized source), so convert and --dry-run print both.
+        Kept apart so that a plan rebuilt with `replace` never lists the source's twice."""
+        return [*self.source.warnings, *self.warnings]
 
     @property
     def target(self) -> str:

@@ -61,7 +61,7 @@ def checked_plan(plan: Plan) -> Plan:
     kv_names = {o.name for t in tensors for o in t.outputs} - {o.name for t in plan.tensors for o in t.outputs}
     if opts.kv_cache == "fp8" and not any(n.endswith(plan.layout.kv_scales) for n in kv_names):
         raise QuantcliError(f"--kv-cache fp8: {plan.source.label} has no self_attn.k_proj/v_proj weights")
-    warnings = plan.warnings[len(plan.source.warnings):]
+    warnings = list(plan.warnings)
     if found < opts.calibration.samples:
         warnings.append(f"--calibration {opts.calibration.data}: holds {found} sample(s), fewer than "
                         f"--calibration-samples {opts.calibration.samples}; calibrating with {found}")
@@ -120,4 +120,4 @@ def _without_unreached(plan: Plan, reached: set[str]) -> Plan:
     if not any(t.quantized for t in tensors):
         raise QuantcliError(f"--calibration: none of the quantized weights of {plan.source.label} is in the "
                             f"forward of its config's architecture; nothing can be calibrated")
-    return replace(plan, tensors=tensors, exclusions=exclusions, warnings=plan.warnings[len(plan.source.warnings):])
+    return replace(plan, tensors=tensors, exclusions=exclusions)

@@ -164,7 +164,7 @@ class ConversionJob:
                 errors: dict[str, float] | None = None, already_complete: bool = False) -> ConvertResult:
         plan = self.plan
         return ConvertResult(self.dst, time.time() - self.start, plan.bytes_in, plan.bytes_out, written, resumed,
-                             sum(t.quantized for t in plan.tensors), [*plan.warnings, *warnings], notes,
+                             sum(t.quantized for t in plan.tensors), [*plan.all_warnings, *warnings], notes,
                              errors or {}, already_complete)
 
     def _finish_installed(self, stage: Path, lock: StagingLock) -> ConvertResult:
