@@ -1,10 +1,10 @@
 """The single dispatch point for quantize/dequantize: `backend = auto | torch | triton`.
 
-`kernels.reference` (pure torch, CPU or GPU), `kernels.cpu` (its arithmetic in place, for CPU
-tensors) and `kernels.triton_quant` share one signature;
-`auto` picks Triton for CUDA tensors when Triton imports, else the reference. This package is
-the only place that imports triton, and only when the Triton backend is actually used, so the
-CLI and the CPU path never pay for it.
+`kernels.reference` (pure torch, CPU or GPU), `kernels.cpu` (the reference's arithmetic in
+place) and `kernels.triton_quant` share one signature. `auto` picks Triton for CUDA tensors when
+Triton imports; otherwise the torch backend runs, as `kernels.cpu` for CPU tensors and as the
+reference on a GPU. This package is the only place that imports triton, and only when the
+Triton backend is actually used, so the CLI and the CPU path never pay for it.
 """
 
 from __future__ import annotations
