@@ -22,7 +22,7 @@ from .decode import decode_module
 from .detect import Detected, disk_problems, tensors_look_like
 from .errors import CheckpointError
 from .layouts import Layout, layouts_for
-from .plan import fused_group_of, is_dense_linear
+from .plan import experts_module, fused_group_of, is_dense_linear
 from .reports import OMITTED
 from .tensors import CheckpointTensors
 
@@ -60,6 +60,17 @@ def linear_modules(names: dict[str, str], tensors: CheckpointTensors) -> list[st
             module = name[: -len(".weight")]
             if is_dense_linear(module):
                 out.append(module)
+    return out
+
+
+def dense_expert_stacks(names: dict[str, str], tensors: CheckpointTensors) -> dict[str, list[str]]:
+    """{experts module: its 3-D float tensors}: MoE expert stacks in dense form (gpt-oss's
+    `mlp.experts.gate_up_proj`), which a quantized checkpoint must quantize or name as excluded."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        info = tensors.info(name)
+        if len(info.shape) == 3 and ".experts." in name and info.dtype in ("BF16", "F16", "F32"):
+            out.setdefault(experts_module(name), []).append(name)
     return out
 
 

@@ -34,6 +34,7 @@ DEFAULT_EXCLUDES: list[tuple[str, re.Pattern]] = [
 ]
 # 3-D expert parameters without a `.weight` suffix (gpt-oss, Llama 4) are stored [E, in, out].
 TRANSPOSED_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")
+EXPERTS_MODULE = re.compile(r"^(.*\.experts)\.")
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,13 @@ def is_dense_linear(module: str) -> bool:
     return default_exclusion(module, {}) not in ("embedding", "norm")
 
 
+def experts_module(name: str) -> str:
+    """The MoE layer a 3-D expert tensor belongs to (`model.layers.0.mlp.experts.gate_up_proj` ->
+    `model.layers.0.mlp.experts`): the name vLLM and SGLang check an exclusion list for."""
+    match = EXPERTS_MODULE.match(name)
+    return match.group(1) if match else module_of(name)
+
+
 def output_specs(layout: Layout, module: str, recipe: Recipe, shape: tuple[int, ...]) -> tuple[OutSpec, ...]:
     """Names, dtypes and shapes the layout will write for a `shape` weight (no data read)."""
     return tuple(OutSpec(n, dtype_name(dtype), shp) for n, dtype, shp in layout.output_specs(module, recipe, shape))
@@ -291,11 +299,19 @@ def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout,
     recipe = recipes[_choose_recipe(module, opts)] if reason is None else None
     if recipe is not None:
         reason = _unfit_reason(recipe, layout, name, shape, info.dtype)
+        if reason is not None and is_experts:
+            # Most of an MoE's weights: never left dense unasked (an engine would read it as quantized).
+            every = re.sub(r"\.\d+\.", ".*.", experts_module(name))
+            raise QuantcliError(f"{name}: {reason} ('{every}' keeps the expert stacks dense, named in the "
+                                f"exclusion list; they are not left dense unasked)")
         if reason is not None:
             found.warnings.append(f"{name}: left unquantized: {reason}")
             recipe = None
     if recipe is None:
-        if is_linear and is_dense_linear(module):
+        if is_experts:  # named by its experts module, as engines look up the fused MoE layer
+            if experts_module(name) not in {e.module for e in found.exclusions}:
+                found.exclusions.append(Exclusion(experts_module(name), reason))
+        elif is_linear and is_dense_linear(module):
             found.exclusions.append(Exclusion(module, reason))
         found.tensors.append(plain)
         return

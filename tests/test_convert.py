@@ -259,3 +259,58 @@ def test_fp8_block_layout_loads_through_transformers_finegrained_fp8(tiny_llama,
     with torch.no_grad():
         cos = float(torch.nn.functional.cosine_similarity(model(ids).logits.flatten(), ref(ids).logits.flatten(), dim=0))
     assert 0.99 < cos < 1.0  # weight_scale_inv applied (multiply), and really quantized
+
+
+def _gpt_oss(tmp_path) -> Path:
+    from quantcli.safetensors_io import write_file
+
+    src = tmp_path / "goss-dense"
+    src.mkdir()
+    g = torch.Generator().manual_seed(1)
+    write_file(src / "model.safetensors", {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 64, 128, generator=g).bfloat16(),
+        "model.layers.0.mlp.experts.down_proj": torch.randn(4, 64, 64, generator=g).bfloat16(),
+        "model.layers.0.mlp.router.weight": torch.randn(4, 64, generator=g).bfloat16(),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g).bfloat16()})
+    (src / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "num_hidden_layers": 1}))
+    return src
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8-block", "mxfp4"])
+def test_expert_stacks_a_layout_cannot_hold_are_refused_not_left_dense(tmp_path, run_cli, recipe):
+    """3-D gpt-oss expert stacks under a layout with no 3-D names: refused in one line, nothing
+    written; with --ignore they stay dense and the exclusion list names their MoE layer (the
+    name vLLM and SGLang check), so verify passes; an output that leaves them dense unlisted
+    fails verify's coverage check."""
+    src, out = _gpt_oss(tmp_path), tmp_path / "q"
+    code, _, err = run_cli("convert", src, out, "--recipe", recipe)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "model.layers.*.mlp.experts" in lines[0], err
+    assert not out.exists() and not (tmp_path / "q.partial").exists()
+    code, _, err = run_cli("convert", src, out, "--recipe", recipe, "--ignore", "model.layers.*.mlp.experts",
+                           "--quiet")
+    assert code == 0, err
+    code, o, _ = run_cli("verify", out, "--reference", src, "--json")
+    doc = json.loads(o)
+    assert code == 0, doc
+    hf = out / "hf_quant_config.json"
+    listed = (json.loads(hf.read_text())["quantization"]["exclude_modules"] if hf.exists() else
+              json.loads((out / "config.json").read_text())["quantization_config"].get("ignore")
+              or json.loads((out / "config.json").read_text())["quantization_config"].get("modules_to_not_convert"))
+    assert "model.layers.0.mlp.experts" in listed, listed
+
+
+def test_verify_fails_a_dense_expert_stack_missing_from_the_exclusion_list(tmp_path, run_cli):
+    src, out = _gpt_oss(tmp_path), tmp_path / "q"
+    assert run_cli("convert", src, out, "--recipe", "nvfp4", "--ignore", "model.layers.*.mlp.experts",
+                   "--quiet")[0] == 0
+    hf = out / "hf_quant_config.json"  # as another tool would write it: the experts left out of the list
+    doc = json.loads(hf.read_text())
+    doc["quantization"]["exclude_modules"].remove("model.layers.0.mlp.experts")
+    hf.write_text(json.dumps(doc))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["exclude_modules"] = doc["quantization"]["exclude_modules"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    code, o, _ = run_cli("verify", out, "--json")
+    faults = json.dumps(json.loads(o))
+    assert code == 1 and "model.layers.0.mlp.experts" in faults and "expert stack" in faults

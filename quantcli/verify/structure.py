@@ -9,12 +9,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..analysis import ModuleDescription, describe_module, exclusion_list, fused_mismatches, is_excluded, linear_modules
+from ..analysis import (ModuleDescription, dense_expert_stacks, describe_module, exclusion_list, fused_mismatches,
+                        is_excluded, linear_modules)
 from ..decode import decode_module
 from ..detect import all_names, block_scale_fault, global_scale_fault
 from ..errors import QuantcliError
 from ..kernels.spec import SCALE_SEARCHES
-from ..layouts import layouts_for
+from ..layouts import layouts_for, module_of
 from ..plan import fused_group_of, matches
 from ..tensors import CheckpointTensors
 from .report import (CONFIG, COVERAGE, FINITE, FUSED, MANIFEST, SCALES, SERVABLE, TENSORS, TP, Findings)
@@ -81,10 +82,14 @@ def fused_precision_faults(source, det, qt: CheckpointTensors) -> Iterator[Findi
 
 
 def coverage_faults(source, det, config: dict, qt: CheckpointTensors) -> Iterator[Finding]:
-    excluded = exclusion_list(config)
-    for module in linear_modules(all_names(source), qt):
+    excluded, names = exclusion_list(config), all_names(source)
+    for module in linear_modules(names, qt):
         if module not in det.modules and not is_excluded(module, excluded):
             yield module, "Linear is neither quantized nor in the exclusion list"
+    for experts, stacks in dense_expert_stacks(names, qt).items():
+        if not is_excluded(experts, excluded) and any(module_of(n) not in det.modules for n in stacks):
+            yield experts, ("MoE expert stack left dense is not in the exclusion list (an engine would load it as "
+                            "quantized)")
 
 
 def structure_checks(source, det, config: dict, qt: CheckpointTensors, pattern: str | None,
