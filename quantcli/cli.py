@@ -8,6 +8,7 @@ how usage and --help look: quantcli/cli_help.py.
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from . import __version__
-from .cli_errors import ARGV, EXIT_CODES, INTERRUPT_LINE, RESUME_LINE, run, sigterm_raises_terminated
+from .cli_errors import ARGV, DESTINATION, EXIT_CODES, INTERRUPT_LINE, RESUME_LINE, run, sigterm_raises_terminated
 from .cli_help import Command, Commands
 from .cli_options import (BACKEND_NAMES, LAYOUT_NAMES, RECIPE_NAMES, SCALE_RULE_NAMES, Device, JsonOut, Revision,
                           Tensors, backend_names, layout_names, one_of, recipe_names, scale_rule_names)
@@ -92,6 +93,7 @@ def convert(
 
     if not dry_run:
         ctx.meta[INTERRUPT_LINE] = RESUME_LINE
+        ctx.meta[DESTINATION] = Path(dst).absolute()
     code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
                        scale_rule=scale_rule, scale_search=scale_search, calibrate=dict(
                            activations=activations, kv_cache=kv_cache, calibration=calibration,
@@ -183,6 +185,18 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     with sigterm_raises_terminated():
         code = _run(args)
     sys.exit(code)
+
+
+def entry() -> NoReturn:
+    """The `quantcli` program (console script and `python -m quantcli`): main(), and once the
+    command is done Ctrl-C is ignored, so that one landing while the interpreter tears down (a
+    few hundred ms after a finished run printed its summary) cannot turn its exit code into 130.
+    Callers that embed main() keep their own SIGINT handling."""
+    try:
+        main()
+    except SystemExit:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise
 
 
 def _run(args: list[str]) -> int:

@@ -29,6 +29,7 @@ EXIT_CODES = ("Exit codes: 0 done (verify: passed), 1 verify found a problem, 2 
 INTERRUPT_LINE = "quantcli.interrupt_line"
 RESUME_LINE = "interrupted; rerun with --resume to continue"
 ARGV = "quantcli.argv"  # key in the context's meta: the arguments main() was given
+DESTINATION = "quantcli.destination"  # convert's DST (absolute), for an interrupt after it was installed
 
 
 def run(command, args: list[str]) -> int:
@@ -51,7 +52,14 @@ def run(command, args: list[str]) -> int:
             raise
         return _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (errors.Terminated)
+        if _installed(ctx):
+            return _fail(f"{ctx.meta[DESTINATION]} is complete (interrupted after it was in place; nothing to "
+                         f"resume)", 0, prefix="")
         line = ctx.meta.get(INTERRUPT_LINE, "interrupted") if ctx is not None else "interrupted"
+        from .convert.launch import SPAWNED_RANK
+
+        if os.environ.get(SPAWNED_RANK):  # a --workers rank: rank 0 says it, once, for the job
+            return getattr(exc, "exit_code", 130)
         return _fail(line, getattr(exc, "exit_code", 130), prefix="")
     except BrokenPipeError:  # stdout piped into `head` that has stopped reading: end quietly
         _discard_stdout()
@@ -118,6 +126,15 @@ def _discard_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):  # stdout replaced by a test harness: nothing to do
         pass
+
+
+def _installed(ctx) -> bool:
+    """Whether this command was a convert whose DST this process already put in place."""
+    if ctx is None or DESTINATION not in ctx.meta:
+        return False
+    from .convert.destination import INSTALLED
+
+    return ctx.meta[DESTINATION] in INSTALLED
 
 
 @contextmanager

@@ -9,7 +9,6 @@ holds a whole shard.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import mmap
@@ -320,11 +319,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 OVERLAP_BYTES = 1 << 20
 
 
-@functools.cache
-def _hash_thread() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(1, thread_name_prefix="quantcli-hash")
-
-
 class ShardWriter:
     """Writes one safetensors file: the header first, then tensors in header order. It hashes
     what it writes (`sha256`, `size`), so nobody has to read the file back to checksum it."""
@@ -333,6 +327,7 @@ class ShardWriter:
         header, self.order = build_header(specs, metadata)
         self._f = f
         self._hash = hashlib.sha256()
+        self._hasher: ThreadPoolExecutor | None = None  # started by the first big tensor, ended by finish
         self.size = 0
         self._emit(header)
         self._next = 0
@@ -342,7 +337,9 @@ class ShardWriter:
             self._f.write(data)
             self._hash.update(data)
         else:  # hash on a second thread while this one writes: both release the GIL
-            hashing = _hash_thread().submit(self._hash.update, data)
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="quantcli-hash")
+            hashing = self._hasher.submit(self._hash.update, data)
             try:
                 self._f.write(data)
             finally:
@@ -361,6 +358,9 @@ class ShardWriter:
         return self._hash.hexdigest()
 
     def finish(self) -> None:
+        if self._hasher is not None:  # no thread outlives the file (nothing left to join at exit)
+            self._hasher.shutdown()
+            self._hasher = None
         if self._next != len(self.order):
             raise RuntimeError(f"internal: {len(self.order) - self._next} tensors were not written")
 

@@ -230,8 +230,8 @@ def test_interrupt_outside_convert_says_interrupted(interrupt, exit_code, small_
 # ---------------------------------------------------------------- real processes: signals, closed pipes
 
 
-def _popen(*args: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+def _popen(*args: str, extra_env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **(extra_env or {})}
     env.pop("QUANTCLI_DEBUG", None)
     return subprocess.Popen([sys.executable, "-m", "quantcli", *map(str, args)], env=env, text=True, **kw)
 
@@ -248,8 +248,10 @@ def test_ctrl_c_during_convert_then_resume_is_byte_identical(tmp_path, run_cli):
     src = _write_checkpoint(tmp_path / "src", shards=4, layers_per_shard=1, dim=256)
     src_before = tree_state(src)
     dst, stage = tmp_path / "out", tmp_path / "out.partial"
+    # Each shard takes 0.5 s more (a slow disk), so the interrupt lands mid-run: a run that had
+    # already finished would be complete and exit 0 (see the test below).
     proc = _popen("convert", src, dst, "--recipe", "nvfp4", "--quiet", stdout=subprocess.PIPE,
-                  stderr=subprocess.PIPE)
+                  stderr=subprocess.PIPE, extra_env={"QUANTCLI_SHARD_DELAY_S": "0.5"})
     deadline = time.monotonic() + 120
     while not (stage / ".quantcli-progress.json").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -266,3 +268,20 @@ def test_ctrl_c_during_convert_then_resume_is_byte_identical(tmp_path, run_cli):
     assert code == 0, err
     assert tree_state(dst) == tree_state(tmp_path / "straight")
     assert tree_state(src) == src_before
+
+
+def test_an_interrupt_after_dst_is_in_place_exits_0_and_says_it_is_complete(tiny_llama, tmp_path, run_cli,
+                                                                             monkeypatch):
+    """Ctrl-C that lands after the final rename (rank 0 waiting for the others, or the summary)
+    finds nothing to resume: exit 0 and one line saying DST is complete, not 130 and --resume."""
+    import quantcli.commands as commands
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "_print_convert_result", interrupted)
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", tiny_llama, out, "--recipe", "fp8")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 0 and len(lines) == 1 and "is complete" in lines[0] and "--resume" not in lines[0], err
+    assert (out / "quantcli_manifest.json").exists() and not (tmp_path / "out.partial").exists()

@@ -166,6 +166,10 @@ def writing(path: Path, dst: Path):
 
 # --- the staging folder and the final swap
 
+# Every DST this process put in place: an interrupt that lands after the swap (while rank 0 waits
+# for the other ranks, or prints the summary) finds its output complete, and the CLI says so.
+INSTALLED: set[Path] = set()
+
 
 def install(stage: Path, dst: Path) -> list[str]:
     """Put the staging folder in place of DST without ever deleting DST first: the old one is
@@ -176,6 +180,7 @@ def install(stage: Path, dst: Path) -> list[str]:
         if dst.exists():
             os.rename(dst, aside)
         os.rename(stage, dst)
+    INSTALLED.add(dst.absolute())
     if not aside.exists():
         return []
     try:

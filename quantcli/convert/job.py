@@ -228,7 +228,11 @@ class ConversionJob:
 
 
 def _fault_injection(shards_written: int) -> None:
-    """Crash-safety tests kill the process here (SIGKILL, no cleanup) after N shards."""
+    """Crash-safety tests kill the process here (SIGKILL, no cleanup) after N shards, or slow
+    each shard down (QUANTCLI_SHARD_DELAY_S, a slow disk) so that an interrupt lands mid-run."""
+    delay = os.environ.get("QUANTCLI_SHARD_DELAY_S")
+    if delay:
+        time.sleep(float(delay))
     limit = os.environ.get("QUANTCLI_KILL_AFTER_SHARDS")
     if limit and int(limit) == shards_written:
         import signal

@@ -14,6 +14,9 @@ from typing import Any, Iterator
 from .world import World, open_world, rank_timeout
 
 ADDR = "127.0.0.1"
+# Set in the environment of the ranks --workers spawns: they say nothing when interrupted
+# (rank 0 says it once for the job), and they are started with SIGINT ignored.
+SPAWNED_RANK = "QUANTCLI_SPAWNED_RANK"
 
 
 def launched() -> bool:
@@ -38,30 +41,50 @@ def spawn_ranks(argv: list[str], workers: int) -> Iterator[tuple[Any, dict[str, 
     """Serve the store, start ranks 1..workers-1, yield (store, rank 0's environment); on leaving,
     wait for them (a rank still running after the others' timeout is terminated)."""
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     store = dist.TCPStore(ADDR, 0, workers, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=rank_timeout() + 60))
     common = {"WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": ADDR,
               "MASTER_PORT": str(store.port)}
-    ctx = mp.get_context("spawn")
-    procs = []
-    for r in range(1, workers):
-        env = {**common, "RANK": str(r), "LOCAL_RANK": str(r)}
-        procs.append(ctx.Process(target=_rank_main, args=(argv, env), daemon=True))
-        procs[-1].start()
-    ok = False
+    procs = _start_ranks(argv, common, workers)
+    grace = 3.0  # after a failure here the ranks learn it at their next meeting, a shard away at most
     try:
         yield store, {**common, "RANK": "0", "LOCAL_RANK": "0"}
-        ok = True
+        grace = rank_timeout() + 10
+    except KeyboardInterrupt:
+        grace = 0.0  # Ctrl-C or SIGTERM: stop them now (they keep DST.partial for --resume)
+        raise
     finally:
-        # After a failure here the ranks learn it at their next meeting, which may be a shard
-        # away: they get a few seconds, then SIGTERM (they keep DST.partial for --resume).
         for p in procs:
-            p.join(timeout=rank_timeout() + 10 if ok else 3)
+            p.join(timeout=grace)
             if p.is_alive():
                 p.terminate()
                 p.join()
+
+
+def _start_ranks(argv: list[str], common: dict[str, str], workers: int) -> list:
+    """Ranks 1..workers-1, started with SIGINT ignored (inherited through exec, and Python keeps
+    an ignored SIGINT ignored): the terminal sends Ctrl-C to the whole process group, and a rank
+    interrupted while it imports torch would print a traceback; rank 0 stops them instead."""
+    import signal
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread (an embedding caller): signals are not ours to set
+        previous = None
+    try:
+        procs = []
+        for r in range(1, workers):
+            env = {**common, "RANK": str(r), "LOCAL_RANK": str(r), SPAWNED_RANK: "1"}
+            procs.append(ctx.Process(target=_rank_main, args=(argv, env), daemon=True))
+            procs[-1].start()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    return procs
 
 
 def _rank_main(argv: list[str], env: dict[str, str]) -> None:
