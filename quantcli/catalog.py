@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .engines import ENGINES, loads_in
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, layouts_for
 from .recipes import RECIPES
+from .reports import block_label
 
 # bits/param are measured on a shape this size (a per-tensor or per-row scale costs less on larger ones)
 REFERENCE_SHAPE = (4096, 4096)
@@ -40,19 +41,12 @@ class LayoutInfo:
     static_only: list[str] = field(default_factory=list)  # recipes written only with --activations static
 
 
-def _block(block: tuple[int, int]) -> str:
-    rows, cols = block
-    if rows == 0 and cols == 0:
-        return "tensor"
-    return f"{rows}x{cols or 'K'}"
-
-
 def recipes() -> list[RecipeInfo]:
     out = []
     for name, r in RECIPES.items():
         numel = REFERENCE_SHAPE[0] * REFERENCE_SHAPE[1]
         out.append(RecipeInfo(
-            name=name, element=r.element.manifest_name, packed=r.element.packed, block=_block(r.block),
+            name=name, element=r.element.manifest_name, packed=r.element.packed, block=block_label(r.block),
             block_scale=r.scale_codec.encoding, global_scale="f32" if r.has_global_scale else None,
             bits_per_param=round(8 * r.storage_bytes(REFERENCE_SHAPE) / numel, 3), default_layout=DEFAULT_LAYOUT[name],
             layouts=layouts_for(name)))

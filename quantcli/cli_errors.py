@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import errno
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -96,7 +97,15 @@ def _usage_message(exc: click_errors.UsageError) -> str:
     else:
         text = exc.format_message().rstrip(".")
         text = text[:1].lower() + text[1:]
+        for pydantic, ours in _BOUND_WORDS:  # typer's range checks speak pydantic
+            text = re.sub(pydantic, ours, text)
     return f"{text} (see '{command} --help')"
+
+
+_BOUND_WORDS = ((r"[Ii]nput should be greater than or equal to (\S+)", r"must be at least \1"),
+                (r"[Ii]nput should be less than or equal to (\S+)", r"must be at most \1"),
+                (r"[Ii]nput should be greater than (\S+)", r"must be more than \1"),
+                (r"[Ii]nput should be less than (\S+)", r"must be less than \1"))
 
 
 # errno -> what to add to the OS's own text, where that text leaves the cause unclear.

@@ -12,7 +12,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from .reports import OMITTED, to_json
+from .reports import OMITTED, block_label, to_json
 from .grouping import group_names
 from .tables import ERROR, SCALE, Column, fitted_table, named_table, total, value_range
 
@@ -115,7 +115,7 @@ def _module_cells(m) -> list:
     if isinstance(m.scale_rule, str) and m.scale_rule.endswith(" search"):  # --scale-search mse
         scales = f"{scales} ({m.scale_rule.rsplit(' + ', 1)[-1]})"
     return [m.recipe, f"{logical_dtype} {_dims(m.logical_shape)}", f"{storage_dtype} {_dims(m.storage_shape)}",
-            "x".join(str(b) if b else "all" for b in block), scales or "-",
+            block_label(block) if len(block) == 2 else "x".join(map(str, block)), scales or "-",
             values[0].value if values else None, _direction(block_scales, values[:1]),
             f"{m.bits_per_param:.3f}" if m.bits_per_param else "-"]
 

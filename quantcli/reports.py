@@ -91,3 +91,12 @@ def json_schema(name: str) -> dict:
     from importlib.resources import files
 
     return json.loads(files("quantcli").joinpath("schemas", f"{name}.json").read_text(encoding="utf-8"))
+
+
+def block_label(block) -> str:
+    """`tensor`, `1xK` (a scale per row), `128x128`, `1x16`: how recipes, inspect and the docs
+    name a scale's block."""
+    rows, cols = block
+    if rows == 0 and cols == 0:
+        return "tensor"
+    return f"{rows}x{cols or 'K'}"

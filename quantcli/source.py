@@ -77,8 +77,11 @@ class Source:
         return out
 
     def describe(self) -> dict:
-        return {"path": None if self.repo_id else str(self.root if not self.single_file else self.root / self.shards[0]),
-                "repo_id": self.repo_id, "revision": self.revision}
+        """Where the source came from: a path, or a Hub repo id, the revision asked for (None:
+        the default branch) and the commit that resolved to (the snapshot that was read)."""
+        where = {"path": None if self.repo_id else str(self.root if not self.single_file else self.root / self.shards[0]),
+                 "repo_id": self.repo_id, "revision": self.revision}
+        return {**where, "commit": self.commit} if self.repo_id else where
 
 
 def hub_file(repo_id: str, filename: str, revision: str | None, label: str) -> Path:
@@ -281,8 +284,9 @@ def open_source(src: str, revision: str | None = None) -> Source:
     if near is not None:  # `demo/tinyllama` next to `demo/tiny-llama`: a typo, not a Hub id
         raise CheckpointError(f"{src}: no such file or folder{near}")
     if path.parent.is_dir() and str(path.parent) not in ("", "."):  # `demo/` is here: a local path
-        raise CheckpointError(f"{src}: no such file or folder in {path.parent.as_posix()}/ (to read the Hub repo "
-                              f"{src} instead, run from a folder without {path.parent.as_posix()}/)")
+        hub = REPO_ID.match(src) and not src.startswith((".", "/"))  # else it cannot be a repo id
+        raise CheckpointError(f"{src}: no such file or folder in {path.parent.as_posix()}/" + (
+            f" (to read the Hub repo {src} instead, run from a folder without {path.parent.as_posix()}/)" if hub else ""))
     if REPO_ID.match(src) and not src.startswith((".", "/")):
         return open_hub(src, revision)
     raise CheckpointError(f"{src}: no such file or folder, and not a Hub repo id (owner/name)")

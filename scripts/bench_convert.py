@@ -89,7 +89,9 @@ def _load() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--size-gb", type=float, default=2.0,
+                    help="about this many GB of BF16, in whole hidden-4096 layers (0.36 GB each), at least one "
+                         "per shard: --size-gb 0.3 --shards 2 builds 0.72 GB")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--recipes", nargs="+", default=RECIPES)
     ap.add_argument("--device", default="auto")

@@ -202,3 +202,11 @@ def test_fresh_process_reads_the_cache_from_hf_home(tiny_llama, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)
+
+
+def test_the_manifest_records_the_commit_the_default_branch_resolved_to(tiny_llama, hub_cache, tmp_path, run_cli):
+    put_in_cache(hub_cache, "acme/tiny-llama", folder_files(tiny_llama), COMMIT)
+    code, _, err = run_cli("convert", "acme/tiny-llama", tmp_path / "o", "--recipe", "fp8", "--quiet")
+    assert code == 0, err
+    source = json.loads((tmp_path / "o" / "quantcli_manifest.json").read_text())["source"]
+    assert source["repo_id"] == "acme/tiny-llama" and source["revision"] is None and source["commit"] == COMMIT

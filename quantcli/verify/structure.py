@@ -127,7 +127,8 @@ def tp_faults(module: str, recipe, shape, tp: int) -> Iterator[Finding]:
     else:
         dim, size, block = "output dim N", n, recipe.block[0] if recipe.block[0] > 1 else 1
     if size % tp or (size // tp) % block:
-        yield module, (f"{dim}={size} does not split into whole {block}-blocks across --tp {tp} ranks "
+        whole = f"whole {block}-wide blocks" if block > 1 else "equal parts"
+        yield module, (f"{dim}={size} does not split into {whole} across --tp {tp} ranks "
                        f"({size}/{tp} = {size / tp:g}); vLLM and SGLang refuse to load it at TP={tp}")
 
 
