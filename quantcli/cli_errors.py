@@ -53,9 +53,11 @@ def run(command, args: list[str]) -> int:
             raise
         return _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (errors.Terminated)
-        if _installed(ctx):
-            return _fail(f"{ctx.meta[DESTINATION]} is complete (interrupted after it was in place; nothing to "
-                         f"resume)", 0, prefix="")
+        if _installed(ctx):  # what was left (the summary, --json, a push) did not happen: still 130
+            push = ctx.params.get("push_to_hub")
+            upload = f"; upload it with: quantcli push {ctx.meta[DESTINATION]} {push}" if push else ""
+            return _fail(f"interrupted after {ctx.meta[DESTINATION]} was complete and in place (nothing to resume"
+                         f"{upload})", getattr(exc, "exit_code", 130), prefix="")
         line = ctx.meta.get(INTERRUPT_LINE, "interrupted") if ctx is not None else "interrupted"
         from .convert.launch import SPAWNED_RANK
 

@@ -228,12 +228,26 @@ def make_plan(source: Source, opts: Options) -> Plan:
     tensors = drop_single_member_groups(found.tensors)
     errors: list[str] = []
     _check_collisions(tensors, errors)
+    _check_whole_expert_layers(tensors, found.exclusions, errors)
     if errors:
         raise QuantcliError(f"{len(errors)} problem(s) in the plan: " + "; ".join(errors))
     warnings = found.warnings + _unmatched_patterns(opts, found.candidates)
     if not any(t.quantized for t in tensors):
         raise QuantcliError(_nothing_to_quantize(source, layout, found.exclusions))
     return Plan(source, layout, opts, tensors, found.exclusions, warnings, recipes)
+
+
+def _check_whole_expert_layers(tensors: list[TensorPlan], exclusions: list[Exclusion], errors: list[str]) -> None:
+    """An MoE layer's 3-D stacks are quantized together or left dense together: the exclusion list
+    names the whole layer (`mlp.experts`), so an engine would read a quantized stack in it as
+    dense (`--ignore '...experts.down_proj'` alone on gpt-oss did that)."""
+    excluded = {e.module for e in exclusions}
+    for t in tensors:
+        if t.quantized and len(t.shape) == 3 and experts_module(t.name) in excluded:
+            every = re.sub(r"\.\d+\.", ".*.", experts_module(t.name))
+            errors.append(f"{experts_module(t.name)}: {t.name} would be quantized while other stacks of the layer "
+                          f"stay dense, which no engine loads; --ignore '{every}' (all of it) or none of it")
+            return
 
 
 @dataclass

@@ -314,3 +314,19 @@ def test_verify_fails_a_dense_expert_stack_missing_from_the_exclusion_list(tmp_p
     code, o, _ = run_cli("verify", out, "--json")
     faults = json.dumps(json.loads(o))
     assert code == 1 and "model.layers.0.mlp.experts" in faults and "expert stack" in faults
+
+
+def test_an_moe_layer_is_quantized_whole_or_left_dense_whole(tmp_path, run_cli):
+    """Ignoring one stack of a gpt-oss MoE layer while the other is quantized is refused (the
+    exclusion list can only name the whole layer); verify fails a checkpoint that quantizes an
+    expert stack whose MoE layer its exclusion list names."""
+    src, out = _gpt_oss(tmp_path), tmp_path / "q"
+    toml = "recipes/examples/mxfp4-gpt-oss-experts.toml"
+    code, _, err = run_cli("convert", src, out, "--config", toml, "--ignore", "model.layers.*.mlp.experts.down_proj")
+    assert code == 2 and "model.layers.*.mlp.experts" in err and not out.exists(), err
+    assert run_cli("convert", src, out, "--config", toml, "--quiet")[0] == 0
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"].append("model.layers.0.mlp.experts")
+    (out / "config.json").write_text(json.dumps(cfg))
+    code, o, _ = run_cli("verify", out, "--json")
+    assert code == 1 and "is in the exclusion list" in o, o

@@ -270,10 +270,11 @@ def test_ctrl_c_during_convert_then_resume_is_byte_identical(tmp_path, run_cli):
     assert tree_state(src) == src_before
 
 
-def test_an_interrupt_after_dst_is_in_place_exits_0_and_says_it_is_complete(tiny_llama, tmp_path, run_cli,
-                                                                             monkeypatch):
+def test_an_interrupt_after_dst_is_in_place_says_it_is_complete(tiny_llama, tmp_path, run_cli, monkeypatch):
     """Ctrl-C that lands after the final rename (rank 0 waiting for the others, or the summary)
-    finds nothing to resume: exit 0 and one line saying DST is complete, not 130 and --resume."""
+    finds nothing to resume: one line saying DST is complete, no --resume; still 130, since what
+    was left (the summary, --json, a push) did not happen. A later run in the same process
+    that is interrupted mid-way is not taken for complete."""
     import quantcli.commands as commands
 
     def interrupted(*args, **kwargs):
@@ -283,5 +284,11 @@ def test_an_interrupt_after_dst_is_in_place_exits_0_and_says_it_is_complete(tiny
     out = tmp_path / "out"
     code, _, err = run_cli("convert", tiny_llama, out, "--recipe", "fp8")
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 0 and len(lines) == 1 and "is complete" in lines[0] and "--resume" not in lines[0], err
+    assert code == 130 and len(lines) == 1 and "was complete" in lines[0] and "--resume" not in lines[0], err
     assert (out / "quantcli_manifest.json").exists() and not (tmp_path / "out.partial").exists()
+    monkeypatch.undo()
+    import quantcli.convert.shard as shard
+
+    monkeypatch.setattr(shard, "produce", interrupted)  # mid-way this time, into the same DST
+    code, _, err = run_cli("convert", tiny_llama, out, "--recipe", "nvfp4", "--overwrite")
+    assert code == 130 and "--resume" in err and (tmp_path / "out.partial").exists(), err

@@ -207,8 +207,9 @@ def collect(config_dict: dict, get, release, names, ids: list[list[int]], batch:
             progress=None, channel_stats: bool = True, part: tuple[int, int] = (0, 1)) -> Stats:
     """Statistics of the unquantized model over `ids`, layer by layer. `progress(done, total,
     samples)` is called after each decoder layer; `channel_stats`: also each Linear's mean
-    squared input per channel; `part` = (i, n): only batches i, i + n, ... (rank i of n; each
-    batch is computed exactly as one process computes it, so the maxima combine exactly)."""
+    squared input per channel; `part` = (i, n): only batches i, i + n, ... (rank i of n; batches
+    are independent, so the maxima combine exactly, up to what the device's matmul rounding
+    depends on, such as the CPU thread count)."""
     fix_mmap_threshold()  # else freed layers stay in the heap as fragments: memory grows with depth
     model = meta_model(config_dict)
     weights, stats = WeightMap(names), Stats(channel_stats=channel_stats)

@@ -180,14 +180,15 @@ def install(stage: Path, dst: Path) -> list[str]:
         if dst.exists():
             os.rename(dst, aside)
         os.rename(stage, dst)
-    INSTALLED.add(dst.absolute())
-    if not aside.exists():
-        return []
-    try:
-        shutil.rmtree(aside)
-    except OSError as exc:
-        return [f"{aside}: the replaced destination could not be deleted ({exc.strerror}); delete it yourself"]
-    return []
+    warnings = []
+    if aside.exists():
+        try:
+            shutil.rmtree(aside)
+        except OSError as exc:
+            warnings.append(f"{aside}: the replaced destination could not be deleted ({exc.strerror}); "
+                            f"delete it yourself")
+    INSTALLED.add(dst.absolute())  # after the old copy is gone: an interrupt before then leaves it
+    return warnings
 
 
 def manifest_doc(folder: Path) -> dict:

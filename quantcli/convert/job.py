@@ -18,7 +18,7 @@ from ..errors import CheckpointError, QuantcliError
 from ..manifest import MANIFEST_NAME
 from ..plan import Plan
 from ..tensors import CheckpointTensors
-from .destination import (FilesystemError, discard, empty_staging, filesystem_error, install, leftovers,
+from .destination import (INSTALLED, FilesystemError, discard, empty_staging, filesystem_error, install, leftovers,
                           manifest_doc, missing_parents, staging_dir, writing)
 from .device import resolve_device
 from .finalize import build_manifest, import_ahead, write_side_files
@@ -54,6 +54,7 @@ class ConversionJob:
 
     def execute(self) -> ConvertResult:
         self.start = time.time()
+        INSTALLED.discard(self.dst.absolute())  # put in place by an earlier run in this process, if any
         stage, fp, world = staging_dir(self.dst), fingerprint(self.plan), self.world
         world.resume_hint = f"{stage} is kept: rerun with --resume (any number of workers) to continue"
         lock, created, fresh = StagingLock(stage), [], [False]

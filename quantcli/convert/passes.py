@@ -57,7 +57,10 @@ def calibrated_scales(reader: ModuleReader, world: World) -> dict[str, dict[str,
     model layer by layer over the calibration data (quantcli/calibrate).
 
     Several ranks split the batches (each runs every layer on its share) and combine their maxima
-    with all_reduce(MAX): the one-process values bit for bit. An activation-weighted scale search
+    with all_reduce(MAX), which is exact: the one-process values bit for bit wherever a batch is
+    computed as one process computes it. On the CPU the ranks get fewer threads each, and torch's
+    CPU matmul rounding depends on the thread count, so there the last bits can differ (as they
+    did when rank 0 calibrated alone with its share of the cores). An activation-weighted scale search
     also needs FP64 sums whose rounding a split would change, so there rank 0 calibrates alone.
     Either way rank 0 keeps the result in the staging folder, which --resume reads on any rank."""
     plan, cache = reader.plan, _cache(reader)

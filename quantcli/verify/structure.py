@@ -16,7 +16,7 @@ from ..detect import all_names, block_scale_fault, global_scale_fault
 from ..errors import QuantcliError
 from ..kernels.spec import SCALE_SEARCHES
 from ..layouts import layouts_for, module_of
-from ..plan import fused_group_of, matches
+from ..plan import experts_module, fused_group_of, matches
 from ..tensors import CheckpointTensors
 from .report import (CONFIG, COVERAGE, FINITE, FUSED, MANIFEST, SCALES, SERVABLE, TENSORS, TP, Findings)
 
@@ -90,6 +90,11 @@ def coverage_faults(source, det, config: dict, qt: CheckpointTensors) -> Iterato
         if not is_excluded(experts, excluded) and any(module_of(n) not in det.modules for n in stacks):
             yield experts, ("MoE expert stack left dense is not in the exclusion list (an engine would load it as "
                             "quantized)")
+    for module in det.modules:  # the reverse: a quantized expert whose whole MoE layer is listed as dense
+        layer = experts_module(module)
+        if layer != module_of(module) and is_excluded(layer, excluded):
+            yield module, (f"quantized, but its MoE layer {layer} is in the exclusion list (an engine would load "
+                           f"it as dense)")
 
 
 def structure_checks(source, det, config: dict, qt: CheckpointTensors, pattern: str | None,
