@@ -53,6 +53,11 @@ def _map(fn, items: list):
     return pool.map(fn, items)
 
 
+def band_rows(cols: int, band: int, elements: int) -> int:
+    """Rows per chunk: about `elements` elements, a whole number of `band` rows (at least one band)."""
+    return max(band, elements // max(band * cols, 1) * band)
+
+
 def _chunked(x: torch.Tensor, band: int, fn) -> QuantResult:
     """Apply `fn` to bands of whole rows (`band` rows at a time, e.g. 128 for the block geometry)
     and join. Row-wise geometries (band 1) see `[rows, K]` with leading dims flattened; the block
@@ -65,7 +70,7 @@ def _chunked(x: torch.Tensor, band: int, fn) -> QuantResult:
         r = _join(parts, torch.stack)
         return QuantResult(r.codes.reshape(x.shape), r.scale.reshape(*lead, *r.scale.shape[1:]), r.global_scale)
     rows = x.reshape(-1, k) if band == 1 else x
-    step = max(band, (CHUNK_ELEMENTS // max(band * k, 1)) * band)
+    step = band_rows(k, band, CHUNK_ELEMENTS)
     r = fn(rows) if rows.shape[0] <= step else _gather(fn, rows, step, band)
     if band == 1:
         scale = r.scale if r.scale.dim() == 0 else r.scale.reshape(*lead, n, *r.scale.shape[1:])

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference as R
-from .chunks import _map
+from .chunks import _map, band_rows
 from .spec import BLOCK, FP8_BLOCK, GROUP, TENSOR, QuantResult, QuantSpec
 
 # Elements per chunk. Smaller chunks stay in cache but cost more per element: every op of a chunk
@@ -115,14 +115,13 @@ def _group_chunk(x, spec: QuantSpec, s2, codes, scale) -> None:
     amax = R._check_finite(F.max_pool1d(mag.unsqueeze(1), spec.group).squeeze(1))
     stored, denom = R.encode_scale(amax, spec, s2)
     scale.copy_(stored)
-    if spec.element.name == "e2m1":  # scale |x| (already here for the amax) and keep x's signs
-        groups = mag.view(rows, k // spec.group, spec.group)
-        torch.div(groups, denom.unsqueeze(-1), out=groups)
-        _encode_e2m1(mag, f, codes)
-        return
-    groups = f.view(rows, k // spec.group, spec.group)
+    e2m1 = spec.element.name == "e2m1"  # E2M1 scales |x| (already here for the amax), keeps x's signs
+    groups = (mag if e2m1 else f).view(rows, k // spec.group, spec.group)
     torch.div(groups, denom.unsqueeze(-1), out=groups)
-    _encode(f, spec.element.name, codes)
+    if e2m1:
+        _encode_e2m1(mag, f, codes)
+    else:
+        _encode(f, spec.element.name, codes)
 
 
 def _row_chunk(x, spec: QuantSpec, s2, codes, scale) -> None:
@@ -163,7 +162,7 @@ def _block_chunk(x, spec: QuantSpec, s2, codes, scale) -> None:
 
 def _bands(rows: int, cols: int, band: int) -> list[tuple[int, int]]:
     """Row ranges of about CHUNK elements, each a whole number of `band` rows."""
-    step = max(band, CHUNK // max(band * cols, 1) * band)
+    step = band_rows(cols, band, CHUNK)
     return [(i, min(rows, i + step)) for i in range(0, rows, step)]
 
 

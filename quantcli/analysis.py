@@ -22,7 +22,8 @@ from .decode import decode_module
 from .detect import Detected, disk_problems, tensors_look_like
 from .errors import CheckpointError
 from .layouts import Layout, layouts_for
-from .plan import experts_module, fused_group_of, is_dense_linear
+from .experts import experts_module
+from .plan import fused_group_of, is_dense_linear
 from .reports import OMITTED
 from .tensors import CheckpointTensors
 

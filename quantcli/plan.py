@@ -17,6 +17,7 @@ import torch
 from . import patterns
 from .errors import LayoutError, QuantcliError, RecipeError
 from .facts import Calibration
+from .experts import every_layers_experts, experts_module
 from .fused import drop_single_member_groups, fused_group_of, one_precision_per_fused_group  # noqa: F401 (re-exported)
 from .layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
 from .recipes import RECIPES, Recipe, get_recipe
@@ -34,7 +35,6 @@ DEFAULT_EXCLUDES: list[tuple[str, re.Pattern]] = [
 ]
 # 3-D expert parameters without a `.weight` suffix (gpt-oss, Llama 4) are stored [E, in, out].
 TRANSPOSED_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")
-EXPERTS_MODULE = re.compile(r"^(.*\.experts)\.")
 
 
 @dataclass(frozen=True)
@@ -197,13 +197,6 @@ def is_dense_linear(module: str) -> bool:
     return default_exclusion(module, {}) not in ("embedding", "norm")
 
 
-def experts_module(name: str) -> str:
-    """The MoE layer a 3-D expert tensor belongs to (`model.layers.0.mlp.experts.gate_up_proj` ->
-    `model.layers.0.mlp.experts`): the name vLLM and SGLang check an exclusion list for."""
-    match = EXPERTS_MODULE.match(name)
-    return match.group(1) if match else module_of(name)
-
-
 def output_specs(layout: Layout, module: str, recipe: Recipe, shape: tuple[int, ...]) -> tuple[OutSpec, ...]:
     """Names, dtypes and shapes the layout will write for a `shape` weight (no data read)."""
     return tuple(OutSpec(n, dtype_name(dtype), shp) for n, dtype, shp in layout.output_specs(module, recipe, shape))
@@ -244,9 +237,9 @@ def _check_whole_expert_layers(tensors: list[TensorPlan], exclusions: list[Exclu
     excluded = {e.module for e in exclusions}
     for t in tensors:
         if t.quantized and len(t.shape) == 3 and experts_module(t.name) in excluded:
-            every = re.sub(r"\.\d+\.", ".*.", experts_module(t.name))
             errors.append(f"{experts_module(t.name)}: {t.name} would be quantized while other stacks of the layer "
-                          f"stay dense, which no engine loads; --ignore '{every}' (all of it) or none of it")
+                          f"stay dense, which no engine loads; --ignore '{every_layers_experts(t.name)}' (all of "
+                          f"it) or none of it")
             return
 
 
@@ -315,9 +308,8 @@ def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout,
         reason = _unfit_reason(recipe, layout, name, shape, info.dtype)
         if reason is not None and is_experts:
             # Most of an MoE's weights: never left dense unasked (an engine would read it as quantized).
-            every = re.sub(r"\.\d+\.", ".*.", experts_module(name))
-            raise QuantcliError(f"{name}: {reason} ('{every}' keeps the expert stacks dense, named in the "
-                                f"exclusion list; they are not left dense unasked)")
+            raise QuantcliError(f"{name}: {reason} ('{every_layers_experts(name)}' keeps the expert stacks dense, "
+                                f"named in the exclusion list; they are not left dense unasked)")
         if reason is not None:
             found.warnings.append(f"{name}: left unquantized: {reason}")
             recipe = None

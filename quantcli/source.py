@@ -283,11 +283,11 @@ def open_source(src: str, revision: str | None = None) -> Source:
     near = _local_near_miss(path)
     if near is not None:  # `demo/tinyllama` next to `demo/tiny-llama`: a typo, not a Hub id
         raise CheckpointError(f"{src}: no such file or folder{near}")
+    hub = REPO_ID.match(src) and not src.startswith((".", "/"))  # could name a Hub repo
     if path.parent.is_dir() and str(path.parent) not in ("", "."):  # `demo/` is here: a local path
-        hub = REPO_ID.match(src) and not src.startswith((".", "/"))  # else it cannot be a repo id
         raise CheckpointError(f"{src}: no such file or folder in {path.parent.as_posix()}/" + (
             f" (to read the Hub repo {src} instead, run from a folder without {path.parent.as_posix()}/)" if hub else ""))
-    if REPO_ID.match(src) and not src.startswith((".", "/")):
+    if hub:
         return open_hub(src, revision)
     raise CheckpointError(f"{src}: no such file or folder, and not a Hub repo id (owner/name)")
 

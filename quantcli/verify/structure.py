@@ -16,7 +16,8 @@ from ..detect import all_names, block_scale_fault, global_scale_fault
 from ..errors import QuantcliError
 from ..kernels.spec import SCALE_SEARCHES
 from ..layouts import layouts_for, module_of
-from ..plan import experts_module, fused_group_of, matches
+from ..experts import experts_module
+from ..plan import fused_group_of, matches
 from ..tensors import CheckpointTensors
 from .report import (CONFIG, COVERAGE, FINITE, FUSED, MANIFEST, SCALES, SERVABLE, TENSORS, TP, Findings)
 
