@@ -15,9 +15,9 @@ from types import ModuleType
 
 import torch
 
-from . import cpu, reference
-from .reference import cpu_workers
-from .spec import NonFiniteInput, QuantResult, QuantSpec
+from quantcli.kernels import cpu, reference
+from quantcli.kernels.reference import cpu_workers
+from quantcli.kernels.spec import NonFiniteInput, QuantResult, QuantSpec
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -56,7 +56,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def _impl(backend: str, device: torch.device) -> ModuleType:
     if resolve_backend(backend, device) == "triton":
-        from . import triton_quant
+        from quantcli.kernels import triton_quant
 
         return triton_quant
     return cpu if device.type == "cpu" else reference
@@ -70,7 +70,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None 
     if spec.scale_search == "none":
         return impl.quantize(x, spec, global_amax)
     if impl in (cpu, reference):
-        from . import search
+        from quantcli.kernels import search
 
         return search.quantize(x, spec, global_amax, channel_weight)
     return impl.quantize(x, spec, global_amax, channel_weight)

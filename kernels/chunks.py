@@ -10,7 +10,7 @@ from contextvars import ContextVar
 
 import torch
 
-from .spec import QuantResult
+from quantcli.kernels.spec import QuantResult
 
 # Rows are quantized in chunks of about this many elements: big enough to amortize torch's
 # per-op overhead, small enough that the FP32 temporaries stay a few MB whatever the tensor

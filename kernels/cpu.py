@@ -21,9 +21,9 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import reference as R
-from .chunks import _map, band_rows
-from .spec import BLOCK, FP8_BLOCK, GROUP, TENSOR, QuantResult, QuantSpec
+from quantcli.kernels import reference as R
+from quantcli.kernels.chunks import _map, band_rows
+from quantcli.kernels.spec import BLOCK, FP8_BLOCK, GROUP, TENSOR, QuantResult, QuantSpec
 
 # Elements per chunk. Smaller chunks stay in cache but cost more per element: every op of a chunk
 # is a Python call that takes the GIL, which two chunk threads then pass back and forth, and the

@@ -14,8 +14,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .chunks import CHUNK_ELEMENTS, _chunked, cpu_workers  # noqa: F401 (search.py and callers use them here)
-from .spec import (
+from quantcli.kernels.chunks import CHUNK_ELEMENTS, _chunked, cpu_workers  # noqa: F401 (search.py and callers use them here)
+from quantcli.kernels.spec import (
     BLOCK,
     E4M3_MAX,
     E4M3_MIN_SUBNORMAL,

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from . import reference as R
-from .spec import E8M0_MAX_FINITE_BYTE, QuantResult, QuantSpec
+from quantcli.kernels import reference as R
+from quantcli.kernels.spec import E8M0_MAX_FINITE_BYTE, QuantResult, QuantSpec
 
 # Tried after the absmax code, in this order (the window a full 126-code sweep never left).
 NVFP4_WINDOW = (-3, -2, -1, 1, 2, 3, 4, 5, 6, 7)

@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
-from .spec import BLOCK, FP8_BLOCK, FP32_MAX, FP32_MIN_NORMAL, GROUP, ROW, TENSOR, NonFiniteInput, QuantResult, QuantSpec
-from .triton_codecs import (
+from quantcli.kernels import reference
+from quantcli.kernels.spec import BLOCK, FP8_BLOCK, FP32_MAX, FP32_MIN_NORMAL, GROUP, ROW, TENSOR, NonFiniteInput, QuantResult, QuantSpec
+from quantcli.kernels.triton_codecs import (
     ELEM_IDS,
     RULE_IDS,
     SCALE_IDS,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import fields, is_dataclass
 
-from . import __version__
+from quantcli import __version__
 
 # Bumped when a field is removed or changes meaning; adding a field keeps the version.
 SCHEMA_VERSION = 1

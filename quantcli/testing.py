@@ -15,7 +15,7 @@ def _save(model, out: Path, shards: int) -> None:
 
     from safetensors.torch import load_file
 
-    from .safetensors_io import write_file
+    from quantcli.checkpoint.safetensors_io import write_file
 
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out) as tmp:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from quantcli.errors import RecipeError
 
-from . import fp8, fp8_block, fp8_channel, int8_channel, mxfp4, mxfp8, nvfp4
-from .base import QuantizedTensor, Recipe
+from quantcli.recipes import fp8, fp8_block, fp8_channel, int8_channel, mxfp4, mxfp8, nvfp4
+from quantcli.recipes.base import QuantizedTensor, Recipe
 
 RECIPES: dict[str, Recipe] = {m.RECIPE.name: m.RECIPE for m in (fp8, fp8_channel, fp8_block, mxfp8, mxfp4, nvfp4,
                                                           int8_channel)}

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from quantcli.errors import RecipeError
-from quantcli.facts import NO_FACTS, ModuleFacts
+from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.kernels import NonFiniteInput, QuantResult, QuantSpec
 from quantcli.kernels.reference import e8m0_to_float, unpack_nibbles
 from quantcli.kernels.spec import GROUP, NVFP4_GLOBAL_DIVISOR, SCALE_SEARCHES, ElementCodec, ScaleCodec

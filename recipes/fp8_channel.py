@@ -15,6 +15,6 @@ Format card
 
 from quantcli.kernels.spec import E4M3, F32_SCALE, ROW, QuantSpec
 
-from .base import Recipe
+from quantcli.recipes.base import Recipe
 
 RECIPE = Recipe(name="fp8-channel", spec=QuantSpec(ROW, E4M3, F32_SCALE))

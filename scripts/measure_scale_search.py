@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from quantcli.facts import ModuleFacts
-from quantcli.plan import default_exclusion
+from quantcli.formats.facts import ModuleFacts
+from quantcli.formats.module_kinds import default_exclusion
 from quantcli.recipes import RECIPES
 
 EVAL = ["The cat sat on the mat.", "Quantization keeps the model small.", "A stock market crash wiped out savings.",

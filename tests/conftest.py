@@ -25,7 +25,7 @@ def tiny_moe(tmp_path_factory) -> Path:
 @pytest.fixture
 def run_cli(capsys, monkeypatch):
     """Run `quantcli ARGS` through main() (so errors print as one line) -> (exit code, stdout, stderr)."""
-    from quantcli.cli import main
+    from quantcli.cli.app import main
 
     def run(*args: str):
         monkeypatch.setattr(sys, "argv", ["quantcli", *map(str, args)])

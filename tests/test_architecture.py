@@ -1,5 +1,6 @@
-"""The shape of the code: no import cycles among quantcli's modules, no function over 60 lines,
-no file over 400 lines, and no library module importing the command layer."""
+"""The shape of the code (docs/architecture.md): the layers import downwards only (also by string,
+through importlib), no import cycles among quantcli's modules, no function over 60 lines, no file
+over 400 lines, and the top of quantcli/ holds a handful of modules."""
 
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # package dir -> import name (recipes/ and kernels/ install as quantcli.recipes / quantcli.kernels)
 PACKAGES = {ROOT / "quantcli": "quantcli", ROOT / "recipes": "quantcli.recipes", ROOT / "kernels": "quantcli.kernels"}
-COMMAND_LAYER = {"quantcli.cli", "quantcli.commands", "quantcli.__main__"}
+# Layer of each package, top (the face) to bottom; a module may import its own layer or lower ones.
+LAYERS = [
+    ("face", ["quantcli.cli", "quantcli.__main__", "quantcli.testing"]),
+    ("jobs", ["quantcli.convert", "quantcli.calibrate", "quantcli.inspect", "quantcli.verify"]),
+    ("planning", ["quantcli.planning"]),
+    ("model", ["quantcli.model"]),
+    ("formats", ["quantcli.formats", "quantcli.recipes"]),
+    ("bytes", ["quantcli.checkpoint", "quantcli.kernels"]),
+    ("base", ["quantcli", "quantcli.errors", "quantcli.reports", "quantcli.memory", "quantcli.schemas"]),
+]
+TOP_LEVEL_MODULES = {"__init__.py", "__main__.py", "errors.py", "reports.py", "memory.py", "testing.py"}
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 400
 
@@ -43,6 +54,8 @@ def imports(mod: str, path: Path, known: set[str]) -> set[str]:
             else:
                 target = node.module or ""
             names = [target] + [f"{target}.{a.name}" for a in node.names]
+        elif _is_import_by_string(node):
+            names = [node.args[0].value]
         else:
             continue
         for n in names:
@@ -51,6 +64,26 @@ def imports(mod: str, path: Path, known: set[str]) -> set[str]:
             if n and n != mod:
                 found.add(n)
     return found
+
+
+def _is_import_by_string(node: ast.AST) -> bool:
+    """importlib.import_module("quantcli.x") or __import__("quantcli.x"): an import all the same."""
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+        return False
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+    return name in ("import_module", "__import__") and isinstance(node.args[0].value, str)
+
+
+def layer_of(mod: str) -> int:
+    """Index in LAYERS (0 = face), by the longest package prefix that names the module."""
+    best, rank = "", None
+    for i, (_, packages) in enumerate(LAYERS):
+        for pkg in packages:
+            if (mod == pkg or mod.startswith(pkg + ".")) and len(pkg) > len(best):
+                best, rank = pkg, i
+    assert rank is not None, f"{mod} is in no layer: add its package to LAYERS"
+    return rank
 
 
 def graph() -> dict[str, set[str]]:
@@ -83,10 +116,21 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-def test_library_does_not_import_the_command_layer():
-    bad = [f"{m} imports {d}" for m, deps in graph().items() if m not in COMMAND_LAYER
-           for d in deps if d in COMMAND_LAYER]
-    assert not bad, "\n".join(bad)
+def test_imports_point_down_the_layers():
+    up = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
+          for m, deps in graph().items() for d in deps
+          if not d.startswith(m + ".") and layer_of(d) < layer_of(m)]
+    assert not up, "upward imports:\n" + "\n".join(sorted(up))
+
+
+def test_the_layer_check_sees_imports_by_string():
+    tree = ast.parse('importlib.import_module("quantcli.cli")')
+    assert _is_import_by_string(tree.body[0].value)
+
+
+def test_top_level_holds_a_handful_of_modules():
+    top = {p.name for p in (ROOT / "quantcli").glob("*.py")}
+    assert top <= TOP_LEVEL_MODULES, f"put {sorted(top - TOP_LEVEL_MODULES)} in the folder of its layer"
 
 
 @pytest.mark.parametrize("path", sorted(modules().values()), ids=lambda p: str(p.relative_to(ROOT)))

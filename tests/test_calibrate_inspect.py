@@ -20,7 +20,7 @@ Q = "model.layers.0.self_attn.q_proj"
 
 @pytest.fixture(scope="module")
 def outs(tmp_path_factory) -> dict[str, Path]:
-    from quantcli.cli import main
+    from quantcli.cli.app import main
 
     root = tmp_path_factory.mktemp("cali")
     src = make_llama(root / "llama", hidden=64, layers=2, shards=1)

@@ -96,7 +96,7 @@ def test_text_without_tokenizer_refused_naming_the_fix(bare, tmp_path, run_cli):
 
 @pytest.fixture(scope="module")
 def calibrated(src, tmp_path_factory) -> tuple[Path, Path]:
-    from quantcli.cli import main
+    from quantcli.cli.app import main
 
     root = tmp_path_factory.mktemp("calv_out")
     data = root / "data.txt"

@@ -42,7 +42,7 @@ def assert_readable(text: str) -> None:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A dense Llama and an MoE, both converted to NVFP4, under fixed relative names."""
-    from quantcli.cli import main
+    from quantcli.cli.app import main
 
     root = tmp_path_factory.mktemp("out")
     make_llama(root / "llama", hidden=64, layers=2, shards=2, seed=0)
@@ -115,7 +115,7 @@ def test_dry_run_is_grouped_and_convert_summary_names_dense_reasons(run_cli, mon
 
 
 def test_recipes_and_layouts_list_the_registries(run_cli):
-    from quantcli.layouts import LAYOUTS
+    from quantcli.formats.layouts import LAYOUTS
     from quantcli.recipes import RECIPES
 
     doc = json.loads(run_cli("recipes", "--json")[1])
@@ -140,7 +140,7 @@ def test_verify_reports_progress_per_module_and_draws_a_bar(checkpoints):
 
     from rich.console import Console
 
-    from quantcli.bars import PhaseBar
+    from quantcli.cli.bars import PhaseBar
     from quantcli.verify import verify_checkpoint
 
     calls = []
@@ -213,9 +213,9 @@ def test_verify_quiet_sends_faults_to_stderr(run_cli, monkeypatch, checkpoints, 
 
 def test_layouts_engines_come_from_one_table(run_cli, monkeypatch):
     """`quantcli layouts` (text and JSON) and the model card's serving commands read the same
-    table, quantcli/engines.py LOADS_IN; the layouts' prose (inspect's `loads in`) names them all."""
-    from quantcli.engines import LOADS_IN
-    from quantcli.layouts import LAYOUTS
+    table, quantcli/formats/engines.py LOADS_IN; the layouts' prose (inspect's `loads in`) names them all."""
+    from quantcli.formats.engines import LOADS_IN
+    from quantcli.formats.layouts import LAYOUTS
 
     doc = json.loads(run_cli("layouts", "--json")[1])
     pairs = {(r, layout["name"]): tuple(engines) for layout in doc["layouts"] for r, engines in layout["loads_in"].items()}
@@ -263,7 +263,7 @@ def test_relayout_summary_says_carried_over_and_already_dense(run_cli, monkeypat
 
 
 def test_calibration_scalars_are_bytes_not_params():
-    from quantcli.inspect_report import FormatTotals, _count_scales
+    from quantcli.inspect import FormatTotals, _count_scales
     from types import SimpleNamespace
 
     by_format: dict[str, FormatTotals] = {}

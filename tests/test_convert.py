@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcli.layouts import DEFAULT_LAYOUT
-from quantcli.source import open_source
+from quantcli.formats.layouts import DEFAULT_LAYOUT
+from quantcli.checkpoint.source import open_source
 
 RECIPES = ["fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4"]
 
@@ -46,7 +46,7 @@ def check_output(src: Path, out: Path, recipe: str, layout: str):
     assert "Quantization (quantcli)" in (out / "README.md").read_text()
     # Unquantized tensors pass through bit-identical (no dtype casts).
     src_s = open_source(str(src))
-    from quantcli.tensors import CheckpointTensors
+    from quantcli.checkpoint.tensors import CheckpointTensors
 
     with CheckpointTensors(src_s) as a, CheckpointTensors(s) as b:
         for name in a.where:
@@ -114,7 +114,7 @@ def test_two_runs_byte_identical_and_triton_backend_matches(tiny_llama, tmp_path
 def test_kill_after_first_shard_then_resume_is_byte_identical(tiny_llama, tmp_path, run_cli):
     assert run_cli("convert", tiny_llama, tmp_path / "clean", "--recipe", "mxfp4", "--quiet")[0] == 0
     env = {**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}
-    cmd = [sys.executable, "-m", "quantcli.cli", "convert", str(tiny_llama), str(tmp_path / "out"), "--recipe", "mxfp4",
+    cmd = [sys.executable, "-m", "quantcli", "convert", str(tiny_llama), str(tmp_path / "out"), "--recipe", "mxfp4",
            "--quiet"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert proc.returncode == -9
@@ -129,7 +129,7 @@ def test_kill_after_first_shard_then_resume_is_byte_identical(tiny_llama, tmp_pa
 
 def test_resume_with_other_recipe_refused(tiny_llama, tmp_path):
     env = {**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}
-    base = [sys.executable, "-m", "quantcli.cli", "convert", str(tiny_llama), str(tmp_path / "o"), "--quiet"]
+    base = [sys.executable, "-m", "quantcli", "convert", str(tiny_llama), str(tmp_path / "o"), "--quiet"]
     assert subprocess.run(base + ["--recipe", "nvfp4"], env=env, capture_output=True).returncode == -9
     before = tree_digest(tmp_path / "o.partial")
     proc = subprocess.run(base + ["--recipe", "fp8-block", "--resume"], capture_output=True, text=True)
@@ -221,7 +221,7 @@ def test_hub_repo_id_from_offline_cache(tiny_llama, tmp_path, monkeypatch, run_c
 
 
 def test_gpt_oss_expert_stacks_transposed_and_verified(tmp_path, run_cli):
-    from quantcli.safetensors_io import write_file
+    from quantcli.checkpoint.safetensors_io import write_file
 
     src = tmp_path / "goss"
     src.mkdir()
@@ -262,7 +262,7 @@ def test_fp8_block_layout_loads_through_transformers_finegrained_fp8(tiny_llama,
 
 
 def _gpt_oss(tmp_path) -> Path:
-    from quantcli.safetensors_io import write_file
+    from quantcli.checkpoint.safetensors_io import write_file
 
     src = tmp_path / "goss-dense"
     src.mkdir()

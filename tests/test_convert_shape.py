@@ -14,10 +14,10 @@ import torch
 import quantcli.convert.job as job_mod
 from quantcli.convert import PROGRESS_NAME, convert_shard, learn_facts
 from quantcli.convert.reading import ModuleReader
-from quantcli.plan import Options
-from quantcli.planner import plan_conversion
-from quantcli.source import open_source
-from quantcli.tensors import CheckpointTensors
+from quantcli.planning.plan import Options
+from quantcli.planning.conversion import plan_conversion
+from quantcli.checkpoint.source import open_source
+from quantcli.checkpoint.tensors import CheckpointTensors
 from quantcli.testing import make_llama
 
 from faults import assert_one_line_error, tree_state

@@ -39,7 +39,7 @@ def _rank_worker(rank: int, size: int, port: int, jobs: list[dict], log: str) ->
 
     import torch.distributed as dist
 
-    from quantcli.cli import _run
+    from quantcli.cli.app import _run
 
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=60))
@@ -102,7 +102,7 @@ def _reshard(src: Path, out: Path, shards: int) -> Path:
 
 
 def _one_process(argv: list[str]) -> int:
-    from quantcli.cli import _run
+    from quantcli.cli.app import _run
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return _run(argv)
@@ -186,9 +186,9 @@ def test_every_recipe_runs_on_several_ranks():
 
 def test_a_fused_group_split_over_ranks_gets_one_global_scale(runs):
     """The llama source deals q/k/v over shards that LPT gives to different ranks (2 and 3)."""
-    from quantcli.planner import plan_conversion
-    from quantcli.recipe_file import conversion_options
-    from quantcli.source import open_source
+    from quantcli.planning.conversion import plan_conversion
+    from quantcli.planning.options_file import conversion_options
+    from quantcli.checkpoint.source import open_source
 
     plan = plan_conversion(open_source(str(runs["src"]["llama"])), conversion_options(
         recipe="nvfp4", layout=None, ignore=[], config=None, scale_rule=None))

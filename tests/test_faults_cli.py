@@ -96,10 +96,10 @@ def test_help_exits_0(argv, run_cli):
 
 
 def test_help_lists_equal_the_registries():
-    from quantcli import cli
+    from quantcli.cli import options as cli
     from quantcli.kernels import BACKENDS
     from quantcli.kernels.spec import SCALE_RULES
-    from quantcli.layouts import LAYOUTS
+    from quantcli.formats.layouts import LAYOUTS
     from quantcli.recipes import DENSE_RECIPES, RECIPES
 
     assert list(cli.RECIPE_NAMES) == [*RECIPES, *DENSE_RECIPES]
@@ -175,34 +175,34 @@ def _raising(exc: BaseException):
     (errno.EACCES, ["Permission denied"]),
 ])
 def test_os_error_is_one_line_naming_the_file(err_no, needles, small_src, monkeypatch, run_cli):
-    import quantcli.commands
+    import quantcli.cli.commands
 
     exc = OSError(err_no, os.strerror(err_no), "/data/out/model-00001.safetensors")
-    monkeypatch.setattr(quantcli.commands, "run_inspect", _raising(exc))
+    monkeypatch.setattr(quantcli.cli.commands, "run_inspect", _raising(exc))
     code, out, err = run_cli("inspect", small_src)
     assert_one_line_error(code, out, err, "/data/out/model-00001.safetensors", os.strerror(err_no), *needles)
     assert "--resume" not in err  # inspect has nothing to resume
 
 
 def test_disk_full_during_convert_points_at_resume(small_src, tmp_path, monkeypatch, run_cli):
-    import quantcli.commands
+    import quantcli.cli.commands
 
     exc = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "out.partial" / "x"))
-    monkeypatch.setattr(quantcli.commands, "run_convert", _raising(exc))
+    monkeypatch.setattr(quantcli.cli.commands, "run_convert", _raising(exc))
     code, out, err = run_cli("convert", small_src, tmp_path / "out", "--recipe", "nvfp4")
     assert_one_line_error(code, out, err, "out.partial", "disk full", "rerun with --resume")
 
 
 def test_unexpected_exception_is_internal_error_exit_3(small_src, monkeypatch, run_cli):
-    import quantcli.commands
+    import quantcli.cli.commands
 
-    monkeypatch.setattr(quantcli.commands, "run_verify", _raising(ZeroDivisionError("division by zero\nmore")))
+    monkeypatch.setattr(quantcli.cli.commands, "run_verify", _raising(ZeroDivisionError("division by zero\nmore")))
     code, out, err = run_cli("verify", small_src)
     line = assert_one_line_error(code, out, err, "internal error: ZeroDivisionError: division by zero",
                                  "QUANTCLI_DEBUG=1", exit_code=3)
     assert "more" in line  # a multi-line message is folded into the one line
     monkeypatch.setenv("QUANTCLI_DEBUG", "1")  # asked for: the traceback
-    from quantcli.cli import main
+    from quantcli.cli.app import main
 
     monkeypatch.setattr(sys, "argv", ["quantcli", "verify", str(small_src)])
     with pytest.raises(ZeroDivisionError):
@@ -211,7 +211,7 @@ def test_unexpected_exception_is_internal_error_exit_3(small_src, monkeypatch, r
 
 @pytest.mark.parametrize("interrupt,exit_code", [(KeyboardInterrupt(), 130), ("SIGTERM", 143)])
 def test_interrupt_outside_convert_says_interrupted(interrupt, exit_code, small_src, monkeypatch, run_cli):
-    import quantcli.commands
+    import quantcli.cli.commands
 
     def inspect_then_interrupted(*args, **kwargs):
         if interrupt == "SIGTERM":
@@ -221,7 +221,7 @@ def test_interrupt_outside_convert_says_interrupted(interrupt, exit_code, small_
         raise interrupt
 
     handler_before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(quantcli.commands, "run_inspect", inspect_then_interrupted)
+    monkeypatch.setattr(quantcli.cli.commands, "run_inspect", inspect_then_interrupted)
     code, out, err = run_cli("inspect", small_src)
     assert code == exit_code and err.strip() == "interrupted" and "Traceback" not in err
     assert signal.getsignal(signal.SIGTERM) == handler_before  # main() put the old handler back
@@ -275,7 +275,7 @@ def test_an_interrupt_after_dst_is_in_place_says_it_is_complete(tiny_llama, tmp_
     finds nothing to resume: one line saying DST is complete, no --resume; still 130, since what
     was left (the summary, --json, a push) did not happen. A later run in the same process
     that is interrupted mid-way is not taken for complete."""
-    import quantcli.commands as commands
+    import quantcli.cli.commands as commands
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -26,7 +26,7 @@ import quantcli.convert.shard as shard_mod
 from quantcli.convert.progress import ProgressFile
 from quantcli.errors import CheckpointError
 from quantcli.convert import LOCK_NAME, PROGRESS_NAME, StagingLock
-from quantcli.safetensors_io import ShardWriter, write_file
+from quantcli.checkpoint.safetensors_io import ShardWriter, write_file
 from quantcli.testing import make_llama
 
 from faults import assert_nothing_left, assert_one_line_error, run_subprocess, tree_state
@@ -442,7 +442,7 @@ def test_zero_size_linear_passes_through_as_excluded(tmp_path, run_cli, recipe):
     assert excluded["model.layers.0.mlp.down_proj"] == excluded["model.layers.0.mlp.gate_proj"] == "empty tensor"
     code, _, err = convert(run_cli, src, tmp_path / "o", recipe=recipe)
     assert code == 0, err
-    from quantcli.source import open_source
+    from quantcli.checkpoint.source import open_source
 
     out_tensors = open_source(str(tmp_path / "o")).headers["model.safetensors"].tensors
     assert out_tensors["model.layers.0.mlp.down_proj.weight"].shape == (64, 0)

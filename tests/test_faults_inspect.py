@@ -1,4 +1,4 @@
-"""Module-name patterns (quantcli/patterns.py) and `inspect`'s handling of bad input.
+"""Module-name patterns (quantcli/formats/patterns.py) and `inspect`'s handling of bad input.
 
 Injected: patterns of every rule and near misses, a gpt-oss config whose exclusion list names
 parent modules by glob, `--ignore` with a parent glob, `--tensors` that selects nothing or is an
@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from quantcli import patterns
+from quantcli.formats import patterns
 from quantcli.errors import QuantcliError
-from quantcli.safetensors_io import write_file
+from quantcli.checkpoint.safetensors_io import write_file
 from faults import assert_one_line_error, tree_state
 
 # (pattern, name, the rule that covers it or None)
@@ -112,7 +112,7 @@ def _gpt_oss_source(root):
 
 @pytest.fixture(scope="module")
 def gpt_oss_quantized(tmp_path_factory):
-    from quantcli.commands import run_convert
+    from quantcli.cli.commands import run_convert
 
     base = tmp_path_factory.mktemp("goss")
     src = _gpt_oss_source(base / "src")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from quantcli.errors import RecipeError
-from quantcli.facts import ModuleFacts
+from quantcli.formats.facts import ModuleFacts
 from quantcli.kernels import NonFiniteInput, tensor_amax, triton_available
 from quantcli.kernels import reference as ref
 from quantcli.kernels.spec import E8M0_MAX_FINITE_BYTE, FP8_BLOCK

@@ -17,9 +17,9 @@ import torch
 
 from faults import assert_nothing_left, assert_one_line_error, tree_state
 from quantcli.errors import CheckpointError
-from quantcli.safetensors_io import read_header, write_file
-from quantcli.source import open_source
-from quantcli.tensors import CheckpointTensors
+from quantcli.checkpoint.safetensors_io import read_header, write_file
+from quantcli.checkpoint.source import open_source
+from quantcli.checkpoint.tensors import CheckpointTensors
 
 W = "model.layers.0.mlp.down_proj.weight"  # a Linear weight every recipe quantizes
 N = "model.norm.weight"
@@ -99,7 +99,7 @@ def file_cases() -> dict[str, tuple[bytes, tuple[str, ...]]]:
 @pytest.fixture(scope="module")
 def quant(tmp_path_factory) -> Path:
     """A valid fp8 checkpoint of the good source, for `verify QUANT --reference CORRUPT`."""
-    from quantcli.cli import main
+    from quantcli.cli.app import main
 
     root = tmp_path_factory.mktemp("quant")
     src = root / "src"

@@ -31,7 +31,7 @@ MODULE = "model.layers.0.self_attn.q_proj"
 
 def _cli(*args: str) -> int:
     """main() outside a test's fixtures (for module-scoped sources): the exit code."""
-    from quantcli.cli import main
+    from quantcli.cli.app import main
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys, "argv", ["quantcli", *map(str, args)])

@@ -3,7 +3,7 @@
 Checkpoints are made with the producers' own arithmetic: compressed-tensors' quantization
 functions and compressors (llm-compressor's flow, BF16 intermediates and BF16 FP8 scales) and
 ModelOpt's MXFP4 export arithmetic (FORMATS.md B 7.5). Each must pass; each corruption of them
-must fail (exit 1) naming the tensor. The tolerance table in quantcli/verify.py was measured with
+must fail (exit 1) naming the tensor. The tolerance table in quantcli/verify/ was measured with
 these same producers.
 """
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantcli.layouts import get_layout
-from quantcli.plan import fused_group_of
+from quantcli.formats.layouts import get_layout
+from quantcli.formats.fused import fused_group_of
 
 pytest.importorskip("compressed_tensors")
 

@@ -1,4 +1,4 @@
-"""quantcli/grouping.py: rows grouped by layer pattern, exactly (every member named, nothing more)."""
+"""quantcli/cli/grouping.py: rows grouped by layer pattern, exactly (every member named, nothing more)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from quantcli.grouping import braces, group_names, natural_key, short_prefix
+from quantcli.cli.grouping import braces, group_names, natural_key, short_prefix
 
 
 def expand(pattern: str) -> set[str]:

@@ -109,12 +109,12 @@ def test_sharded_repo_converts_inspects_and_verifies(tiny_llama, hub_cache, tmp_
 
 
 def test_single_file_repo(tiny_llama, hub_cache, tmp_path, run_cli):
-    from quantcli.source import open_source
-    from quantcli.tensors import CheckpointTensors
+    from quantcli.checkpoint.source import open_source
+    from quantcli.checkpoint.tensors import CheckpointTensors
 
     single = tmp_path / "single"
     single.mkdir()
-    from quantcli.safetensors_io import write_file
+    from quantcli.checkpoint.safetensors_io import write_file
 
     with CheckpointTensors(open_source(str(tiny_llama))) as t:
         write_file(single / "model.safetensors", {n: t.get(n).clone() for n in t.where})
@@ -148,7 +148,7 @@ def test_revision_selects_a_second_ref(tiny_llama, hub_cache, tmp_path, run_cli)
 @pytest.fixture(scope="module")
 def tiny_fp8(tiny_llama, tmp_path_factory) -> Path:
     """A quantized checkpoint, for `verify QUANT --reference REPO`."""
-    from quantcli.cli import main
+    from quantcli.cli.app import main
 
     dst = tmp_path_factory.mktemp("fp8") / "fp8"
     with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcli import inspect_report, verify
+from quantcli import inspect as inspect_report, verify
 from quantcli.reports import to_json
 
 
@@ -23,9 +23,9 @@ def kv_cache_account(*args, **kwargs) -> dict:
 
 def verify_checkpoint(*args, **kwargs) -> dict:
     return to_json(verify.verify_checkpoint(*args, **kwargs))
-from quantcli.safetensors_io import write_file
-from quantcli.source import open_source
-from quantcli.tensors import CheckpointTensors
+from quantcli.checkpoint.safetensors_io import write_file
+from quantcli.checkpoint.source import open_source
+from quantcli.checkpoint.tensors import CheckpointTensors
 
 
 def load_all(path: Path) -> dict[str, torch.Tensor]:
@@ -44,7 +44,7 @@ def rewrite(path: Path, edit) -> None:
 
 @pytest.fixture(scope="module")
 def converted(tiny_llama, tmp_path_factory):
-    from quantcli.cli import app
+    from quantcli.cli.app import app
     from typer.testing import CliRunner
 
     root = tmp_path_factory.mktemp("conv")
@@ -114,7 +114,7 @@ def test_inspect_reads_compressed_tensors_package_output(tmp_path):
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    from quantcli.layouts import get_layout
+    from quantcli.formats.layouts import get_layout
 
     # Produce a checkpoint with CT's own compressor: its NVFP4 scales, its packing.
     torch.manual_seed(0)

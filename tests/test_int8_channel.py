@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from quantcli.layouts import DEFAULT_LAYOUT, get_layout, layouts_for
+from quantcli.formats.layouts import DEFAULT_LAYOUT, get_layout, layouts_for
 from quantcli.recipes import get_recipe
 from quantcli.testing import make_llama
 

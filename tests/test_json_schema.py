@@ -47,7 +47,7 @@ def sources(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def nvfp4(sources, tmp_path_factory):
-    from quantcli.cli import main
+    from quantcli.cli.app import main
 
     dst = sources["root"] / "llama-nvfp4"
     with pytest.raises(SystemExit) as exc:
@@ -57,7 +57,7 @@ def nvfp4(sources, tmp_path_factory):
 
 
 def test_every_schema_is_a_valid_draft_2020_12_schema_and_every_command_has_one():
-    from quantcli.cli import app
+    from quantcli.cli.app import app
 
     for name in SCHEMAS:
         Draft202012Validator.check_schema(json_schema(name))

@@ -24,7 +24,7 @@ def llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def nvfp4(llama, tmp_path_factory) -> Path:
-    from quantcli.cli import main
+    from quantcli.cli.app import main
 
     out = tmp_path_factory.mktemp("q") / "nvfp4"
     with pytest.raises(SystemExit) as exc:
@@ -97,7 +97,7 @@ def test_second_conversion_replaces_the_card(nvfp4, tmp_path, run_cli):
 
 
 def test_card_section_replaced_up_to_next_heading():
-    from quantcli.model_card import with_model_card
+    from quantcli.convert.model_card import with_model_card
 
     card = "\n## Quantization (quantcli)\n\nnew\n"
     assert with_model_card("# M\n\nhi", card) == "# M\n\nhi\n" + card
@@ -109,7 +109,7 @@ def test_card_section_replaced_up_to_next_heading():
 
 def _many_modules(folder: Path) -> Path:
     """2000 FP8 per-tensor modules: `inspect --json` lists each one (about 2 MB of JSON)."""
-    from quantcli.safetensors_io import write_file
+    from quantcli.checkpoint.safetensors_io import write_file
 
     folder.mkdir()
     tensors = {}

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from quantcli.errors import LayoutError
-from quantcli.layouts import LAYOUTS, get_layout, layout_for
-from quantcli.manifest import Manifest
+from quantcli.formats.layouts import LAYOUTS, get_layout, layout_for
+from quantcli.checkpoint.manifest import Manifest
 from quantcli.recipes import get_recipe
 
 
@@ -136,7 +136,7 @@ def test_manifest_json_round_trip_and_header_check(tiny_llama, tmp_path, run_cli
     text = (tmp_path / "o" / "quantcli_manifest.json").read_text()
     m = Manifest.from_json(text)
     assert m.to_json() == text
-    from quantcli.source import open_source
+    from quantcli.checkpoint.source import open_source
 
     src = open_source(str(tmp_path / "o"))
     assert m.check_headers(src.headers) == []
@@ -154,7 +154,7 @@ def test_manifest_json_round_trip_and_header_check(tiny_llama, tmp_path, run_cli
 def test_tables_round_trip_every_pair_and_direction_lives_in_one_place():
     """Every (layout, recipe) row of every table: to_disk -> from_disk gives the same canonical
     tensor, and a global scale is stored as the multiplier or its FP32 reciprocal by direction."""
-    from quantcli.layouts.base import stored_value, to_direction
+    from quantcli.formats.layouts.base import stored_value, to_direction
 
     w = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(3))
     for layout in LAYOUTS.values():

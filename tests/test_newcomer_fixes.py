@@ -44,7 +44,7 @@ def test_missing_path_under_a_local_folder_is_not_a_hub_id(moe, run_cli, monkeyp
     def no_hub(*a, **k):
         raise AssertionError("went to the Hub")
 
-    monkeypatch.setattr("quantcli.source.open_hub", no_hub)
+    monkeypatch.setattr("quantcli.checkpoint.source.open_hub", no_hub)
     code, _, err = run_cli("inspect", "moe/nonexistent-folder-xyz")
     assert code == 2 and "no such file or folder in moe/" in err and len(err.strip().splitlines()) == 1
 

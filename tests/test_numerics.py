@@ -10,7 +10,7 @@ import torch
 from quantcli.kernels import chunks, cpu, reference as ref
 from quantcli.recipes import RECIPES, get_recipe
 from quantcli.errors import RecipeError
-from quantcli.facts import ModuleFacts
+from quantcli.formats.facts import ModuleFacts
 
 E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
 

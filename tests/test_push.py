@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import HfApi, ModelCard
 
 from faults import assert_one_line_error
-from quantcli.engines import LOADS_IN, loads_in
+from quantcli.formats.engines import LOADS_IN, loads_in
 from quantcli.testing import make_llama
 from test_json_schema import validate
 
@@ -87,7 +87,7 @@ def test_push_creates_the_repo_and_branch_then_uploads_the_verified_folder(nvfp4
 
 
 def test_large_folders_use_the_resumable_large_folder_upload(nvfp4, hub, run_cli, monkeypatch):
-    monkeypatch.setattr("quantcli.push.LARGE_FOLDER_BYTES", 0)
+    monkeypatch.setattr("quantcli.cli.push.LARGE_FOLDER_BYTES", 0)
     code, out, err = run_cli("push", nvfp4, REPO)
     assert code == 0 and out.strip() == f"https://huggingface.co/{REPO}", err
     assert names(hub) == ["whoami", "create_repo", "upload_large_folder"]
@@ -202,7 +202,7 @@ def test_second_conversion_replaces_title_tags_and_keeps_the_base(nvfp4, tmp_pat
 
 
 def test_every_recipe_layout_pair_has_its_engines():
-    from quantcli.layouts import layouts_for
+    from quantcli.formats.layouts import layouts_for
     from quantcli.recipes import RECIPES
 
     pairs = {(r, layout) for r in RECIPES for layout in layouts_for(r)}

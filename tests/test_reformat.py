@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcli.layouts import get_layout
-from quantcli.safetensors_io import write_file
-from quantcli.source import open_source
-from quantcli.tensors import CheckpointTensors
+from quantcli.formats.layouts import get_layout
+from quantcli.checkpoint.safetensors_io import write_file
+from quantcli.checkpoint.source import open_source
+from quantcli.checkpoint.tensors import CheckpointTensors
 
 PAIRS = [("nvfp4", "modelopt"), ("nvfp4", "compressed-tensors"), ("mxfp4", "compressed-tensors"),
          ("mxfp8", "compressed-tensors"), ("mxfp8", "modelopt"), ("mxfp8", "fp8"), ("fp8", "fp8"),
@@ -27,7 +27,7 @@ def tensors_of(path: Path) -> dict[str, bytes]:
 def quantized(tiny_llama, tmp_path_factory):
     from typer.testing import CliRunner
 
-    from quantcli.cli import app
+    from quantcli.cli.app import app
 
     root = tmp_path_factory.mktemp("q")
     out = {}
@@ -226,7 +226,7 @@ def test_reformat_dry_run_and_resume_after_kill(quantized, tmp_path, run_cli):
     assert code == 0 and not (tmp_path / "d").exists()
     assert {t["action"] for t in plan["tensors"]} == {"relayout", "copy"}
     convert(run_cli, src, tmp_path / "clean", "--recipe", "nvfp4", "--layout", "modelopt")
-    cmd = [sys.executable, "-m", "quantcli.cli", "convert", str(src), str(tmp_path / "o"), "--recipe", "nvfp4",
+    cmd = [sys.executable, "-m", "quantcli", "convert", str(src), str(tmp_path / "o"), "--recipe", "nvfp4",
            "--layout", "modelopt", "--quiet"]
     assert subprocess.run(cmd, env={**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}).returncode == -9
     s = convert(run_cli, src, tmp_path / "o", "--recipe", "nvfp4", "--layout", "modelopt", "--resume")

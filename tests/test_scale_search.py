@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantcli.facts import ModuleFacts
+from quantcli.formats.facts import ModuleFacts
 from quantcli.kernels import dequantize, quantize, triton_available
 from quantcli.kernels import reference as R
 from quantcli.kernels import search

@@ -8,7 +8,7 @@ import hashlib
 import pytest
 import torch
 
-from quantcli.safetensors_io import OVERLAP_BYTES, OutSpec, ShardWriter, dtype_name, tensor_bytes, write_file
+from quantcli.checkpoint.safetensors_io import OVERLAP_BYTES, OutSpec, ShardWriter, dtype_name, tensor_bytes, write_file
 
 
 def test_shard_writer_hash_is_the_files_sha256_with_and_without_overlap(tmp_path):

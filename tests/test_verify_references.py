@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from faults import assert_one_line_error
-from quantcli.manifest import MANIFEST_NAME, Manifest
-from quantcli.safetensors_io import write_file
+from quantcli.checkpoint.manifest import MANIFEST_NAME, Manifest
+from quantcli.checkpoint.safetensors_io import write_file
 from quantcli.testing import make_llama
 
 
 def _convert(src: Path, dst: Path, *args: str) -> Path:
-    from quantcli.cli import main
+    from quantcli.cli.app import main
     import sys
 
     old = sys.argv

@@ -1,29 +1,17 @@
-"""Run the source model one decoder layer at a time and record activation statistics.
-
-The model is built by transformers on the meta device (no memory). Layer 0's inputs (hidden
-states, position embeddings, mask) are captured with only the embedding materialized; then each
-layer in turn gets its weights from the source through quantcli's reader (FP32), runs every
-batch, records max |input| of each Linear (a forward pre-hook; MoE experts per expert, from the
-router's choice) and its mean squared input per channel, and max |key| after rotary / max
-|value| (a recording cache passed to the attention, whose `update()` sees what a serving engine
-stores), hands its outputs on as the next layer's inputs and goes back to meta. Peak memory:
-one layer's weights + the activation buffer + a constant, whatever the depth.
-"""
+"""Calibration's statistics, recorded by a fact pass over the layer walk (model/layers.py): max
+|input| of each Linear (a forward pre-hook; MoE experts per expert, from the router's choice) and
+its mean squared input per channel, and max |key| after rotary / max |value| (a recording cache
+passed to the attention, whose `update()` sees what a serving engine stores)."""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import QuantcliError
-from ..memory import fix_mmap_threshold
-from .buffer import ActivationBuffer, budget_bytes
-from .data import EXTRA
-from .weights import ExpertModules, WeightMap, experts_blocks
-
-EMBEDDING, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head"
+from quantcli.model.buffer import ActivationBuffer
+from quantcli.model.layers import HEAD, LayerPass, walk_layers
+from quantcli.model.weights import ExpertModules, WeightMap
 
 
 @dataclass
@@ -72,103 +60,40 @@ class RecordingCache:
         return key_states, value_states
 
 
-class _Stop(Exception):
-    pass
+class StatsPass(LayerPass):
+    """Calibration's fact pass: max |input| of each Linear (MoE experts per expert, from the
+    router's choice), its mean squared input per channel, and max |key| after rotary / max
+    |value| of each attention (a recording cache whose `update()` sees what an engine stores)."""
 
+    def __init__(self, stats: Stats):
+        self.stats = stats
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise QuantcliError(f"--calibration needs transformers: {EXTRA}") from None
-    return transformers
+    def observe(self, layer, prefix: str, weights: WeightMap, experts: dict[str, ExpertModules]) -> list:
+        hooks = []
+        for sub, mod in layer.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                hooks.append(mod.register_forward_pre_hook(_recorder(self.stats, weights.checkpoint_module(prefix + sub))))
+            elif prefix + sub in experts:
+                hooks.append(mod.register_forward_pre_hook(_expert_recorder(self.stats, experts[prefix + sub]),
+                                                           with_kwargs=True))
+                _expert_roles(self.stats, prefix + sub, experts[prefix + sub])
+        return hooks
 
+    def cache(self, prefix: str) -> RecordingCache:
+        return RecordingCache()
 
-def meta_model(config_dict: dict):
-    """The source's model class, built on the meta device in FP32 (no weights)."""
-    tf = _transformers()
-    cfg = dict(config_dict)
-    config = tf.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(config)
-    return model.float().eval()
+    def layer_done(self, layer, prefix: str, weights: WeightMap, cache: RecordingCache) -> None:
+        attn = weights.checkpoint_module(prefix + "self_attn")
+        self.stats.keys[attn], self.stats.values[attn] = cache.k, cache.v
 
-
-def batches(ids: list[list[int]], size: int) -> list[torch.Tensor]:
-    """Consecutive samples of equal length, at most `size` per batch (no padding)."""
-    out: list[list[list[int]]] = []
-    for s in ids:
-        if out and len(out[-1]) < size and len(out[-1][0]) == len(s):
-            out[-1].append(s)
-        else:
-            out.append([s])
-    return [torch.tensor(b, dtype=torch.long) for b in out]
-
-
-def capture_inputs(model, get, device: torch.device, input_batches: list[torch.Tensor],
-                   buffer: ActivationBuffer) -> list[dict]:
-    """Layer 0's hidden states per batch (into `buffer`) and its other arguments (position
-    embeddings, mask), with only the embedding loaded."""
-    body = model.model
-    body.embed_tokens.load_state_dict({"weight": get(EMBEDDING).to(device, torch.float32)}, assign=True)
-    with torch.device(device):  # its inv_freq buffer is computed, not read: build it for real
-        body.rotary_emb = type(body.rotary_emb)(config=model.config)
-    captured: list[dict] = []
-
-    def catch(module, args, kwargs):
-        kwargs = dict(kwargs)
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        buffer.write(len(captured), hidden)
-        captured.append(kwargs)
-        raise _Stop
-
-    hook = body.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
-    try:
-        for ids in input_batches:
-            try:
-                body(input_ids=ids.to(device), use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        hook.remove()
-    body.embed_tokens.to("meta")
-    return captured
-
-
-def _cache_kwarg(layer) -> str:
-    params = inspect.signature(type(layer.self_attn).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def run_layer(layer, prefix: str, get, weights: WeightMap, buffer: ActivationBuffer, captured: list[dict],
-              stats: Stats) -> list[str]:
-    """Load one decoder layer from the source, run every batch through it (its outputs replace
-    its inputs in `buffer`), record its statistics, and send it back to the meta device. Returns
-    the checkpoint tensors it read."""
-    experts = experts_blocks(layer, prefix, weights)
-    names = list(layer.state_dict())
-    layer.load_state_dict({n: weights.tensor(prefix + n, get, experts).to(buffer.device, torch.float32)
-                           for n in names}, assign=True)
-    hooks = []
-    for sub, mod in layer.named_modules():
-        if isinstance(mod, torch.nn.Linear):
-            hooks.append(mod.register_forward_pre_hook(_recorder(stats, weights.checkpoint_module(prefix + sub))))
-        elif prefix + sub in experts:
-            hooks.append(mod.register_forward_pre_hook(_expert_recorder(stats, experts[prefix + sub]),
-                                                       with_kwargs=True))
-            _expert_roles(stats, prefix + sub, experts[prefix + sub])
-    cache, key = RecordingCache(), _cache_kwarg(layer)
-    try:
-        for j, kwargs in enumerate(captured):
-            out = layer(buffer.read(j), **{**kwargs, key: cache, "use_cache": False})
-            buffer.write(j, out[0] if isinstance(out, tuple) else out)
-    finally:
-        for h in hooks:
-            h.remove()
-    attn = weights.checkpoint_module(prefix + "self_attn")
-    stats.keys[attn], stats.values[attn] = cache.k, cache.v
-    layer.to("meta")
-    return [src for n in names for src in weights.sources(prefix + n, experts)]
+    def finish(self, model, get, buffer: ActivationBuffer, count: int) -> None:
+        """lm_head's input (the final norm of the last layer's output), for a quantized head."""
+        norm = model.model.norm
+        norm.load_state_dict({n: get(f"model.norm.{n}").to(buffer.device, torch.float32)
+                              for n in norm.state_dict()}, assign=True)
+        for j in range(count):
+            self.stats.add(HEAD, norm(buffer.read(j)))
+        norm.to("meta")
 
 
 def _recorder(stats: Stats, module: str):
@@ -205,35 +130,10 @@ def _expert_roles(stats: Stats, path: str, modules: ExpertModules) -> None:
 
 def collect(config_dict: dict, get, release, names, ids: list[list[int]], batch: int, device: torch.device,
             progress=None, channel_stats: bool = True, part: tuple[int, int] = (0, 1)) -> Stats:
-    """Statistics of the unquantized model over `ids`, layer by layer. `progress(done, total,
-    samples)` is called after each decoder layer; `channel_stats`: also each Linear's mean
-    squared input per channel; `part` = (i, n): only batches i, i + n, ... (rank i of n; batches
-    are independent, so the maxima combine exactly, up to what the device's matmul rounding
-    depends on, such as the CPU thread count)."""
-    fix_mmap_threshold()  # else freed layers stay in the heap as fragments: memory grows with depth
-    model = meta_model(config_dict)
-    weights, stats = WeightMap(names), Stats(channel_stats=channel_stats)
-    input_batches = batches(ids, batch)[part[0]::part[1]]
-    shapes = [(*b.shape, model.config.hidden_size) for b in input_batches]
-    with torch.inference_mode(), ActivationBuffer(shapes, device, budget_bytes()) as buffer:
-        captured = capture_inputs(model, get, device, input_batches, buffer)
-        release(EMBEDDING)
-        layers = model.model.layers
-        for i, layer in enumerate(layers):
-            for name in run_layer(layer, f"model.layers.{i}.", get, weights, buffer, captured, stats):
-                release(name)
-            if progress is not None:
-                progress(i + 1, len(layers), len(ids))
-        _record_head_input(model, get, buffer, len(captured), stats)
-        release(FINAL_NORM)
+    """Statistics of the unquantized model over `ids`, layer by layer (model/layers.py).
+    `channel_stats`: also each Linear's mean squared input per channel; `part` = (i, n): only
+    batches i, i + n, ... (rank i of n; batches are independent, so the maxima combine exactly,
+    up to what the device's matmul rounding depends on, such as the CPU thread count)."""
+    stats = Stats(channel_stats=channel_stats)
+    walk_layers(config_dict, get, release, names, ids, batch, device, StatsPass(stats), progress, part)
     return stats
-
-
-def _record_head_input(model, get, buffer: ActivationBuffer, count: int, stats: Stats) -> None:
-    """lm_head's input (the final norm of the last layer's output), for a quantized head."""
-    norm = model.model.norm
-    norm.load_state_dict({n: get(f"model.norm.{n}").to(buffer.device, torch.float32) for n in norm.state_dict()},
-                         assign=True)
-    for j in range(count):
-        stats.add(HEAD, norm(buffer.read(j)))
-    norm.to("meta")

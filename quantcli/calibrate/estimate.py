@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..plan import Plan
-from .buffer import budget_bytes
-from .data import token_ids
+from quantcli.model.buffer import budget_bytes
+from quantcli.model.samples import token_ids
+from quantcli.planning.plan import Plan
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 CONSTANT = 512 * 2**20  # interpreter, torch, transformers: measured ~0.4-0.5 GiB before any tensor

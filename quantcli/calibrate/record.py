@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..layouts.base import Layout
-from ..manifest import DiskEntry
-from ..plan import Plan, TensorPlan
-from .data import data_digest, is_hub_dataset, read_samples
+from quantcli.checkpoint.manifest import DiskEntry
+from quantcli.formats.layouts.base import Layout
+from quantcli.model.samples import data_digest, is_hub_dataset, read_samples
+from quantcli.planning.plan import Plan, TensorPlan
 
 
 def calibration_record(plan: Plan) -> dict[str, object] | None:

@@ -15,10 +15,10 @@ from typing import Callable
 
 import torch
 
-from ..plan import Plan
-from .data import token_ids
-from .engine import Stats, collect
-from .scales import scale_facts
+from quantcli.calibrate.engine import Stats, collect
+from quantcli.calibrate.scales import scale_facts
+from quantcli.model.samples import token_ids
+from quantcli.planning.plan import Plan
 
 Facts = dict[str, dict[str, object]]
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ..calibrated import FP8_DIVISOR, divisor_of
-from ..errors import QuantcliError
-from ..plan import Plan, fused_group_of
-from .engine import Stats
+from quantcli.calibrate.engine import Stats
+from quantcli.errors import QuantcliError
+from quantcli.formats.activation_scales import FP8_DIVISOR, divisor_of
+from quantcli.formats.fused import fused_group_of
+from quantcli.planning.plan import Plan
 
 
 def scale_for(amax: float, divisor: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """`quantcli convert`: stream a safetensors checkpoint into a quantized one.
 
-Data flow (DESIGN.md): plan from headers (quantcli/plan.py) -> passes that learn facts about
+Data flow (DESIGN.md): plan from headers (quantcli/planning/plan.py) -> passes that learn facts about
 modules (passes.py: today the shared amax of each fused group) -> the per-shard job
 (shard.py: read -> quantize -> layout names -> streamed into a shard of the staging folder
 `DST.partial`; returns a ShardResult, no shared state) -> finalize (finalize.py: index,
@@ -16,14 +16,14 @@ a data refusal in a fresh run removes it; the old DST is only set aside, never d
 the new one is in place.
 """
 
-from .destination import FilesystemError, check_destination, staging_dir
-from .device import check_run_options, resolve_device
-from .job import ConversionJob, convert
-from .lock import LOCK_NAME, StagingLock
-from .passes import learn_facts
-from .progress import PROGRESS_NAME, fingerprint
-from .records import ConvertResult, Findings, RunOptions, ShardResult
-from .shard import convert_shard
+from quantcli.convert.destination import FilesystemError, check_destination, staging_dir
+from quantcli.convert.device import check_run_options, resolve_device
+from quantcli.convert.job import ConversionJob, convert
+from quantcli.convert.lock import LOCK_NAME, StagingLock
+from quantcli.convert.passes import learn_facts
+from quantcli.convert.progress import PROGRESS_NAME, fingerprint
+from quantcli.convert.records import ConvertResult, Findings, RunOptions, ShardResult
+from quantcli.convert.shard import convert_shard
 
 __all__ = ["LOCK_NAME", "PROGRESS_NAME", "ConversionJob", "ConvertResult", "FilesystemError", "Findings",
            "RunOptions", "ShardResult", "StagingLock", "check_destination", "check_run_options", "convert",

@@ -11,11 +11,11 @@ import os
 import shutil
 from pathlib import Path
 
-from ..errors import CheckpointError
-from ..manifest import MANIFEST_NAME
-from .lock import LOCK_NAME, StagingLock
-from .progress import PROGRESS_NAME, load_progress
-from .records import RunOptions
+from quantcli.checkpoint.manifest import MANIFEST_NAME
+from quantcli.convert.lock import LOCK_NAME, StagingLock
+from quantcli.convert.progress import PROGRESS_NAME, load_progress
+from quantcli.convert.records import RunOptions
+from quantcli.errors import CheckpointError
 
 ASIDE_SUFFIX = ".quantcli-replaced"  # the old DST, renamed aside by --overwrite until the new one is in
 

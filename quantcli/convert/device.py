@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import QuantcliError
-from .records import RunOptions
+from quantcli.convert.records import RunOptions
+from quantcli.errors import QuantcliError
 
 
 def resolve_device(device: str) -> torch.device:
@@ -24,7 +24,7 @@ def resolve_device(device: str) -> torch.device:
 
 def check_run_options(run: RunOptions) -> None:
     """The device and the kernel backend can run here: found before anything is written."""
-    from ..kernels import resolve_backend
+    from quantcli.kernels import resolve_backend
 
     device = resolve_device(run.device)
     try:

@@ -10,27 +10,27 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from .. import __version__
-from ..calibrate.record import calibrated_entries, calibration_record
-from ..layouts.base import stored_value
-from ..manifest import DiskEntry, Manifest, ModuleEntry
-from ..plan import Plan, TensorPlan
-from ..source import INDEX
-from .progress import write_json_atomic
-from .records import Findings
+from quantcli import __version__
+from quantcli.calibrate.record import calibrated_entries, calibration_record
+from quantcli.checkpoint.manifest import DiskEntry, Manifest, ModuleEntry
+from quantcli.checkpoint.source import INDEX
+from quantcli.convert.progress import write_json_atomic
+from quantcli.convert.records import Findings
+from quantcli.formats.layouts.base import stored_value
+from quantcli.planning.plan import Plan, TensorPlan
 
 
 def import_ahead() -> None:
     """Import the model card's module on a helper thread while the shards are converted: its
     huggingface_hub and yaml cost ~0.15 s, which start-up no longer pays (`write_side_files`'
     own import then finds it loaded, or waits for it: imports lock per module)."""
-    threading.Thread(target=importlib.import_module, args=("quantcli.model_card",), daemon=True,
+    threading.Thread(target=importlib.import_module, args=("quantcli.convert.model_card",), daemon=True,
                      name="quantcli-import").start()
 
 
 def write_side_files(plan: Plan, stage: Path) -> None:
     """Everything but the shards and the manifest."""
-    from ..model_card import write_model_card
+    from quantcli.convert.model_card import write_model_card
 
     source = plan.source
     if source.weight_map or len(source.shards) > 1:

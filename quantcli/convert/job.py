@@ -14,22 +14,40 @@ import os
 import time
 from pathlib import Path
 
-from ..errors import CheckpointError, QuantcliError
-from ..manifest import MANIFEST_NAME
-from ..plan import Plan
-from ..tensors import CheckpointTensors
-from .destination import (INSTALLED, FilesystemError, discard, empty_staging, filesystem_error, install, leftovers,
-                          manifest_doc, missing_parents, staging_dir, writing)
-from .device import resolve_device
-from .finalize import build_manifest, import_ahead, write_side_files
-from .lock import StagingLock
-from .passes import CALIBRATION_CACHE, learn_facts
-from .progress import PROGRESS_NAME, ProgressFile, changed_source_shard, fingerprint, load_progress, source_identity
-from .reading import ModuleReader
-from .records import ConvertResult, Findings, Progress, RunOptions, ShardResult
-from .shard import convert_shard
-from .rank_files import RankRecords, check_shared_staging
-from .world import World
+from quantcli.checkpoint.manifest import MANIFEST_NAME
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.convert.destination import (
+    INSTALLED,
+    FilesystemError,
+    discard,
+    empty_staging,
+    filesystem_error,
+    install,
+    leftovers,
+    manifest_doc,
+    missing_parents,
+    staging_dir,
+    writing,
+)
+from quantcli.convert.device import resolve_device
+from quantcli.convert.finalize import build_manifest, import_ahead, write_side_files
+from quantcli.convert.lock import StagingLock
+from quantcli.convert.passes import CALIBRATION_CACHE, learn_facts
+from quantcli.convert.progress import (
+    PROGRESS_NAME,
+    ProgressFile,
+    changed_source_shard,
+    fingerprint,
+    load_progress,
+    source_identity,
+)
+from quantcli.convert.rank_files import RankRecords, check_shared_staging
+from quantcli.convert.reading import ModuleReader
+from quantcli.convert.records import ConvertResult, Findings, Progress, RunOptions, ShardResult
+from quantcli.convert.shard import convert_shard
+from quantcli.convert.world import World
+from quantcli.errors import CheckpointError, QuantcliError
+from quantcli.planning.plan import Plan
 
 
 def convert(plan: Plan, dst: Path, run: RunOptions, progress: Progress | None = None,

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError
+from quantcli.errors import CheckpointError
 
 LOCK_NAME = ".quantcli-lock"
 

@@ -1,5 +1,5 @@
 """Passes over the source before any shard is written: each learns facts about modules
-(quantcli/facts.py). Today one pass: the shared amax of each fused group. A new pass (activation
+(quantcli/formats/facts.py). Today one pass: the shared amax of each fused group. A new pass (activation
 or KV-cache amax, a scale search) is one function here, added to PASSES, plus a ModuleFacts field."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from typing import Callable
 
 import torch
 
-from ..facts import ModuleFacts
-from ..plan import TensorPlan
-from .reading import ModuleReader
-from .world import World
+from quantcli.convert.reading import ModuleReader
+from quantcli.convert.world import World
+from quantcli.formats.facts import ModuleFacts
+from quantcli.planning.plan import TensorPlan
 
 # A pass: what it learned, as {module: {ModuleFacts field: value}}, the same on every rank.
 Pass = Callable[[ModuleReader, World], dict[str, dict[str, object]]]
@@ -33,7 +33,7 @@ def fused_group_amax(reader: ModuleReader, world: World) -> dict[str, dict[str, 
 
 
 def _partial_group_amax(reader: ModuleReader, groups: list[list[TensorPlan]], shards: set[str]) -> torch.Tensor:
-    from ..kernels import tensor_amax
+    from quantcli.kernels import tensor_amax
 
     out = torch.zeros(len(groups), dtype=torch.float32)
     for i, members in enumerate(groups):
@@ -66,8 +66,8 @@ def calibrated_scales(reader: ModuleReader, world: World) -> dict[str, dict[str,
     plan, cache = reader.plan, _cache(reader)
     if plan.options.calibration is None:
         return {}
-    from ..calibrate.run import calibrate, collect_stats, load_facts, merged_stats, save_facts, splits_exactly
-    from ..calibrate.scales import scale_facts
+    from quantcli.calibrate.run import calibrate, collect_stats, load_facts, merged_stats, save_facts, splits_exactly
+    from quantcli.calibrate.scales import scale_facts
 
     if world.size == 1:
         return calibrate(plan, reader.tensors, reader.device, cache, reader.progress)

@@ -10,12 +10,12 @@ import os
 import struct
 from pathlib import Path
 
-from .. import __version__
-from ..calibrate.data import data_digest
-from ..errors import CheckpointError
-from ..plan import Plan
-from ..source import Source
-from .records import ShardResult
+from quantcli import __version__
+from quantcli.checkpoint.source import Source
+from quantcli.convert.records import ShardResult
+from quantcli.errors import CheckpointError
+from quantcli.model.samples import data_digest
+from quantcli.planning.plan import Plan
 
 PROGRESS_NAME = ".quantcli-progress.json"
 SAMPLE_WINDOWS = 8  # the cheap source hash: header + this many 64 KiB windows spread over the file

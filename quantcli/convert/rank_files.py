@@ -10,10 +10,10 @@ import json
 import socket
 from pathlib import Path
 
-from ..errors import CheckpointError
-from .progress import PROGRESS_NAME, ProgressFile, write_json_atomic
-from .records import ShardResult
-from .world import World
+from quantcli.convert.progress import PROGRESS_NAME, ProgressFile, write_json_atomic
+from quantcli.convert.records import ShardResult
+from quantcli.convert.world import World
+from quantcli.errors import CheckpointError
 
 PROBE_PREFIX = ".quantcli-probe-rank"
 

@@ -9,10 +9,10 @@ from typing import Callable
 
 import torch
 
-from ..decode import decode_module
-from ..plan import Plan, TensorPlan
-from ..recipes import QuantizedTensor
-from ..tensors import CheckpointTensors
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.formats.decode import decode_module
+from quantcli.planning.plan import Plan, TensorPlan
+from quantcli.recipes import QuantizedTensor
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,15 @@ from typing import Mapping
 
 import torch
 
-from ..facts import NO_FACTS, ModuleFacts
-from ..kernels import cpu_workers
-from ..layouts.base import module_of, to_direction
-from ..plan import TensorPlan
-from ..recipes import QuantizedTensor
-from ..safetensors_io import DTYPES, ShardWriter, tensor_bytes
-from ..memory import release_freed_memory
-from .reading import ModuleReader
-from .records import Findings, Progress, ShardResult
+from quantcli.checkpoint.safetensors_io import DTYPES, ShardWriter, tensor_bytes
+from quantcli.convert.reading import ModuleReader
+from quantcli.convert.records import Findings, Progress, ShardResult
+from quantcli.formats.facts import NO_FACTS, ModuleFacts
+from quantcli.formats.layouts.base import module_of, to_direction
+from quantcli.kernels import cpu_workers
+from quantcli.memory import release_freed_memory
+from quantcli.planning.plan import TensorPlan
+from quantcli.recipes import QuantizedTensor
 
 # Outputs waiting for the writer thread besides the one it writes: one keeps it busy while the
 # next tensor is quantized; two held one more tensor's codes (peak RSS above the floor's).

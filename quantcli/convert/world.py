@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import torch
 
-from ..errors import QuantcliError
-from .destination import FilesystemError
+from quantcli.convert.destination import FilesystemError
+from quantcli.errors import QuantcliError
 
 T = TypeVar("T")
 BEAT_S = 0.5  # heartbeat period

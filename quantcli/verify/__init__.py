@@ -18,19 +18,19 @@ manifest records the second). A checkpoint with no quantized modules is checked 
 
 from __future__ import annotations
 
-from ..convert import resolve_device
-from ..detect import all_names, config_with_extras, detect
-from ..errors import QuantcliError
-from ..plan import matches
-from ..source import open_source
-from ..tensors import CheckpointTensors
-from .calibrated import calibrated_check, recalibrated_check
-from .direction import direction_check
-from .limits import Limits, parse_thresholds
-from .reference import reference_checks
-from .report import Findings, VerifyReport, build_report
-from .structure import Progress, no_progress, read_modules, structure_checks
-from .unquantized import verify_unquantized
+from quantcli.checkpoint.source import open_source
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.convert import resolve_device
+from quantcli.errors import QuantcliError
+from quantcli.formats.detect import all_names, config_with_extras, detect
+from quantcli.planning.plan import matches
+from quantcli.verify.activation_scales import calibrated_check, recalibrated_check
+from quantcli.verify.direction import direction_check
+from quantcli.verify.findings import Findings, VerifyReport, build_report
+from quantcli.verify.limits import Limits, parse_thresholds
+from quantcli.verify.reference import reference_checks
+from quantcli.verify.structure import Progress, no_progress, read_modules, structure_checks
+from quantcli.verify.unquantized import verify_unquantized
 
 
 def verify_checkpoint(quant: str, reference: str | None = None, revision: str | None = None,

@@ -8,13 +8,13 @@ import math
 
 import torch
 
-from ..decode import decode_module
-from ..errors import RecipeError
-from ..facts import ModuleFacts
-from ..plan import fused_group_of
-from ..recipes import get_recipe
-from .limits import ABS_FLOOR, Limits, absolute_limits, allowed_margin, metrics
-from .report import TensorRow
+from quantcli.errors import RecipeError
+from quantcli.formats.decode import decode_module
+from quantcli.formats.facts import ModuleFacts
+from quantcli.formats.fused import fused_group_of
+from quantcli.recipes import get_recipe
+from quantcli.verify.findings import TensorRow
+from quantcli.verify.limits import ABS_FLOOR, Limits, absolute_limits, allowed_margin, metrics
 
 IDENTICAL = "identical to the decoded reference"
 

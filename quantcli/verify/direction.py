@@ -14,9 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-
-from ..tensors import CheckpointTensors
-from .report import DIRECTION, Findings
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.verify.findings import DIRECTION, Findings
 
 INVERSION_EVIDENCE = math.log(100.0)
 

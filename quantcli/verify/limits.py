@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import QuantcliError, did_you_mean
+from quantcli.errors import QuantcliError, did_you_mean
 
 METRICS = ("rel_err", "sqnr_db", "cosine", "margin")
 ABS_FLOOR = 1e-6  # slack for tensors whose own error is ~0 (exactly representable weights)

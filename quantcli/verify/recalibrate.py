@@ -11,16 +11,16 @@ from pathlib import Path
 
 import torch
 
-from ..calibrate.data import data_digest, is_hub_dataset, token_ids
-from ..calibrate.engine import Stats, collect
-from ..calibrate.plan import SUPPORTED
-from ..calibrate.scales import input_amax, scale_for
-from ..calibrated import FP8_DIVISOR, CalibratedScales
-from ..errors import QuantcliError
-from ..facts import Calibration
-from ..manifest import MANIFEST_NAME
-from ..source import Source, open_source
-from ..tensors import CheckpointTensors
+from quantcli.calibrate.engine import Stats, collect
+from quantcli.calibrate.scales import input_amax, scale_for
+from quantcli.checkpoint.manifest import MANIFEST_NAME
+from quantcli.checkpoint.source import Source, open_source
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.errors import QuantcliError
+from quantcli.formats.activation_scales import FP8_DIVISOR, CalibratedScales
+from quantcli.formats.facts import Calibration
+from quantcli.model.samples import data_digest, is_hub_dataset, token_ids
+from quantcli.planning.calibration import SUPPORTED
 
 RECALIBRATED = "static activation and KV-cache scales equal a rerun of the calibration on the reference"
 TOLERANCE = 1e-5

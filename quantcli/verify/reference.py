@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import torch
 
-from ..decode import decode_module
-from ..detect import detect
-from ..errors import QuantcliError
-from ..kernels import tensor_amax
-from ..plan import TRANSPOSED_EXPERTS, fused_group_of, matches
-from ..recipes import RECIPES
-from ..source import open_source
-from ..tensors import CheckpointTensors
-from .compare import IDENTICAL, compare, compare_identical, exact_match, requantized_prior
-from .limits import Limits
-from .report import REF_ERROR, REF_IDENTICAL, REF_MODULES, REF_PRESENT, REF_SAME, FINITE, Findings, TensorRow
-from .structure import Progress, finite_check, no_progress, scale_rule_of
+from quantcli.checkpoint.source import open_source
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.errors import QuantcliError
+from quantcli.formats.decode import decode_module
+from quantcli.formats.detect import detect
+from quantcli.formats.fused import fused_group_of
+from quantcli.kernels import tensor_amax
+from quantcli.planning.plan import TRANSPOSED_EXPERTS, matches
+from quantcli.recipes import RECIPES
+from quantcli.verify.compare import IDENTICAL, compare, compare_identical, exact_match, requantized_prior
+from quantcli.verify.findings import (
+    FINITE,
+    REF_ERROR,
+    REF_IDENTICAL,
+    REF_MODULES,
+    REF_PRESENT,
+    REF_SAME,
+    Findings,
+    TensorRow,
+)
+from quantcli.verify.limits import Limits
+from quantcli.verify.structure import Progress, finite_check, no_progress, scale_rule_of
 
 
 def source_name(module: str, rt: CheckpointTensors) -> str | None:

@@ -9,17 +9,25 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..analysis import (ModuleDescription, dense_expert_stacks, describe_module, exclusion_list, fused_mismatches,
-                        is_excluded, linear_modules)
-from ..decode import decode_module
-from ..detect import all_names, block_scale_fault, global_scale_fault
-from ..errors import QuantcliError
-from ..kernels.spec import SCALE_SEARCHES
-from ..layouts import layouts_for, module_of
-from ..experts import experts_module
-from ..plan import fused_group_of, matches
-from ..tensors import CheckpointTensors
-from .report import (CONFIG, COVERAGE, FINITE, FUSED, MANIFEST, SCALES, SERVABLE, TENSORS, TP, Findings)
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.errors import QuantcliError
+from quantcli.formats.analysis import (
+    ModuleDescription,
+    dense_expert_stacks,
+    describe_module,
+    exclusion_list,
+    fused_mismatches,
+    is_excluded,
+    linear_modules,
+)
+from quantcli.formats.decode import decode_module
+from quantcli.formats.detect import all_names, block_scale_fault, global_scale_fault
+from quantcli.formats.experts import experts_module
+from quantcli.formats.fused import fused_group_of
+from quantcli.formats.layouts import layouts_for, module_of
+from quantcli.kernels.spec import SCALE_SEARCHES
+from quantcli.planning.plan import matches
+from quantcli.verify.findings import CONFIG, COVERAGE, FINITE, FUSED, MANIFEST, SCALES, SERVABLE, TENSORS, TP, Findings
 
 ROW_PARALLEL = re.compile(r"(o_proj|down_proj|w2|dense|out_proj|fc2|wo)$")
 Finding = tuple[str, str]  # (tensor or module, what is wrong)

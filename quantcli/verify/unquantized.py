@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import QuantcliError
-from ..plan import matches
-from ..source import open_source
-from ..tensors import CheckpointTensors
-from .compare import raw_bytes
-from .limits import metrics
-from .reference import Reference, remaining_reference_tensors, source_name
-from .report import REF_DEQUANT, REF_IDENTICAL, REF_PRESENT, Findings, TensorRow, VerifyReport, build_report
+from quantcli.checkpoint.source import open_source
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.errors import QuantcliError
+from quantcli.planning.plan import matches
+from quantcli.verify.compare import raw_bytes
+from quantcli.verify.findings import (
+    REF_DEQUANT,
+    REF_IDENTICAL,
+    REF_PRESENT,
+    Findings,
+    TensorRow,
+    VerifyReport,
+    build_report,
+)
+from quantcli.verify.limits import metrics
+from quantcli.verify.reference import Reference, remaining_reference_tensors, source_name
 
 UNQUANTIZED_NOTE = ("no quantized modules: an unquantized checkpoint is checked for identity with the reference, "
                     "tensor by tensor")

@@ -1,0 +1,229 @@
+"""The command line: one Typer app, one function per command. Commands only turn result objects
+into text and exit codes; the command bodies are in quantcli/cli/commands.py and the work in the
+jobs below (quantcli/convert/, inspect/, verify/).
+
+Every way a run can end goes through `main()` and quantcli/cli/exits.py, which prints at most one
+line on stderr (see EXIT_CODES). Shared option types and value checks: quantcli/cli/options.py;
+how usage and --help look: quantcli/cli/usage.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, NoReturn, Optional
+
+import typer
+
+from quantcli import __version__
+from quantcli.cli.exits import (
+    ARGV,
+    DESTINATION,
+    EXIT_CODES,
+    INTERRUPT_LINE,
+    RESUME_LINE,
+    run,
+    sigterm_raises_terminated,
+)
+from quantcli.cli.options import (
+    BACKEND_NAMES,
+    LAYOUT_NAMES,
+    RECIPE_NAMES,
+    SCALE_RULE_NAMES,
+    Device,
+    JsonOut,
+    Revision,
+    Tensors,
+    backend_names,
+    layout_names,
+    one_of,
+    recipe_names,
+    scale_rule_names,
+)
+from quantcli.cli.push_command import Private, PushRevision, PushToHub, push_command
+from quantcli.cli.usage import Command, Commands
+
+__all__ = ["BACKEND_NAMES", "LAYOUT_NAMES", "RECIPE_NAMES", "SCALE_RULE_NAMES", "app", "main"]
+
+app = typer.Typer(cls=Commands, add_completion=True, pretty_exceptions_enable=False, no_args_is_help=False,
+                  rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
+                  help="Quantize and convert Hugging Face safetensors checkpoints (FP8, MXFP8, MXFP4, NVFP4, INT8). "
+                       "Run 'quantcli help COMMAND' (or 'quantcli COMMAND --help') for a command's options.",
+                  epilog=EXIT_CODES)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"quantcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """quantcli: convert, inspect and verify quantized checkpoints."""
+
+
+@app.command(cls=Command)
+def convert(
+    ctx: typer.Context,
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Source: checkpoint folder, .safetensors file or Hub repo id.")],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Destination folder (created; written atomically).")],
+    recipe: Annotated[Optional[str], typer.Option(
+        metavar="RECIPE", callback=one_of("--recipe", "recipe", recipe_names),
+        help=f"One of: {', '.join(RECIPE_NAMES)} (bf16/fp16/fp32 dequantize a quantized source).")] = None,
+    layout: Annotated[Optional[str], typer.Option(
+        metavar="LAYOUT", callback=one_of("--layout", "layout", layout_names),
+        help=f"One of: {', '.join(LAYOUT_NAMES)} (default per recipe).")] = None,
+    ignore: Annotated[Optional[list[str]], typer.Option(metavar="PATTERN", help="Leave modules matching PATTERN unquantized: a name, a parent module, a glob or re:REGEX (repeatable).")] = None,
+    config: Annotated[Optional[Path], typer.Option(metavar="FILE", help="TOML recipe file: recipe, layout, scale_rule, scale_search, targets, ignore, [[override]].")] = None,
+    scale_rule: Annotated[Optional[str], typer.Option(
+        metavar="RULE", callback=one_of("--scale-rule", "MX scale rule", scale_rule_names),
+        help=f"MX scale exponent rule: {', '.join(SCALE_RULE_NAMES)} (default: the layout's producer).")] = None,
+    scale_search: Annotated[Optional[str], typer.Option(metavar="METHOD", callback=one_of("--scale-search", "scale search", lambda: ["none", "mse"]), help="none: absmax block scales; mse: per block the scale code with the smallest error (nvfp4, mxfp4, mxfp8; activation-weighted with --calibration).")] = None,
+    activations: Annotated[Optional[str], typer.Option(
+        metavar="MODE", callback=one_of("--activations", "activation scheme", lambda: ["static", "dynamic"]),
+        help="static: calibrated activation scales (nvfp4 W4A4, fp8); needs --calibration.")] = None,
+    kv_cache: Annotated[Optional[str], typer.Option(
+        metavar="DTYPE", callback=one_of("--kv-cache", "KV-cache dtype", lambda: ["fp8", "none"]),
+        help="fp8: write calibrated k_scale/v_scale; needs --calibration.")] = None,
+    calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help="Calibration samples: .txt or .jsonl (text, messages or input_ids), or a Hub dataset OWNER/NAME[:SPLIT] (needs the datasets package).")] = None,
+    calibration_samples: Annotated[Optional[int], typer.Option(metavar="N", help="Samples to use.  [default: 128]")] = None,
+    calibration_seq_len: Annotated[Optional[int], typer.Option(metavar="L", help="Tokens per sample, at most.  [default: 512]")] = None,
+    calibration_batch: Annotated[Optional[int], typer.Option(metavar="B", help="Samples per forward.  [default: 1]")] = None,
+    revision: Revision = None,
+    device: Device = "auto",
+    backend: Annotated[str, typer.Option(
+        metavar="BACKEND", callback=one_of("--backend", "backend", backend_names),
+        help=f"One of: {', '.join(BACKEND_NAMES)} (auto: Triton on CUDA).")] = "auto",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run with the same inputs.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty destination.")] = False,
+    per_tensor: Annotated[bool, typer.Option("--per-tensor", help="--dry-run: one row per tensor instead of one per layer pattern.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the destination path, or with --dry-run the total line (errors and warnings go to stderr).")] = False,
+    workers: Annotated[int, typer.Option(metavar="N", min=1, help="Convert on N processes on this machine (torch.distributed; under torchrun the ranks come from torchrun).")] = 1,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: each tensor as it is written (stderr), the dry run per tensor.")] = False,
+    push_to_hub: PushToHub = None, private: Private = False, push_revision: PushRevision = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Quantize, re-layout or dequantize a checkpoint.
+
+    Values are case-insensitive."""
+    from quantcli.cli.commands import run_convert
+
+    if not dry_run:
+        ctx.meta[INTERRUPT_LINE] = RESUME_LINE
+        ctx.meta[DESTINATION] = Path(dst).absolute()
+    code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
+                       scale_rule=scale_rule, scale_search=scale_search, calibrate=dict(
+                           activations=activations, kv_cache=kv_cache, calibration=calibration,
+                           calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
+                           calibration_batch=calibration_batch), revision=revision, device=device, backend=backend,
+                       dry_run=dry_run, resume=resume, overwrite=overwrite, quiet=quiet, json_out=json_out,
+                       per_tensor=per_tensor or verbose, verbose=verbose, workers=workers, argv=ctx.meta.get(ARGV), entry=main,
+                       push_to_hub=push_to_hub and dict(repo_id=push_to_hub, private=private, revision=push_revision))
+    raise typer.Exit(code)
+
+
+@app.command(cls=Command)
+def inspect(
+    path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint folder, .safetensors file or Hub repo id.")],
+    revision: Revision = None,
+    tensors: Tensors = None,
+    stats: Annotated[bool, typer.Option("--stats", help="Read the data: scale ranges, zero blocks, saturation, NaN/Inf.")] = False,
+    kv_cache: Annotated[bool, typer.Option("--kv-cache", help="Print the KV-cache byte account from config.json.")] = False,
+    kv_budget: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for the KV cache in --kv-cache, e.g. 40GiB.  [default: 80GiB]")] = None,
+    per_tensor: Annotated[bool, typer.Option("--per-tensor", help="One row per module instead of one per layer pattern.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the layout and bits/param lines (problems and warnings on stderr).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: one row per module (as --per-tensor).")] = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Explain a checkpoint from its headers.
+
+    Layout, recipes, scales, bits per parameter."""
+    from quantcli.cli.commands import run_inspect
+
+    raise typer.Exit(run_inspect(path, revision=revision, tensors=tensors, stats=stats, kv_cache=kv_cache,
+                                 kv_budget=kv_budget, json_out=json_out, per_tensor=per_tensor or verbose,
+                                 quiet=quiet))
+
+
+@app.command(cls=Command)
+def verify(
+    quant: Annotated[str, typer.Argument(metavar="QUANT", help="The quantized checkpoint.")],
+    reference: Annotated[Optional[str], typer.Option(metavar="SRC", help="The source checkpoint to compare against.")] = None,
+    revision: Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision (branch, tag or commit) of a --reference repo id; QUANT is read as given.")] = None,
+    tensors: Tensors = None,
+    top: Annotated[int, typer.Option(metavar="N", min=0, help="How many worst tensors to list.")] = 10,
+    exact: Annotated[bool, typer.Option("--exact", help="Re-quantize the reference and compare codes and scales byte for byte.")] = False,
+    tp: Annotated[Optional[int], typer.Option(metavar="N", help="Check that quantized dims split into whole blocks across N ranks.")] = None,
+    threshold: Annotated[Optional[list[str]], typer.Option(metavar="METRIC=VALUE", help="Override a limit: METRIC=VALUE (rel_err, sqnr_db, cosine, margin).")] = None,
+    calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help="Rerun the calibration on --reference with this data (the manifest's amounts) and check every static activation and KV-cache scale.")] = None,
+    device: Device = "auto",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only PASS or FAIL (each fault on stderr).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: every compared tensor's row, not only the --top worst.")] = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Decode a quantized checkpoint and check it.
+
+    Proves it is what it should be. Exit 0 pass, 1 fail, 2 usage."""
+    from quantcli.cli.commands import run_verify
+
+    raise typer.Exit(run_verify(quant, reference=reference, revision=revision, tensors=tensors, top=top,
+                                exact=exact, tp=tp, thresholds=threshold or [], device=device, json_out=json_out,
+                                calibration=calibration, quiet=quiet, verbose=verbose))
+
+
+@app.command(cls=Command)
+def recipes(json_out: JsonOut = False) -> None:
+    """List the recipes and their formats.
+
+    Element, block, scale format, bits per parameter, the layouts that hold each."""
+    from quantcli.cli.commands import run_recipes
+
+    raise typer.Exit(run_recipes(json_out))
+
+
+@app.command(cls=Command)
+def layouts(json_out: JsonOut = False) -> None:
+    """List the layouts and the engines that load them.
+
+    The engines that load each, and which recipe each layout holds (the loadability matrix)."""
+    from quantcli.cli.commands import run_layouts
+
+    raise typer.Exit(run_layouts(json_out))
+
+
+app.command(name="push", cls=Command)(push_command)  # quantcli/cli/push_command.py
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Run the command line and exit with its code (see EXIT_CODES)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["help"]:  # `quantcli help [COMMAND]` is `quantcli [COMMAND] --help`
+        args = [*args[1:], "--help"]
+    with sigterm_raises_terminated():
+        code = _run(args)
+    sys.exit(code)
+
+
+def entry() -> NoReturn:
+    """The `quantcli` program (console script and `python -m quantcli`): main(), and once the
+    command is done Ctrl-C is ignored, so that one landing while the interpreter tears down (a
+    few hundred ms after a finished run printed its summary) cannot turn its exit code into 130.
+    Callers that embed main() keep their own SIGINT handling."""
+    try:
+        main()
+    except SystemExit:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise
+
+
+def _run(args: list[str]) -> int:
+    return run(typer.main.get_command(app), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+"""Command bodies: call the library, render tables or JSON, return the exit code."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from quantcli.cli.bars import ConvertBar, PhaseBar, counting_bar
+from quantcli.cli.name_tables import ERROR
+from quantcli.cli.render import console as _console
+from quantcli.cli.render import (
+    dense_reasons,
+    emit_json,
+    excluded_lines,
+    human_bytes,
+    plan_table,
+    render_inspect,
+    render_inspect_brief,
+    render_layouts,
+    render_recipes,
+    render_verify,
+    render_verify_brief,
+)
+from quantcli.errors import QuantcliError
+from quantcli.reports import envelope, excluded_entries, to_json
+
+# ---------------------------------------------------------------- convert
+
+# Python, torch and quantcli before any tensor: peak RSS of `convert` on a 2-MiB checkpoint was
+# 250-255 MiB (/usr/bin/time, CPU torch); the dry run's peak is this plus the largest working set.
+PROCESS_BYTES = 256 * 2**20
+
+
+def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
+                config: Path | None, scale_rule: str | None, revision: str | None, device: str, backend: str,
+                scale_search: str | None = None,
+                dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool,
+                calibrate: dict | None = None, per_tensor: bool = False, verbose: bool = False,
+                workers: int = 1, argv: list[str] | None = None, push_to_hub: dict | None = None,
+                entry: Callable[[list[str]], Any] | None = None) -> int:  # entry: what --workers ranks run
+    from quantcli.checkpoint.source import open_source
+    from quantcli.cli.launch import launched, rank_world
+    from quantcli.convert import RunOptions, check_destination, check_run_options, convert
+    from quantcli.planning.conversion import plan_conversion
+    from quantcli.planning.options_file import conversion_options
+
+    opts = conversion_options(recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule,
+                              calibrate=calibrate, scale_search=scale_search)
+    run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
+    local_src = Path(src) if Path(src).exists() else None
+    if push_to_hub and dry_run:
+        raise QuantcliError("--push-to-hub with --dry-run: a dry run writes nothing to push; drop one of them")
+    hub_api = _check_push(push_to_hub) if push_to_hub else None  # login and network before the work
+    if dry_run:
+        return _print_plan(plan_conversion(open_source(src, revision), opts), json_out, dst, per_tensor, device,
+                           quiet)
+    check_run_options(run)  # device, backend and destination problems before anything is read or written
+    plan = None
+    if workers > 1 and not launched():  # refusals before any rank is spawned
+        check_destination(local_src, dst, run)
+        plan = plan_conversion(open_source(src, revision), opts)
+        shards = len(plan.source.shards)
+        if workers > shards:  # a rank per shard at most: more would only start idle processes
+            raise QuantcliError(f"--workers {workers}: {plan.source.label} has {shards} shard(s), and a worker "
+                                f"converts whole shards; use --workers {shards}")
+    # One process or the ranks torchrun/--workers started: rank 0 checks DST, all plan alike, rank 0 prints.
+    with rank_world(device, workers, argv, entry) as world:
+        run.device = world.rank_device(device)
+        world.settle(lambda: check_destination(local_src, dst, run) if world.lead else None)
+        plan = world.settle(lambda: plan or plan_conversion(open_source(src, revision), opts))
+        for w in plan.all_warnings if world.lead else []:  # before the work starts, on stderr (stdout stays JSON)
+            _console(stderr=True).print(f"warning: {w}")
+        show_bar = not quiet and not json_out and sys.stderr.isatty()
+        if world.lead and (show_bar or verbose):
+            with ConvertBar(plan, _console(stderr=True), show_bar, verbose) as bar:
+                result = convert(plan, dst, run, bar, world)
+        else:
+            result = convert(plan, dst, run, None, world)
+    if not world.lead:
+        return 0
+    for w in result.warnings[len(plan.all_warnings):]:  # found while finishing (the plan's were printed above)
+        _console(stderr=True).print(f"warning: {w}")
+    pushed = _push(result.dst, push_to_hub, hub_api, quiet or json_out) if push_to_hub else None
+    if json_out:
+        emit_json({**_convert_summary(plan, result), **({"pushed": to_json(pushed)} if pushed else {})})
+        return 0
+    if quiet:  # the one line a script needs on stdout: where the output is
+        if result.already_complete:
+            _console(stderr=True).print(f"{result.dst}: already complete; nothing written")
+        _console().print(str(result.dst))
+        return 0
+    _print_convert_result(plan, result, src)
+    return 0
+
+
+def _convert_summary(plan, result) -> dict:
+    """The --json document of a finished conversion (quantcli/schemas/convert.json)."""
+    return envelope("convert", {
+        "layout": plan.target, "recipes": sorted(plan.recipes),
+        "tensors_quantized": result.quantized, "tensors_total": len(plan.tensors),
+        "bytes_in": result.bytes_in, "bytes_out": result.bytes_out, "seconds": round(result.seconds, 3),
+        "shards_written": result.shards_written, "shards_resumed": result.shards_resumed,
+        "excluded": excluded_entries(plan.exclusions),
+        "exclusion_key": plan.layout.exclusion_key if plan.layout else None,
+        "exclusion_list": plan.excluded_names() if plan.layout else [], "warnings": result.warnings,
+        "lossless": plan.lossless, "notes": result.notes,
+        "requantize_rel_err_vs_decoded_source": result.requantize_errors,
+        "already_complete": result.already_complete,
+    }, source=plan.source.label, destination=result.dst)
+
+
+def _print_convert_result(plan, result, src: str) -> None:
+    con = _console()
+    if result.already_complete:
+        con.print(f"{result.dst}: already complete (a finished quantcli output of the same source headers, recipe "
+                  f"and options); nothing to resume, nothing written. Use --overwrite to convert again")
+        return
+    if plan.lossless:
+        con.print("lossless re-layout: every code and block-scale value carried over unchanged")
+    for n in result.notes:
+        con.print(f"note: {n}")
+    if result.requantize_errors:  # the plan's warning said why; the `next:` line below says how to check
+        errs = result.requantize_errors
+        worst = max(errs, key=errs.get)
+        con.print(f"re-quantized {len(errs)} modules; relative error vs the decoded source: mean "
+                  f"{ERROR.format(sum(errs.values()) / len(errs))}, worst {ERROR.format(errs[worst])} ({worst})")
+    con.print(f"wrote {result.dst}: {_what_was_done(plan, result)}, "
+              f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)}{_timing(result)}")
+    if plan.exclusions:
+        con.print(f"left dense: {dense_reasons(plan.exclusions)}")
+    cal = plan.options.calibration
+    if cal is not None:
+        con.print(f"calibrated: {_calibrated_counts(plan)} from {cal.data}")
+    recheck = f" --calibration {shlex.quote(cal.data)}" if cal is not None else ""
+    con.print(f"next: quantcli verify {shlex.quote(str(result.dst))} --reference {shlex.quote(src)}{recheck}")
+
+
+def _calibrated_counts(plan) -> str:
+    """`14 activation scales, 4 KV-cache scales`: the calibrated tensors the plan wrote."""
+    written = [o.name for t in plan.tensors for o in t.outputs]
+    inputs = sum(n.endswith((".input_scale", ".input_global_scale")) for n in written)
+    kv = sum(n.endswith((".k_scale", ".v_scale")) for n in written)
+    parts = [f"{inputs} activation scales"] * bool(inputs) + [f"{kv} KV-cache scales"] * bool(kv)
+    return ", ".join(parts) or "activation-weighted block scales (--scale-search mse)"
+
+
+def _what_was_done(plan, result) -> str:
+    """'14 of 21 tensors quantized (nvfp4 -> modelopt)', or re-laid out, or dequantized."""
+    if plan.layout is None:
+        return f"{sum(t.action == 'dequantize' for t in plan.tensors)} modules dequantized to {plan.dense_dtype}"
+    verb = "carried over" if plan.lossless else "quantized"  # a re-layout copies codes and scales
+    return (f"{result.quantized} of {len(plan.tensors)} tensors {verb} "
+            f"({', '.join(sorted(plan.recipes)) or 'none'} -> {plan.target})")
+
+
+def _timing(result) -> str:
+    """' in 2.1 s (25.80 MiB/s)'; a resumed run shows no rate (its bytes are those of every shard)."""
+    if result.shards_resumed:  # bytes_in counts every shard, so a rate here would count the resumed ones
+        return (f" in {_seconds(result.seconds)}; {result.shards_written} shard(s) written, "
+                f"{result.shards_resumed} resumed")
+    rate = result.bytes_in / max(result.seconds, 1e-9)  # binary units, as the progress bar shows it
+    return f" in {_seconds(result.seconds)} ({human_bytes(rate)}/s)"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.1f} s" if s >= 0.1 else f"{s:.2g} s"  # a tiny run reads '0.034 s', never '0.0 s'
+
+
+def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, device: str = "auto",
+                quiet: bool = False) -> int:
+    from quantcli.convert import fingerprint
+
+    rows = []
+    for t in plan.tensors:
+        rows.append({"name": t.name, "shard": t.shard, "dtype": t.dtype, "shape": list(t.shape),
+                     "recipe": t.recipe, "action": t.action, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,
+                     "bits_per_param": round(8 * t.bytes_out / max(1, t.numel), 3),
+                     "fused_group": t.fused_group, "outputs": [o.name for o in t.outputs]})
+    largest = max((t.bytes_in + t.bytes_out for t in plan.tensors), default=0)
+    # One source tensor, its FP32 upcast and its outputs are alive at once (plus the transposed view).
+    working_set = max((t.bytes_in + 4 * t.numel * 2 + t.bytes_out for t in plan.tensors if t.quantized),
+                      default=largest)
+    peak = PROCESS_BYTES + working_set
+    params_q = plan.params(quantized=True)
+    total_params = plan.params()
+    doc = {"layout": plan.target, "recipes": sorted(plan.recipes),
+           "tensors": rows, "excluded": excluded_entries(plan.exclusions),
+           "exclusion_key": plan.layout.exclusion_key if plan.layout else None,
+           "exclusion_list": plan.excluded_names() if plan.layout else [],
+           "warnings": plan.all_warnings, "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
+           "params": total_params, "params_quantized": params_q,
+           "bits_per_param": round(8 * plan.bytes_out / max(1, total_params), 3),
+           "estimated_peak_memory_bytes": peak, "fingerprint": fingerprint(plan)}
+    calibration = _calibration_estimate(plan, device)
+    doc["calibration_estimate"] = calibration.to_json() if calibration else None
+    if json_out:  # quantcli/schemas/convert-dry-run.json
+        emit_json(envelope("convert", doc, source=plan.source.label, destination=dst, dry_run=True))
+        return 0
+    con = _console()
+    if not quiet:  # -q: only the total line on stdout, warnings on stderr
+        con.print(plan_table(rows, f"plan: {plan.source.label} -> {plan.target}", con, per_tensor))
+        for line in excluded_lines(plan.exclusions, per_tensor):
+            con.print(line)
+    for w in plan.all_warnings:
+        (_console(stderr=True) if quiet else con).print(f"warning: {w}")
+    con.print(f"total {human_bytes(plan.bytes_in)} -> {human_bytes(plan.bytes_out)}, {doc['bits_per_param']:.2f} "
+              f"bits/param over {total_params:,} params ({params_q:,} quantized); estimated peak memory "
+              f"{human_bytes(peak)} (process {human_bytes(PROCESS_BYTES)} + largest tensor's working set "
+              f"{human_bytes(working_set)}); nothing written (--dry-run)")
+    if calibration:
+        c = calibration
+        where = "memory-mapped from a temporary file" if c.spilled else "in memory"
+        con.print(f"calibration: {c.samples} samples, {c.tokens:,} tokens through {c.layers} layer{'s' if c.layers != 1 else ''}; estimated peak "
+                  f"memory {human_bytes(c.peak_memory_bytes)} (largest layer {human_bytes(c.layer_weight_bytes)} in "
+                  f"FP32, activations {human_bytes(c.activation_bytes)} {where}), about {c.seconds:.0f} s at "
+                  f"{c.measured_flops_per_s / 1e9:.0f} GFLOP/s (FP32 matmul measured here)")
+    return 0
+
+
+def _calibration_estimate(plan, device: str):
+    """What the calibration pass will cost (None without --calibration)."""
+    if plan.options.calibration is None:
+        return None
+    from quantcli.calibrate.estimate import estimate
+    from quantcli.convert import resolve_device
+
+    return estimate(plan, resolve_device(device))
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: bool, kv_cache: bool,
+                kv_budget: str | None, json_out: bool, per_tensor: bool = False, quiet: bool = False) -> int:
+    from quantcli.inspect import inspect_checkpoint, kv_cache_account, parse_size
+
+    if kv_budget is not None and not kv_cache:
+        raise QuantcliError(f"--kv-budget {kv_budget}: only used by the KV-cache account; add --kv-cache")
+    budget = parse_size("80GiB" if kv_budget is None else kv_budget)
+    show_bar = stats and sys.stderr.isatty() and not json_out and not quiet
+    context, advance = counting_bar(_console(stderr=True), show_bar, "reading")
+    with context:
+        report = inspect_checkpoint(path, revision=revision, pattern=tensors, stats=stats, progress=advance)
+    if kv_cache:
+        report.kv_cache = kv_cache_account(report.config, budget)
+    if json_out:  # the config it read is not part of the document; quantcli/schemas/inspect.json
+        emit_json(envelope("inspect", report, source=report.source,
+                           excluded=[{"module": m, "reason": "in the config's exclusion list"}
+                                     for m in report.exclusion_list]))
+    elif quiet:
+        render_inspect_brief(report, _console(), _console(stderr=True))
+    else:
+        render_inspect(report, _console(), per_tensor)
+    return 0
+
+
+# ---------------------------------------------------------------- verify
+
+
+def run_verify(quant: str, *, reference: str | None, revision: str | None, tensors: str | None, top: int,
+               exact: bool, tp: int | None, thresholds: list[str], device: str, json_out: bool,
+               calibration: str | None = None, quiet: bool = False, verbose: bool = False) -> int:
+    from quantcli.verify import parse_thresholds, verify_checkpoint
+
+    limits = parse_thresholds(thresholds)
+    if exact and reference is None:
+        raise QuantcliError("--exact needs --reference SRC: it re-quantizes the reference and compares bytes")
+    if tp is not None and tp < 1:
+        raise QuantcliError(f"--tp {tp}: must be a positive number of ranks")
+    with PhaseBar(_console(stderr=True), sys.stderr.isatty() and not json_out and not quiet, "verifying") as bar:
+        report = verify_checkpoint(quant, reference=reference, revision=revision, pattern=tensors, exact=exact,
+                                   tp=tp, limits=limits, device=device, calibration=calibration, progress=bar)
+    if json_out:  # verify DST --reference SRC: the same source and destination as convert SRC DST
+        emit_json(envelope("verify", report, source=reference, destination=quant,
+                           thresholds=applied_thresholds(limits)))
+    elif quiet:
+        render_verify_brief(report, _console(), _console(stderr=True))
+    else:
+        render_verify(report, _console(), len(report.tensors) if verbose else top)
+    return 0 if report.passed else 1
+
+
+def applied_thresholds(limits) -> dict:
+    """verify's tolerance as applied: the margin over quantcli's own error (one value from
+    --threshold margin=, else the per-tensor rule) and the absolute limits (null: not set)."""
+    from quantcli.verify.limits import TOLERANCE_FLOOR, TOLERANCE_NOISE
+
+    rule = f"{TOLERANCE_FLOOR:g} + {TOLERANCE_NOISE:g} / sqrt(max(1, numel / 128))"
+    return {"margin": limits.margin, "margin_rule": rule if limits.margin is None else None,
+            "rel_err": limits.rel_err, "sqnr_db": limits.sqnr_db, "cosine": limits.cosine}
+
+
+# ---------------------------------------------------------------- recipes, layouts
+
+
+def run_recipes(json_out: bool) -> int:
+    from quantcli.formats.catalog import recipes
+
+    infos = recipes()
+    if json_out:
+        emit_json(envelope("recipes", {"recipes": infos}))  # quantcli/schemas/recipes.json
+    else:
+        render_recipes(infos, _console())
+    return 0
+
+
+def run_layouts(json_out: bool) -> int:
+    from quantcli.formats.catalog import layouts, loadability
+
+    infos = layouts()
+    if json_out:
+        emit_json(envelope("layouts", {"layouts": infos, "loadability": loadability(infos)}))  # schemas/layouts.json
+    else:
+        render_layouts(infos, loadability(infos), _console())
+    return 0
+
+
+# ---------------------------------------------------------------- push
+
+
+def _check_push(hub: dict):
+    from quantcli.cli.push import check_can_push
+
+    return check_can_push(hub["repo_id"])
+
+
+def _push(folder: Path, hub: dict, api, quiet: bool):
+    from quantcli.cli.push import push
+
+    # huggingface_hub shows its own upload progress on stderr
+    pushed = push(folder, hub["repo_id"], private=hub["private"], revision=hub["revision"], api=api)
+    if not quiet:
+        _console(stderr=True).print(f"pushed {pushed.files} files ({human_bytes(pushed.bytes)}) to {pushed.url}")
+    return pushed

@@ -1,0 +1,168 @@
+"""The command line's one error path: every way a run can end becomes an exit code and at most
+one line on stderr. Usage mistakes and bad input exit 2, bugs exit 3, Ctrl-C 130 and SIGTERM 143;
+tracebacks only with QUANTCLI_DEBUG=1."""
+
+from __future__ import annotations
+
+import difflib
+import errno
+import os
+import re
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import typer
+
+from quantcli.errors import QuantcliError
+
+try:  # newer typer carries its own copy of click and raises that copy's exception classes
+    from typer._click import exceptions as click_errors
+except ImportError:  # older typer raises click's own
+    from click import exceptions as click_errors
+
+EXIT_CODES = ("Exit codes: 0 done (verify: passed), 1 verify found a problem, 2 bad input or usage, "
+              "3 internal error (a bug: please report it), 130 interrupted (143 on SIGTERM).")
+
+# Key in the click context's meta (shared by every nested context): the line printed when the
+# run is interrupted or runs out of disk. `convert` sets it, because its staging folder is kept.
+INTERRUPT_LINE = "quantcli.interrupt_line"
+RESUME_LINE = "interrupted; rerun with --resume to continue"
+ARGV = "quantcli.argv"  # key in the context's meta: the arguments main() was given
+DESTINATION = "quantcli.destination"  # convert's DST (absolute), for an interrupt after it was installed
+
+
+def run(command, args: list[str]) -> int:
+    """Run the click `command` on `args` -> its exit code, every failure turned into one line."""
+    ctx = None
+    try:
+        ctx = command.make_context("quantcli", args)
+        ctx.meta[ARGV] = list(args)  # the command line --workers ranks run again
+        with ctx:
+            result = command.invoke(ctx)
+        sys.stdout.flush()  # a closed pipe shows up here, not in interpreter shutdown
+        return result if isinstance(result, int) else 0
+    except typer.Exit as exc:  # --help, --version and every command's own exit code
+        sys.stdout.flush()
+        return exc.exit_code
+    except click_errors.UsageError as exc:  # unknown option, missing argument, --top abc
+        return _fail(_usage_message(exc), 2)
+    except QuantcliError as exc:
+        if _debug():
+            raise
+        return _fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (errors.Terminated)
+        if _installed(ctx):  # what was left (the summary, --json, a push) did not happen: still 130
+            push = ctx.params.get("push_to_hub")
+            upload = f"; upload it with: quantcli push {ctx.meta[DESTINATION]} {push}" if push else ""
+            return _fail(f"interrupted after {ctx.meta[DESTINATION]} was complete and in place (nothing to resume"
+                         f"{upload})", getattr(exc, "exit_code", 130), prefix="")
+        line = ctx.meta.get(INTERRUPT_LINE, "interrupted") if ctx is not None else "interrupted"
+        from quantcli.cli.launch import SPAWNED_RANK
+
+        if os.environ.get(SPAWNED_RANK):  # a --workers rank: rank 0 says it, once, for the job
+            return getattr(exc, "exit_code", 130)
+        return _fail(line, getattr(exc, "exit_code", 130), prefix="")
+    except BrokenPipeError:  # stdout piped into `head` that has stopped reading: end quietly
+        _discard_stdout()
+        return 128 + signal.SIGPIPE
+    except OSError as exc:  # the file system said no where no check turned it into a QuantcliError
+        if _debug():
+            raise
+        return _fail(_os_error_message(exc, resumable=ctx is not None and INTERRUPT_LINE in ctx.meta), 2)
+    except typer.Abort:
+        return _fail("aborted", 130, prefix="")
+    except Exception as exc:  # a bug: say so in one line, the traceback only on request
+        if _debug():
+            raise
+        return _fail(f"internal error: {type(exc).__name__}: {exc} "
+                     "(rerun with QUANTCLI_DEBUG=1 for the traceback and report it)", 3)
+
+
+def _debug() -> bool:
+    return bool(os.environ.get("QUANTCLI_DEBUG"))
+
+
+def _fail(message: str, code: int, prefix: str = "error: ") -> int:
+    print(prefix + " ".join(message.split()), file=sys.stderr)
+    return code
+
+
+def _usage_message(exc: click_errors.UsageError) -> str:
+    command = exc.ctx.command_path if exc.ctx is not None else "quantcli"
+    if isinstance(exc, click_errors.NoSuchOption):
+        # click's own difflib matches among the options, the closest first
+        near = difflib.get_close_matches(exc.option_name, sorted(exc.possibilities or []), n=3, cutoff=0)
+        text = f"no such option {exc.option_name} for '{command}'"
+        text += f"; did you mean {' or '.join(near)}?" if near else ""
+    else:
+        text = exc.format_message().rstrip(".")
+        text = text[:1].lower() + text[1:]
+        for pydantic, ours in _BOUND_WORDS:  # typer's range checks speak pydantic
+            text = re.sub(pydantic, ours, text)
+    return f"{text} (see '{command} --help')"
+
+
+_BOUND_WORDS = ((r"[Ii]nput should be greater than or equal to (\S+)", r"must be at least \1"),
+                (r"[Ii]nput should be less than or equal to (\S+)", r"must be at most \1"),
+                (r"[Ii]nput should be greater than (\S+)", r"must be more than \1"),
+                (r"[Ii]nput should be less than (\S+)", r"must be less than \1"))
+
+
+# errno -> what to add to the OS's own text, where that text leaves the cause unclear.
+_ERRNO_HINTS = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "over the file-size limit, see ulimit -f",
+}
+
+
+def _os_error_message(exc: OSError, resumable: bool) -> str:
+    text = str(exc.strerror or exc)
+    if exc.filename is not None:  # None where the OS call had only a file descriptor
+        where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        text = f"{where}: {text}"
+    if exc.errno in _ERRNO_HINTS:
+        text += f" ({_ERRNO_HINTS[exc.errno]})"
+        if resumable:
+            text += "; once fixed, rerun with --resume to continue"
+    return text
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced by a test harness: nothing to do
+        pass
+
+
+def _installed(ctx) -> bool:
+    """Whether this command was a convert whose DST this process already put in place."""
+    if ctx is None or DESTINATION not in ctx.meta:
+        return False
+    from quantcli.convert.destination import INSTALLED
+
+    return ctx.meta[DESTINATION] in INSTALLED
+
+
+@contextmanager
+def sigterm_raises_terminated() -> Iterator[None]:
+    """SIGTERM raises errors.Terminated (a KeyboardInterrupt) so that it runs the Ctrl-C path."""
+    from quantcli.errors import Terminated
+
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread (an embedding caller): leave signals alone
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+

@@ -1,0 +1,383 @@
+"""The face: everything that turns a report into text. Rich consoles and tables, byte sizes,
+the inspect and verify reports. The library returns dataclasses (quantcli/reports.py); only
+the command layer (commands.py and this module) prints."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from quantcli.cli.grouping import group_names
+from quantcli.cli.name_tables import ERROR, SCALE, Column, fitted_table, named_table, total, value_range
+from quantcli.reports import OMITTED, block_label, to_json
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # Rich turns a closed stdout into SystemExit(1), which a pipeline would read as
+        # "verify found a problem"; let main() end it quietly with 141 instead.
+        raise BrokenPipeError
+
+    def _render_buffer(self, buffer) -> str:
+        # Rich pads grid cells (the cards, wrapped text) to the full width; no printed line keeps
+        # trailing spaces (before an end-of-line style code too), so a pipe or a diff sees the text.
+        return _TRAILING.sub(r"\1", super()._render_buffer(buffer))
+
+
+_TRAILING = re.compile(r"[ \t]+((?:\x1b\[[0-9;]*m)*)$", re.MULTILINE)
+
+
+def console(stderr: bool = False) -> Console:
+    # soft_wrap: a line of text (a message, a FAIL line) is never broken, so grep and the "one
+    # line" promise hold in a pipe; tables still fit the width.
+    # Piped output is 160 columns wide unless COLUMNS says otherwise (rich reads it when width is None).
+    piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS", "").isdigit()
+    return _Console(stderr=stderr, highlight=False, soft_wrap=True, width=160 if piped else None)
+
+
+def emit_json(obj: object) -> None:
+    """A report (dataclass) or a plain document as indented JSON on stdout."""
+    text = json.dumps(to_json(obj), indent=2, default=str) + "\n"
+    # In pieces, each flushed: a reader that stopped early (`| head -1`) surfaces here as a
+    # BrokenPipeError (main exits 141). One large write can lose it: Python's buffered writer
+    # drops the EPIPE that follows the kernel's partial write of a big block, and reports success.
+    for start in range(0, len(text), JSON_CHUNK):
+        sys.stdout.write(text[start:start + JSON_CHUNK])
+        sys.stdout.flush()
+
+
+JSON_CHUNK = 1 << 16
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+# ---------------------------------------------------------------- convert --dry-run
+
+
+# A group's in/out are the bytes of all its tensors; dtype, shape, recipe and bits/param agree.
+_PLAN_COLUMNS = [Column("dtype"), Column("shape"), Column("recipe"), Column("action"),
+                 Column("in", justify="right", merge=total(human_bytes)),
+                 Column("out", justify="right", merge=total(human_bytes)), Column("bits/param", justify="right")]
+
+
+def plan_table(rows: list[dict], title: str, con: Console, per_tensor: bool):
+    """The dry run's tensors (the --json rows), one row per layer pattern unless `per_tensor`."""
+    cells = [[r["dtype"], "x".join(map(str, r["shape"])), r["recipe"] or "-", r["action"], r["bytes_in"],
+              r["bytes_out"], f"{r['bits_per_param']:.2f}"] for r in rows]
+    return named_table(con, "tensor", [r["name"] for r in rows], cells, _PLAN_COLUMNS, per_tensor=per_tensor,
+                       title=title)
+
+
+def excluded_lines(exclusions, per_tensor: bool) -> list[str]:
+    """`excluded PATTERN (N): REASON` per layer pattern and reason (per module with `per_tensor`)."""
+    if per_tensor:
+        return [f"excluded {e.module}: {e.reason}" for e in exclusions]
+    groups = group_names([e.module for e in exclusions], [e.reason for e in exclusions])
+    return [f"excluded {g.pattern}" + (f" ({g.count})" if g.count > 1 else "") + f": {exclusions[g.members[0]].reason}"
+            for g in groups]
+
+
+def dense_reasons(exclusions) -> str:
+    """'3 MoE router/gate, 1 output head': how many modules were left dense for each reason."""
+    counts: dict[str, int] = {}
+    for e in exclusions:
+        reason = "already dense in the source" if e.reason == "dense in the source" else e.reason
+        counts[reason] = counts.get(reason, 0) + 1
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def _dims(shape) -> str:
+    return "x".join(map(str, shape or []))
+
+
+def _module_cells(m) -> list:
+    block_scales = [e for e in m.tensors if e.role == "block_scale"]
+    scales = ", ".join(f"{e.name.rsplit('.', 1)[-1]} {e.dtype}" for e in block_scales)
+    values = [e for e in m.tensors if e.value is not OMITTED]
+    # an undescribable module has no logical/storage facts: '?' as before
+    logical_dtype = "?" if m.logical_dtype is OMITTED else m.logical_dtype
+    storage_dtype = "?" if m.storage_dtype is OMITTED else m.storage_dtype
+    block = [] if m.block is OMITTED else m.block
+    if isinstance(m.scale_rule, str) and m.scale_rule.endswith(" search"):  # --scale-search mse
+        scales = f"{scales} ({m.scale_rule.rsplit(' + ', 1)[-1]})"
+    return [m.recipe, f"{logical_dtype} {_dims(m.logical_shape)}", f"{storage_dtype} {_dims(m.storage_shape)}",
+            block_label(block) if len(block) == 2 else "x".join(map(str, block)), scales or "-",
+            values[0].value if values else None, _direction(block_scales, values[:1]),
+            f"{m.bits_per_param:.3f}" if m.bits_per_param else "-"]
+
+
+def _direction(block_scales, global_scales) -> str:
+    """How the scales apply, said once: 'multiply', or each kind's where the two differ."""
+    block = {e.direction for e in block_scales}
+    glob = {e.direction for e in global_scales}
+    if len(block | glob) <= 1:
+        return next(iter(block | glob), "-")
+    return f"block {'/'.join(sorted(block))}, global {'/'.join(sorted(glob))}"
+
+
+# The global scale is the one column that differs within a layer pattern: a group shows its range.
+# Storage follows from logical, recipe and bits/param: the first column left out where space is short.
+_MODULE_COLUMNS = [Column("recipe"), Column("logical"), Column("storage", optional=True), Column("block"),
+                   Column("scales"), Column("global", merge=value_range(SCALE)), Column("direction"),
+                   Column("bits/param", justify="right")]
+
+
+def _modules_table(modules, con: Console, per_tensor: bool) -> Table:
+    return named_table(con, "module", [m.module for m in modules], [_module_cells(m) for m in modules],
+                       _MODULE_COLUMNS, per_tensor=per_tensor)
+
+
+def _fraction(values: list) -> str:
+    present = [v for v in values if v is not None]
+    return f"{max(present):.2%}" if present else "-"
+
+
+def _exponents(histograms: list) -> str:
+    """The E8M0 exponents (biased, as stored) the group's scales use, as a min..max range."""
+    present = [int(k) for h in histograms if h for k in h]
+    return f"{min(present)}..{max(present)}" if present else "-"
+
+
+# --stats per group: the scale range over all members, counts summed, fractions at their worst.
+_STATS_COLUMNS = [Column("recipe"), Column("scale range", merge=lambda v: _span(v)),
+                  Column("bad scales", justify="right", merge=total(lambda n: f"{n:g}")),
+                  Column("E8M0 exp", merge=_exponents),
+                  Column("E8M0 255", justify="right", merge=total(lambda n: f"{n:g}")),
+                  Column("NaN/Inf", justify="right", merge=total(lambda n: f"{n:g}")),
+                  Column("zero blocks (max)", justify="right", merge=_fraction),
+                  Column("saturated (max)", justify="right", merge=_fraction)]
+
+
+def _span(pairs: list) -> str:
+    lows = [lo for lo, _ in pairs if lo is not None]
+    highs = [hi for _, hi in pairs if hi is not None]
+    return f"{SCALE.format(min(lows))}..{SCALE.format(max(highs))}" if lows and highs else "-"
+
+
+def _stats_table(modules, con: Console, per_tensor: bool) -> Table:
+    with_stats = [m for m in modules if m.stats is not OMITTED]
+
+    def given(v, default=None):
+        return default if v is OMITTED else v
+
+    rows = [[m.recipe, (given(s.scale_min), given(s.scale_max)), given(s.scale_nonfinite, 0),
+             given(s.e8m0_histogram), given(s.e8m0_255_count, 0), given(s.nonfinite_values, 0),
+             given(s.zero_block_fraction), given(s.saturated_fraction)] for s, m in ((m.stats, m) for m in with_stats)]
+    return named_table(con, "module", [m.module for m in with_stats], rows, _STATS_COLUMNS, per_tensor=per_tensor,
+                       title="data (--stats)")
+
+
+def _totals_table(by_format) -> Table:
+    t = Table(title="totals")
+    for col in ("format", "modules", "params", "bytes"):
+        t.add_column(col)
+    for fmt, f in sorted(by_format.items()):
+        t.add_row(fmt, str(f.modules or "-"), f"{f.params:,}" if f.params else "-", human_bytes(f.bytes))
+    return t
+
+
+def _kv_table(kv) -> Table:
+    t = Table(title=f"KV cache: {kv.layers} layers x {kv.per_layer}, budget {human_bytes(kv.budget_bytes)}")
+    for col in ("format", "bits/elem", "per token", "tokens in budget"):
+        t.add_column(col)
+    for r in kv.formats:
+        t.add_row(r.format, f"{r.bits_per_element:g}", human_bytes(r.bytes_per_token), f"{r.tokens_in_budget:,}")
+    return t
+
+
+def _scales_tables(cal, con: Console) -> None:
+    """The activation scheme, each module's static input scale, the KV-cache scales per layer."""
+    con.print(f"activations: {cal.activation_scheme}"
+              + (f"; FP8 KV cache declared ({cal.kv_cache})" if cal.kv_cache else ""))
+    if cal.inputs:
+        t = Table(title="input scales")
+        for col in ("tensor", "value", "direction", "implied amax"):
+            t.add_column(col)
+        for s in cal.inputs:
+            t.add_row(s.tensor, SCALE.format(s.value), s.direction, SCALE.format(s.amax))
+        con.print(t)
+    if cal.kv:
+        t = Table(title="KV-cache scales")
+        for col in ("attention", "k_scale", "v_scale"):
+            t.add_column(col)
+        for r in cal.kv:
+            t.add_row(r.attention, *("missing" if v is None else SCALE.format(v) for v in (r.k_scale, r.v_scale)))
+        con.print(t)
+
+
+def _inspect_headline(report) -> str:
+    return (f"{report.source}: layout [bold]{report.layout}[/bold] (loads in {report.consumers})"
+            + ("; quantcli manifest present" if report.has_manifest else ""))
+
+
+def _bits_line(report) -> str:
+    return (f"{report.params:,} params in {human_bytes(report.bytes)}: {report.bits_per_param:.3f} "
+            f"bits/param, {report.size_vs_bf16:.3f}x the BF16 size")
+
+
+def _inspect_problems(report, con: Console) -> None:
+    for u in report.unlisted_linears:
+        con.print(f"[red]problem[/red]: {u} is neither quantized nor in the exclusion list; vLLM/SGLang will try "
+                  f"to load its dense weight into a quantized slot")
+    for f in report.fused_mismatches:
+        con.print(f"[red]problem[/red]: fused group {f.group} has different global scales {f.global_scales} "
+                  f"(TensorRT-LLM asserts; vLLM silently uses one for all)")
+    for p in report.problems:
+        con.print(f"[red]problem[/red]: {p}")
+    for w in report.warnings:
+        con.print(f"[yellow]warning[/yellow]: {w}")
+
+
+def render_inspect_brief(report, con: Console, err: Console) -> None:
+    """inspect -q: the headline and bits/param on stdout; problems and warnings on stderr."""
+    con.print(_inspect_headline(report))
+    if report.params:
+        con.print(_bits_line(report))
+    _inspect_problems(report, err)
+
+
+def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
+    con.print(_inspect_headline(report))
+    if report.modules:
+        con.print(_modules_table(report.modules, con, per_tensor))
+        if any(m.stats is not OMITTED for m in report.modules):
+            con.print(_stats_table(report.modules, con, per_tensor))
+    if report.calibrated is not OMITTED:
+        _scales_tables(report.calibrated, con)
+    con.print(_totals_table(report.by_format))
+    if report.params:
+        con.print(_bits_line(report))
+    if report.exclusion_list:
+        con.print("excluded: " + ", ".join(report.exclusion_list))
+    _inspect_problems(report, con)
+    if report.kv_cache is not OMITTED:
+        con.print(_kv_table(report.kv_cache))
+
+
+# ---------------------------------------------------------------- recipes, layouts
+
+
+def render_recipes(infos, con: Console) -> None:
+    columns = [Column(h, justify="right" if h.startswith("bits") else "left")
+               for h in ("element", "block", "block scale", "global", "bits/param*", "default layout", "layouts")]
+    cells = [[r.element + (" x2/byte" if r.packed else ""), r.block, r.block_scale, r.global_scale or "-",
+              f"{r.bits_per_param:.3f}", r.default_layout, ", ".join(r.layouts)] for r in infos]
+    # one card per recipe where the table is too wide (80 columns), never a name broken mid-word
+    con.print(fitted_table(con, "recipe", [r.name for r in infos], cells, columns, title="recipes"))
+    con.print("* on a 4096x4096 weight, scales included; 1xK: one scale per row")
+
+
+def render_layouts(infos, matrix: dict[str, dict[str, str]], con: Console) -> None:
+    t = Table(title="layouts")
+    t.add_column("layout", no_wrap=True)  # names and keys whole; the engines wrap between words
+    t.add_column("engines")
+    t.add_column("exclusion key", no_wrap=True)
+    for i in infos:
+        t.add_row(i.name, ", ".join(i.engines) + ("; MoE experts only" if i.experts_only else ""), i.exclusion_key)
+    con.print(t)
+    # one row per recipe, one column per layout: four layout columns fit 80 columns, ten recipes do not
+    recipes = list(next(iter(matrix.values()), {}))
+    m = Table(title="which engines load each recipe in each layout")
+    m.add_column("recipe", no_wrap=True)
+    for layout in matrix:
+        m.add_column(layout, justify="center", no_wrap=True)
+    engines = {i.name: i.loads_in for i in infos}
+    static = {(i.name, r) for i in infos for r in i.static_only}
+    for r in recipes:
+        m.add_row(r, *(_engine_marks(engines[layout].get(r, [])) + ("*" if (layout, r) in static else "")
+                       if row[r] == "loads" else "read" if row[r] == "read only" else "-"
+                       for layout, row in matrix.items()))
+    con.print(m)
+    con.print("V vLLM, S SGLang, T TensorRT-LLM, H transformers")
+    if static:
+        con.print("*: only with calibrated activation scales (--activations static)")
+    con.print("read: quantcli reads it, no engine loads it; -: not written in that layout")
+
+
+_ENGINE_MARKS = {"vLLM": "V", "SGLang": "S", "TensorRT-LLM": "T", "transformers": "H"}
+
+
+def _engine_marks(engines: list[str]) -> str:
+    return " ".join(_ENGINE_MARKS[e] for e in engines)
+
+
+# ---------------------------------------------------------------- verify
+
+
+def _limit_text(row) -> str:
+    """The limit and what it is made of: '0 (identical ...)', '0.1234 = (nvfp4 0.09 + re-quantize 0.02) x 1.19'."""
+    basis = row.limit_basis
+    if not basis:
+        return ERROR.format(row.limit_rel_err)
+    if row.limit_rel_err == 0:
+        return f"0 ({basis})"
+    if basis.startswith("(quantcli's own)"):
+        return ERROR.format(row.limit_rel_err)
+    return f"{ERROR.format(row.limit_rel_err)} = {basis}"
+
+
+def _rows_table(rows, top: int, con: Console) -> Table:
+    """The worst tensors, worst first; names whole (a common prefix is cut, never the tail)."""
+    columns = [Column(h) for h in ("recipe", "rel err", "ours", "limit", "SQNR dB", "cosine", "max abs", "exact")]
+    cells = []
+    for r in rows[:top]:
+        exact = r.exact_identical_fraction
+        ours = ERROR.format(r.baseline_rel_err) + ("" if r.absmax_rel_err is OMITTED else
+                                                     f" (absmax {ERROR.format(r.absmax_rel_err)})")
+        cells.append([r.recipe, ERROR.format(r.rel_err), ours, _limit_text(r), f"{r.sqnr_db:.2f}", f"{r.cosine:.6f}",
+                      ERROR.format(r.max_abs), "-" if exact is OMITTED or exact is None else f"{exact:.2%}"])
+    return fitted_table(con, "tensor", [r.tensor for r in rows[:top]], cells, columns,
+                        title=f"worst {min(top, len(rows))} tensors")
+
+
+def _layer_bars(layers: dict[str, float], con: Console) -> None:
+    worst = max(layers.values()) or 1.0
+    con.print("relative error by layer (worst tensor):")
+    for layer, v in sorted(layers.items(), key=lambda kv: (kv[0] == "other", int(kv[0]) if kv[0].isdigit() else 0)):
+        con.print(f"  {layer:>5} {'█' * max(1, int(40 * v / worst))} {ERROR.format(v)}")
+
+
+def render_verify(report, con: Console, top: int) -> None:
+    reference, kind = report.reference, report.reference_kind
+    con.print(f"{report.checkpoint}: layout {report.layout}, {report.modules} quantized modules"
+              + (f", reference {reference}" + (f" ({kind})" if kind else "") if reference else ""))
+    for note in report.notes:
+        con.print(f"  {note}")
+    for c in report.checks:
+        status = "[green]ok[/green]  " if c.passed else f"[red]FAIL[/red] ({c.faults})"
+        con.print(f"  {status} {c.check}")
+    if report.tensors:
+        con.print(_rows_table(report.tensors, top, con))
+        _layer_bars(report.layers, con)
+    _verdict(report, con, con)
+
+
+def _verdict(report, con: Console, err: Console) -> None:
+    for w in report.warnings:
+        err.print(f"[yellow]warning[/yellow]: {w}")
+    for f in report.faults:
+        err.print(f"[red]FAIL[/red] {f.tensor}: {f.fault}")
+    con.print("[green]PASS[/green]" if report.passed else f"[red]FAIL[/red]: {len(report.faults)} fault(s)")
+
+
+def render_verify_brief(report, con: Console, err: Console) -> None:
+    """verify -q: PASS or FAIL on stdout; each warning and fault on stderr."""
+    _verdict(report, con, err)
+
+
+__all__ = ["console", "dense_reasons", "emit_json", "excluded_lines", "human_bytes", "plan_table", "render_inspect",
+           "render_inspect_brief", "render_layouts", "render_recipes", "render_verify", "render_verify_brief"]

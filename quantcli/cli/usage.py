@@ -1,0 +1,50 @@
+"""How the command line presents itself: one-line messages for a missing or misspelled command,
+and arguments shown in usage and --help as words (SRC, [SRC]) rather than typer's {SRC} <str>."""
+
+from __future__ import annotations
+
+import typer
+import typer.core
+
+from quantcli.errors import UsageError, did_you_mean
+
+
+class Commands(typer.core.TyperGroup):
+    """The top-level group, with one-line messages for a missing or misspelled command."""
+
+    def _visible(self, ctx) -> list[str]:
+        return [name for name in self.list_commands(ctx) if not self.get_command(ctx, name).hidden]
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        if not args:
+            raise UsageError(f"missing command; choose one of: {', '.join(self._visible(ctx))} "
+                             f"(see '{ctx.command_path} --help')")
+        return super().parse_args(ctx, args)
+
+    def resolve_command(self, ctx, args: list[str]):
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            commands = self._visible(ctx)
+            raise UsageError(f"no such command {name!r}{did_you_mean(name, commands)} "
+                             f"(commands: {', '.join(commands)}; see '{ctx.command_path} --help')")
+        return super().resolve_command(ctx, args)
+
+
+class WordArgument(typer.core.TyperArgument):
+    """An argument shown as its word, SRC or [SRC], without typer's {SRC} and <str>."""
+
+    def _usage_display_name(self) -> str:
+        return self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+
+    def display_type_rich(self, ctx) -> None:
+        return None
+
+
+class Command(typer.core.TyperCommand):
+    """A command whose arguments are shown as words (see WordArgument)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for p in self.params:
+            if type(p) is typer.core.TyperArgument:
+                p.__class__ = WordArgument

@@ -1,0 +1,185 @@
+"""The output's README.md as a Hugging Face model card (huggingface_hub's ModelCard): metadata
+(base_model with base_model_relation: quantized, library_name, tags) merged into the source's
+card, a title that says the model is quantized, and quantcli's own section (what was quantized
+how, what was left dense, how to serve it). A second conversion replaces quantcli's title and
+section and keeps the rest of the source's card. No absolute local path is written: the model is
+named by its Hub id or its folder name."""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from quantcli import __version__
+from quantcli.checkpoint.manifest import MANIFEST_NAME
+from quantcli.checkpoint.source import REPO_ID, Source
+from quantcli.formats.engines import loads_in, sglang_flag
+from quantcli.planning.plan import Plan
+
+CARD_HEADING = "## Quantization (quantcli)"
+TITLE_MARK = "with quantcli)"  # quantcli's title ends so; a later conversion replaces that line
+# tags by recipe family: what people search the Hub for
+RECIPE_TAGS = {"fp8": "fp8", "fp8-channel": "fp8", "fp8-block": "fp8", "mxfp8": "mxfp8", "mxfp4": "mxfp4",
+               "nvfp4": "nvfp4", "int8-channel": "int8"}
+SERVE_PREFIXES = ("vllm serve ", "python -m sglang.launch_server --model-path ")
+
+
+def write_model_card(plan: Plan, stage: Path) -> None:
+    """README.md in `stage` (the source's, copied there, or none): the card for `plan`'s output.
+    Its serving commands name the model MODEL (`quantcli push` puts the repo id there), so the
+    output's bytes do not depend on the destination's name."""
+    readme = stage / "README.md"
+    card = _read_card(readme.read_text(encoding="utf-8") if readme.exists() else "")
+    _update_metadata(card.data, plan)
+    text = with_model_card(_without_title(card.text), card_section(plan, card.data.get("base_model")))
+    card.text = "\n" + _title(plan, card.data.get("base_model")) + ("" if text.startswith("\n") else "\n") + text
+    readme.write_text(str(card).rstrip("\n") + "\n", encoding="utf-8")
+
+
+def _read_card(text: str) -> ModelCard:
+    """The card in `text`; a README without a metadata block gets an empty one (ModelCard would
+    log a warning for it)."""
+    if not text.startswith("---"):
+        text = "---\n{}\n---\n" + text
+    return ModelCard(text)
+
+
+def base_model(source: Source, card_data: ModelCardData | None = None, quantized_source: bool = False) -> str | None:
+    """The Hub repo the output quantizes: a quantized source's own base (its card says so), the
+    source's repo id, or config.json's _name_or_path when it looks like a repo id; else None."""
+    if quantized_source and card_data is not None and card_data.get("base_model_relation") == "quantized":
+        base = card_data.get("base_model")
+        if isinstance(base, str) and REPO_ID.match(base):
+            return base
+    if source.repo_id:
+        return source.repo_id
+    name = source.config.get("_name_or_path")
+    if isinstance(name, str) and REPO_ID.match(name) and not Path(name).exists():
+        return name
+    return None
+
+
+def _update_metadata(data: ModelCardData, plan: Plan) -> None:
+    base = base_model(plan.source, data, quantized_source=plan.source_layout is not None)
+    for key in ("base_model", "base_model_relation"):  # the source's own base is not ours
+        data.pop(key, None)
+    if base is not None:
+        data.base_model = base
+        if plan.layout is not None:
+            data.base_model_relation = "quantized"
+    data.library_name = "transformers"  # a transformers-format folder (config.json, HF names)
+    tags = list(data.tags or [])
+    if "quantcli" in tags:  # a quantcli output converted again: its tags describe the source, not this
+        tags = [t for t in tags if t not in _quantcli_tags()]
+    ours = ["quantcli"]
+    if plan.layout is None:
+        ours.append(plan.dense_dtype)
+    else:
+        ours += ["quantized", *sorted({RECIPE_TAGS.get(r, r) for r in plan.recipes}), plan.layout.name]
+    data.tags = tags + [t for t in ours if t not in tags]
+
+
+def _quantcli_tags() -> set[str]:
+    from quantcli.formats.layouts import LAYOUTS
+    from quantcli.recipes import DENSE_RECIPES
+
+    return {"quantcli", "quantized", *RECIPE_TAGS.values(), *LAYOUTS, *DENSE_RECIPES}
+
+
+def _model_name(plan: Plan, base: object) -> str:
+    if isinstance(base, str) and base:
+        return base.rsplit("/", 1)[-1]
+    label = PurePosixPath(plan.source.label.rstrip("/"))
+    return (label.parent.name if plan.source.single_file else label.name) or "model"
+
+
+def _title(plan: Plan, base: object) -> str:
+    name = _model_name(plan, base)
+    if plan.layout is None:
+        return f"# {name} (dequantized to {plan.dense_dtype} {TITLE_MARK}\n"
+    recipes = ", ".join(r.upper() for r in sorted(plan.recipes))
+    return f"# {name} ({recipes}, quantized {TITLE_MARK}\n"
+
+
+def _without_title(text: str) -> str:
+    """The card's text without a title an earlier quantcli conversion wrote."""
+    lines = text.lstrip("\n").splitlines(keepends=True)
+    if lines and lines[0].startswith("# ") and lines[0].rstrip().endswith(TITLE_MARK):
+        lines = lines[1:]
+    return "".join(lines).lstrip("\n")
+
+
+def with_model_card(text: str, card: str) -> str:
+    """`text` (the source's README) with `card` appended, or in place of the quantcli section a
+    quantized source already carries (from its heading to the next '## ' heading or the end)."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == CARD_HEADING), None)
+    if start is None:
+        return text + ("\n" if text and not text.endswith("\n") else "") + card
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    while start > 0 and not lines[start - 1].strip():  # the card brings its own blank line
+        start -= 1
+    head, tail = "".join(lines[:start]), "".join(lines[end:])
+    if tail:
+        card = card.rstrip("\n") + "\n\n"
+    return head + card + tail
+
+
+def card_section(plan: Plan, base: object = None) -> str:
+    """quantcli's section: what was done, the quantization table, what stayed dense, how to serve.
+    The source is named as the front matter's base_model (the Hub id) when there is one."""
+    lines = ["", CARD_HEADING, ""]
+    source = base if isinstance(base, str) and base else _model_name(plan, plan.source.repo_id)
+    if plan.layout is None:
+        lines += [f"Dequantized to {plan.dense_dtype} from the {plan.source_layout.name} checkpoint `{source}` with "
+                  f"quantcli {__version__}: a plain checkpoint, no quantization_config.", ""]
+        return "\n".join(lines)
+    what = {"relayout": "carried over byte for byte", "requantize": "decoded and re-quantized",
+            "quantize": "quantized"}
+    lines += [f"Converted from `{source}` with quantcli {__version__}, layout `{plan.layout.name}` "
+              f"(loads in {plan.layout.consumers}).", "",
+              "| recipe | modules | scale rule | how |", "|---|---|---|---|"]
+    for name, mods in sorted(plan.modules_by_recipe().items()):
+        actions = sorted({what[t.action] for t in plan.tensors if t.recipe == name})
+        recipe = plan.recipes[name]
+        rule = recipe.scale_rule or "-"
+        if recipe.scale_search != "none":  # only then, so absmax cards keep their bytes
+            rule = f"{rule if recipe.scale_rule else 'absmax'} + {recipe.scale_search} search"
+        lines.append(f"| {name} | {len(mods)} | {rule} | {', '.join(actions)} |")
+    lines += ["", f"Left unquantized ({plan.layout.exclusion_key}): "
+              + ", ".join(f"`{n}`" for n in plan.excluded_names()), "",
+              f"Every quantized tensor, its scales and their direction are listed in `{MANIFEST_NAME}`.", ""]
+    return "\n".join(lines + _serving(plan))
+
+
+def _serving(plan: Plan, model: str = "MODEL") -> list[str]:
+    engines = set.intersection(*(set(loads_in(r, plan.layout.name)) for r in plan.recipes)) if plan.recipes else set()
+    commands = []
+    if "vLLM" in engines:
+        commands.append(f"{SERVE_PREFIXES[0]}{model}")
+    if "SGLang" in engines:
+        flags = {sglang_flag(r, plan.layout.name) for r in plan.recipes} - {None}
+        commands.append(f"{SERVE_PREFIXES[1]}{model}" + "".join(f" --quantization {f}" for f in sorted(flags)))
+    if not commands:
+        return []
+    return [f"Serve it ({model}: this folder, or the Hub repo it is pushed to):", "", "```bash", *commands, "```", ""]
+
+
+def retarget_serving(text: str, repo_id: str) -> str:
+    """The card with its serving commands naming `repo_id` (in place of MODEL, or of the repo an
+    earlier push named)."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("Serve it (MODEL: "):
+            line = "Serve it:\n"
+        for prefix in SERVE_PREFIXES:
+            if line.startswith(prefix):
+                model, _, rest = line[len(prefix):].partition(" ")
+                end = "" if rest else ("\n" if model.endswith("\n") else "")
+                line = prefix + repo_id + (" " + rest if rest else end)
+        out.append(line)
+    return "".join(out)
+
+
+__all__ = ["CARD_HEADING", "base_model", "card_section", "retarget_serving", "with_model_card", "write_model_card"]

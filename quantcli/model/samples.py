@@ -1,0 +1,187 @@
+"""Calibration samples: a local .txt (one sample per line, or blank-line separated when the file
+has blank lines) or .jsonl (`text`, `messages` rendered with the source's chat template, or
+`input_ids`), or a Hub dataset `OWNER/NAME[:SPLIT]` / `OWNER/NAME:CONFIG:SPLIT` (rows with the
+same keys, streamed with the optional `datasets` package, offline from its cache under
+HF_DATASETS_OFFLINE=1); tokenized with the source's tokenizer, truncated to seq_len, the first
+N kept."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+from quantcli.errors import QuantcliError
+from quantcli.formats.facts import Calibration
+
+# The name `quantcli` on PyPI is another project: the extra is installed from this source tree.
+EXTRA = "install the calibrate extra: pip install -e '.[calibrate]' in the quantcli source folder"
+HUB_DATASET = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+){0,2}$")
+KEYS = ("input_ids", "messages", "text")
+KIND_OK = {"input_ids": lambda v: isinstance(v, list) and all(is_token_id(t) for t in v),
+           "messages": lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v),
+           "text": lambda v: isinstance(v, str)}
+KIND_SAID = {"input_ids": "a list of integer token ids", "messages": "a list of {role, content} objects",
+             "text": "a string"}
+
+
+def is_token_id(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not token 1
+
+
+def check_token_ids(samples: list, cal: Calibration, vocab_size: int | None) -> None:
+    """Every pre-tokenized id inside the model's vocabulary (an embedding lookup would fail deep in
+    the forward otherwise)."""
+    for i, s in enumerate(samples, 1):
+        if isinstance(s, list) and all(is_token_id(v) for v in s):
+            bad = next((v for v in s if v < 0 or (vocab_size is not None and v >= vocab_size)), None)
+            if bad is not None:
+                raise QuantcliError(f"--calibration {cal.data}: sample {i} has token id {bad}, outside the model's "
+                                    f"vocabulary (0..{(vocab_size or 0) - 1}, config.json vocab_size)")
+
+
+def is_hub_dataset(data: str) -> bool:
+    """A Hub dataset id, not a local path: OWNER/NAME[:CONFIG][:SPLIT] naming no existing file."""
+    return bool(HUB_DATASET.match(data)) and not Path(data).exists() and not data.endswith((".txt", ".jsonl"))
+
+
+def data_digest(cal: Calibration) -> str:
+    """SHA-256 of the data a run uses: a local file's bytes; for a Hub dataset, of the samples read."""
+    if is_hub_dataset(cal.data):
+        return hashlib.sha256(json.dumps(read_samples(cal)).encode()).hexdigest()
+    digest = hashlib.sha256()
+    with open(cal.data, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_samples(cal: Calibration) -> list:
+    """The first `cal.samples` raw samples (str, messages list or token-id list); refused when
+    the file is missing, of another kind, or holds no text. Read once per process and version of
+    the file (size, mtime): the plan's checks, the resume fingerprint, the engine and the
+    manifest all ask for them, and a Hub dataset would otherwise be streamed each time."""
+    return list(_read_samples(cal, _version(cal.data)))
+
+
+def _version(data: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(data)
+    except OSError:
+        return None  # a Hub dataset id, or a missing file (refused when read)
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=8)
+def _read_samples(cal: Calibration, version: tuple[int, int] | None) -> tuple:
+    path = Path(cal.data)
+    where = f"--calibration {cal.data}"
+    if is_hub_dataset(cal.data):
+        return tuple(_hub_samples(cal, where))
+    if not path.is_file():
+        raise QuantcliError(f"{where}: no such file (a local .txt or .jsonl, or a Hub dataset OWNER/NAME[:SPLIT])")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as exc:
+        raise QuantcliError(f"{where}: cannot read it as UTF-8 text ({exc})") from None
+    if path.suffix == ".jsonl":
+        samples = [_jsonl_sample(line, i, where) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    elif path.suffix == ".txt":
+        chunks = text.split("\n\n") if "\n\n" in text.strip() else text.splitlines()
+        samples = [c.strip() for c in chunks if c.strip()]
+    else:
+        raise QuantcliError(f"{where}: unknown kind {path.suffix or '(no suffix)'!r}; use .txt or .jsonl")
+    samples = [s for s in samples if s]
+    if not samples:
+        raise QuantcliError(f"{where}: holds no text (no non-empty sample)")
+    return tuple(samples[: cal.samples])
+
+
+def _jsonl_sample(line: str, i: int, where: str):
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise QuantcliError(f"{where}: line {i} is not JSON ({exc.msg})") from None
+    return _row_sample(obj, f"{where}: line {i}")
+
+
+def _row_sample(obj, where: str):
+    """The sample of one row: its input_ids, messages or text (the first of these it has)."""
+    if isinstance(obj, dict):
+        for key in KEYS:
+            if key in obj:
+                value = obj[key]
+                if KIND_OK[key](value):
+                    return value
+                raise QuantcliError(f"{where}: {key!r} must be {KIND_SAID[key]}, not {type(value).__name__}")
+    raise QuantcliError(f"{where} has none of 'text', 'messages', 'input_ids'")
+
+
+def _hub_samples(cal: Calibration, where: str) -> list:
+    try:
+        import datasets
+    except ImportError:
+        raise QuantcliError(f"{where}: a Hub dataset needs the datasets package ({EXTRA}); or pass a local "
+                            f".txt or .jsonl") from None
+    repo, *rest = cal.data.split(":")
+    config, split = (None, rest[0]) if len(rest) == 1 else (rest[0], rest[1]) if rest else (None, "train")
+    not_found = getattr(getattr(datasets, "exceptions", None), "DatasetNotFoundError", OSError)
+    try:
+        rows = datasets.load_dataset(repo, config, split=split, streaming=True)
+        samples = []
+        for i, row in enumerate(rows):
+            sample = _row_sample(row, f"{where}: row {i}")
+            if sample:
+                samples.append(sample)
+            if len(samples) == cal.samples:
+                break
+    except (not_found, OSError, ValueError, ConnectionError) as exc:
+        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise QuantcliError(f"{where}: cannot read the Hub dataset {repo} (config {config}, split {split}): {first}; "
+                            f"offline, it must be in the datasets cache") from None
+    if not samples:
+        raise QuantcliError(f"{where}: holds no text (no non-empty sample in split {split})")
+    return samples
+
+
+def token_ids(cal: Calibration, source_root: Path) -> list[list[int]]:
+    """Every sample as token ids, at most `cal.seq_len` long."""
+    samples = read_samples(cal)
+    tokenizer = None
+    out = []
+    for s in samples:
+        if not (isinstance(s, list) and all(is_token_id(v) for v in s)):
+            tokenizer = tokenizer or _tokenizer(source_root, cal)
+            if isinstance(s, list):
+                s = tokenizer.apply_chat_template(s, tokenize=False)
+            s = tokenizer(s, add_special_tokens=True)["input_ids"]
+        if s:
+            out.append(list(s[: cal.seq_len]))
+    return out
+
+
+def check_tokenizer(samples: list, cal: Calibration, source_root: Path) -> None:
+    """Refuse up front text samples without a tokenizer, and messages without a chat template."""
+    if all(isinstance(s, list) and all(is_token_id(v) for v in s) for s in samples):
+        return
+    tokenizer = _tokenizer(source_root, cal)
+    if any(isinstance(s, list) and not all(is_token_id(v) for v in s) for s in samples) \
+            and not getattr(tokenizer, "chat_template", None):
+        raise QuantcliError(f"--calibration {cal.data}: 'messages' samples need the source's chat template, which "
+                            f"{source_root}'s tokenizer lacks; give 'text' or 'input_ids' instead")
+
+
+def _tokenizer(source_root: Path, cal: Calibration):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise QuantcliError(f"--calibration needs transformers and tokenizers: {EXTRA}") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(source_root))
+    except (OSError, ValueError):  # transformers' own text names no file; ours says what is missing
+        raise QuantcliError(f"--calibration {cal.data}: text samples need the source's tokenizer "
+                            f"(tokenizer.json or tokenizer_config.json), which {source_root} lacks; copy it there, "
+                            f"or give token ids ({{\"input_ids\": [...]}} per .jsonl line)") from None

@@ -1,0 +1,124 @@
+"""Up-front checks of a calibrated conversion, and the tensors it adds to the plan."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from quantcli.checkpoint.safetensors_io import OutSpec
+from quantcli.errors import QuantcliError
+from quantcli.formats.fused import fused_group_of
+from quantcli.formats.layouts import LAYOUTS, module_of
+from quantcli.formats.layouts.base import ONE, SCALAR
+from quantcli.model.buffer import budget_bytes
+from quantcli.model.samples import check_token_ids, check_tokenizer, read_samples
+from quantcli.planning.plan import Exclusion, Plan, TensorPlan
+
+# Decoder-only architectures whose layers engine.py runs: dense Llama-style attention + MLP, and
+# MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters (weights.py).
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+HEAD = "lm_head.weight"
+UNREACHED = "not in the model's forward (no calibration statistics)"
+_SHAPES = {SCALAR: (), ONE: (1,)}
+
+
+def check_options(activations: str | None, kv_cache: str | None, calibration, scale_search: str = "none") -> None:
+    """Flags that need --calibration, refused before the source is opened."""
+    for flag, value in (("--activations static", activations == "static"), ("--kv-cache fp8", kv_cache == "fp8")):
+        if value and calibration is None:
+            raise QuantcliError(f"{flag} needs --calibration DATA (a .txt or .jsonl of calibration samples)")
+    if calibration is not None and activations != "static" and kv_cache != "fp8" and scale_search != "mse":
+        raise QuantcliError("--calibration: nothing to calibrate; add --activations static, --kv-cache fp8 and/or "
+                            "--scale-search mse (activation-weighted)")
+
+
+def checked_plan(plan: Plan) -> Plan:
+    """`plan` with the calibrated tensors added to its outputs; every refusal before any work."""
+    opts = plan.options
+    if opts.calibration is None:
+        return plan
+    if plan.layout is None or plan.source_layout is not None:
+        raise QuantcliError(f"--calibration: {plan.source.label} is already quantized; calibrate from the dense "
+                            f"(BF16/FP16/FP32) checkpoint")
+    arch = (plan.source.config.get("architectures") or ["(none in config.json)"])[0]
+    if arch not in SUPPORTED:
+        raise QuantcliError(f"--calibration: architecture {arch} is not supported (supported: {', '.join(SUPPORTED)})")
+    samples = read_samples(opts.calibration)  # a missing or empty file is refused here,
+    check_tokenizer(samples, opts.calibration, plan.source.root)  # text without a tokenizer too,
+    vocab = plan.source.config.get("vocab_size")
+    check_token_ids(samples, opts.calibration, vocab if isinstance(vocab, int) else None)  # ids out of range
+    found = len(samples)
+    budget_bytes()  # so is a malformed activation-buffer budget
+    if opts.kv_cache == "fp8" and not plan.layout.kv_scales:
+        recipes = set(plan.recipes)
+        static = opts.activations == "static"
+        able = [name for name, layout in LAYOUTS.items() if layout.kv_scales and recipes <= set(layout.recipes)
+                and (static or not recipes & set(layout.needs_static))]
+        fix = (f"use --layout {' or '.join(able)}" if able else
+               f"no layout with KV-cache scales holds {', '.join(sorted(recipes))}; choose another recipe")
+        raise QuantcliError(f"--kv-cache fp8: layout {plan.layout.name} has no KV-cache scale tensors; {fix}")
+    plan = _without_unreached(plan, reached_tensors(plan))
+    tensors = [replace(t, outputs=t.outputs + _added(plan, t)) for t in plan.tensors]
+    kv_names = {o.name for t in tensors for o in t.outputs} - {o.name for t in plan.tensors for o in t.outputs}
+    if opts.kv_cache == "fp8" and not any(n.endswith(plan.layout.kv_scales) for n in kv_names):
+        raise QuantcliError(f"--kv-cache fp8: {plan.source.label} has no self_attn.k_proj/v_proj weights")
+    warnings = list(plan.warnings)
+    if found < opts.calibration.samples:
+        warnings.append(f"--calibration {opts.calibration.data}: holds {found} sample(s), fewer than "
+                        f"--calibration-samples {opts.calibration.samples}; calibrating with {found}")
+    return replace(plan, tensors=tensors, warnings=warnings)
+
+
+def _added(plan: Plan, t) -> tuple[OutSpec, ...]:
+    opts, layout = plan.options, plan.layout
+    out: list[OutSpec] = []
+    if opts.activations == "static" and t.quantized:
+        rows = layout.optional.get(t.recipe, ())
+        if not rows:
+            able = sorted({r for name in LAYOUTS for r in LAYOUTS[name].optional if r in LAYOUTS[name].recipes})
+            raise QuantcliError(f"--activations static: recipe {t.recipe} in layout {layout.name} has no static "
+                                f"activation scale (recipes that do: {', '.join(able)})")
+        out += [OutSpec(f"{t.module}{row.suffix}", "F32", _SHAPES[row.reshape]) for row in rows]
+    if opts.kv_cache == "fp8" and t.name.endswith(".weight"):
+        module = module_of(t.name)
+        if ".self_attn." in module or module.startswith("self_attn."):
+            out += [OutSpec(name, "F32", layout.kv_scale_shape) for name in layout.kv_names(module).values()]
+    return tuple(out)
+
+
+def reached_tensors(plan: Plan) -> set[str]:
+    """The checkpoint tensors the transformers model of the source's architecture is built from
+    (built on the meta device: no weights read)."""
+    from quantcli.model.layers import meta_model
+    from quantcli.model.weights import WeightMap, experts_blocks
+
+    model = meta_model(plan.source.config)
+    weights = WeightMap({n for header in plan.source.headers.values() for n in header.tensors})
+    reached = {HEAD} & weights.names  # the engine records the final norm's output, lm_head's input
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        experts = experts_blocks(layer, prefix, weights)
+        for n in layer.state_dict():
+            reached.update(weights.sources(prefix + n, experts))
+    return reached
+
+
+def _without_unreached(plan: Plan, reached: set[str]) -> Plan:
+    """With static activations, a quantized weight the model's forward never runs (a layer
+    beyond num_hidden_layers, an MTP head) gets no made-up input scale: it is left dense, with
+    its whole fused group (one precision per group), and listed with the reason."""
+    if plan.options.activations != "static":
+        return plan
+    dense = {t.module for t in plan.tensors if t.quantized and t.name not in reached}
+    groups = {fused_group_of(m) for m in dense} - {None}
+    dense |= {t.module for t in plan.tensors if t.quantized and fused_group_of(t.module) in groups}
+    if not dense:
+        return plan
+    tensors = [t if t.module not in dense else
+               TensorPlan(t.name, t.shard, t.dtype, t.shape, action="copy", outputs=(OutSpec(t.name, t.dtype, t.shape),))
+               for t in plan.tensors]
+    exclusions = [*plan.exclusions, *(Exclusion(m, UNREACHED) for m in sorted(dense))]
+    if not any(t.quantized for t in tensors):
+        raise QuantcliError(f"--calibration: none of the quantized weights of {plan.source.label} is in the "
+                            f"forward of its config's architecture; nothing can be calibrated")
+    return replace(plan, tensors=tensors, exclusions=exclusions)

@@ -1,0 +1,36 @@
+"""Which planner a source needs: a dense source is planned by plan.make_plan, a quantized one
+(re-layout, re-quantize, dequantize) by reformat.make_reformat_plan, after detect finds its layout.
+Without a recipe, a quantized source keeps its own: `convert SRC DST --layout L` is a re-layout."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from quantcli.checkpoint.source import Source
+from quantcli.errors import QuantcliError
+from quantcli.formats.detect import Detected
+from quantcli.planning.calibration import checked_plan
+from quantcli.planning.from_quantized import detect_quantized, plan_for
+from quantcli.planning.plan import Options, Plan
+from quantcli.recipes import DENSE_RECIPES, RECIPES
+
+
+def plan_conversion(source: Source, opts: Options) -> Plan:
+    """The plan for converting `source` with `opts`, from headers (and a quantized source's scales)."""
+    detected = detect_quantized(source)
+    if not opts.recipe:
+        opts = replace(opts, recipe=default_recipe(source, detected))
+    return checked_plan(plan_for(source, opts, detected))
+
+
+def default_recipe(source: Source, detected: Detected | None) -> str:
+    """The recipe a conversion without --recipe writes: the quantized source's own, when it has one."""
+    choices = f"{', '.join(RECIPES)} (or {'/'.join(DENSE_RECIPES)} to dequantize a quantized source)"
+    if detected is None:
+        raise QuantcliError(f"--recipe is required: {source.label} is not quantized; choose one of {choices}, "
+                            f"or set 'recipe' in --config")
+    recipes = sorted(set(detected.modules.values()))
+    if len(recipes) > 1:
+        raise QuantcliError(f"--recipe is required: {source.label} mixes {', '.join(recipes)}, so there is no one "
+                            f"recipe to keep; choose one of {choices}")
+    return recipes[0]

@@ -1,0 +1,154 @@
+"""Plans for converting from quantized sources: lossless re-layout, dequantize, re-quantize.
+
+The source's layout and per-module recipes come from `detect` (shared with inspect and verify).
+Per quantized module:
+- relayout   (same recipe, another layout): codes and block scales are carried over byte for
+             byte; names, scalar shapes, global-scale direction and config are the target's;
+- requantize (another recipe): decode to FP32, then quantize (error compounds: said so);
+- dequantize (`--recipe bf16|fp16|fp32`): decode and write a plain weight; no quantization_config.
+Modules that are dense in the source stay dense (and are listed as excluded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantcli.checkpoint.safetensors_io import OutSpec
+from quantcli.checkpoint.source import Source
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.errors import CheckpointError, LayoutError, QuantcliError, RecipeError
+from quantcli.formats.analysis import describe_module
+from quantcli.formats.detect import Detected, all_names, detect, scale_faults
+from quantcli.formats.fused import drop_single_member_groups, fused_group_of
+from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for
+from quantcli.formats.module_kinds import is_dense_linear
+from quantcli.planning.plan import Exclusion, Options, Plan, TensorPlan, make_plan, output_specs
+from quantcli.recipes import DENSE_RECIPES, get_recipe
+
+DENSE_DTYPES = {"bf16": ("BF16", torch.bfloat16), "fp16": ("F16", torch.float16), "fp32": ("F32", torch.float32)}
+
+
+def detect_quantized(source: Source) -> Detected | None:
+    found = detect(source)
+    return found if found is not None and found.modules else None
+
+
+def plan_for(source: Source, opts: Options, detected: Detected | None) -> Plan:
+    if detected is None:
+        if opts.recipe in DENSE_RECIPES:
+            raise QuantcliError(f"--recipe {opts.recipe}: the source {source.label} is not quantized; "
+                                f"nothing to dequantize")
+        return make_plan(source, opts)
+    return make_reformat_plan(source, opts, detected)
+
+
+def refuse_corrupt_scales(source: Source, layout: Layout, module: str, recipe: str, ct: CheckpointTensors) -> None:
+    """Every scale of a quantized source module is read while planning (they are small), so a
+    corrupt one (NaN, Inf, zero or negative where no producer writes it) is refused before
+    anything is written: dequantizing, re-laying out or re-quantizing it would write NaN, zero
+    or sign-flipped weights without a word."""
+    faults = scale_faults(layout, module, layout.recipe_for(recipe), ct)
+    if faults:
+        name, fault = faults[0]
+        raise CheckpointError(f"{name}: {fault}; the source checkpoint {source.label} is corrupt (no correct "
+                              f"producer writes this), so converting it would write wrong weights; run "
+                              f"`quantcli verify {source.label}` to list every fault")
+
+
+def _target(opts: Options) -> tuple[Layout | None, object]:
+    """The layout and recipe to write (None, None for a dequantize to a plain dtype)."""
+    if opts.recipe in DENSE_RECIPES:
+        if opts.layout:
+            raise QuantcliError(f"--layout {opts.layout}: --recipe {opts.recipe} writes a plain checkpoint; "
+                                f"drop --layout")
+        return None, None
+    get_recipe(opts.recipe)  # unknown names fail here with the list
+    layout = get_layout(opts.layout or DEFAULT_LAYOUT[opts.recipe])
+    layout.require(opts.recipe, layouts_for(opts.recipe))
+    # static activation scales come from calibrating the dense model, never from a quantized source
+    layout.require_static(opts.recipe, False, layouts_for(opts.recipe))
+    recipe = layout.recipe_for(opts.recipe, opts.scale_rule)
+    if opts.scale_search != "none" and not recipe.searches:
+        raise QuantcliError(f"--scale-search {opts.scale_search}: only nvfp4, mxfp4 and mxfp8 search their block "
+                            f"scales ({opts.recipe} keeps absmax); drop the option")
+    return layout, recipe.with_scale_search(opts.scale_search)
+
+
+def _module_plan(det: Detected, module: str, src_recipe: str, ct: CheckpointTensors, names: dict,
+                 opts: Options, layout: Layout | None, recipe, widened: set[str]) -> tuple[TensorPlan | None, list[str]]:
+    """The plan of one quantized source module (or the problems that stop it) and its disk names."""
+    src_layout = det.layout
+    desc = describe_module(src_layout, module, src_recipe, ct)
+    disk = [d.name for d in src_layout.describe(module, src_layout.recipe_for(src_recipe))]
+    if desc.problems:
+        return None, [f"{module}: {p}" for p in desc.problems]
+    codes = disk[0]
+    shape = tuple(desc.logical_shape)
+    base = dict(name=codes, shard=names[codes], dtype=ct.info(codes).dtype, shape=shape, module=module,
+                source_recipe=src_recipe, source_bytes=sum(ct.info(n).nbytes for n in disk))
+    if recipe is None:
+        out_name, transposed = src_layout.dense_name(module)
+        out_shape = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
+        return TensorPlan(**base, transpose=transposed, action="dequantize",
+                          outputs=(OutSpec(out_name, DENSE_DTYPES[opts.recipe][0], out_shape),)), []
+    try:
+        recipe.check(module, shape, torch.float32)
+        layout.check_shape(module, recipe, shape)
+    except (RecipeError, LayoutError) as exc:
+        return None, [str(exc)]
+    action = "relayout" if src_recipe == recipe.name else "requantize"
+    if action == "relayout":
+        widened.update(e.dtype for e in desc.tensors if e.role != "codes" and e.dtype in ("BF16", "F16"))
+    group = fused_group_of(module) if recipe.has_global_scale and action == "requantize" else None
+    return TensorPlan(**base, recipe=recipe.name, fused_group=group, action=action,
+                      outputs=output_specs(layout, module, recipe, shape)), []
+
+
+def _warnings(src_layout: Layout, opts: Options, source: Source, tensors: list[TensorPlan], widened: set[str]) -> list[str]:
+    warnings = []
+    if widened:
+        warnings.append(f"{src_layout.name} scales stored as {'/'.join(sorted(widened))} are written as F32, "
+                        f"which consumers expect: every {'/'.join(sorted(widened))} value is exactly an F32 value, "
+                        f"so the re-layout stays lossless")
+    if opts.scale_search != "none" and any(t.action == "relayout" for t in tensors):
+        warnings.append(f"--scale-search {opts.scale_search}: modules already {opts.recipe} in the source are "
+                        f"re-laid out byte for byte, so they keep the source's scales (nothing is re-quantized)")
+    if any(t.action == "requantize" for t in tensors):
+        warnings.append(f"re-quantizing {src_layout.name} weights to {opts.recipe}: the errors of both "
+                        f"quantizations add up")  # the summary's `next:` line gives the verify command
+    return warnings
+
+
+def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
+    if opts.overrides or opts.targets or opts.ignore:
+        raise QuantcliError(f"{source.label}: is already quantized ({det.layout.name}); --ignore, targets and "
+                            f"overrides apply to unquantized sources (modules dense in the source stay dense)")
+    layout, recipe = _target(opts)
+    names = all_names(source)
+    errors: list[str] = []
+    tensors: list[TensorPlan] = []
+    consumed: set[str] = set()
+    widened: set[str] = set()  # float scale dtypes of the source written as F32
+    exclusions = []
+    with CheckpointTensors(source) as ct:
+        for module, src_recipe in sorted(det.modules.items()):
+            refuse_corrupt_scales(source, det.layout, module, src_recipe, ct)
+            plan, problems = _module_plan(det, module, src_recipe, ct, names, opts, layout, recipe, widened)
+            errors.extend(problems)
+            if plan is not None:
+                tensors.append(plan)
+                consumed.update(d.name for d in det.layout.describe(module, det.layout.recipe_for(src_recipe)))
+        for name, shard in names.items():
+            if name in consumed:
+                continue
+            info = ct.info(name)
+            tensors.append(TensorPlan(name, shard, info.dtype, info.shape, action="copy",
+                                      outputs=(OutSpec(name, info.dtype, info.shape),)))
+            if name.endswith(".weight") and len(info.shape) == 2 and is_dense_linear(name[:-7]):
+                exclusions.append(Exclusion(name[:-7], "dense in the source"))
+    if errors:
+        raise QuantcliError(f"{len(errors)} problem(s) converting {source.label}: " + "; ".join(errors))
+    return Plan(source, layout, opts, drop_single_member_groups(tensors), exclusions,
+                _warnings(det.layout, opts, source, tensors, widened),
+                {recipe.name: recipe} if recipe else {}, source_layout=det.layout,
+                dense_dtype=opts.recipe if recipe is None else None)

@@ -1,0 +1,134 @@
+"""Conversion options: a TOML recipe file (--config) checked once, merged with the command line
+into plan.Options. The command line wins over the file; --ignore patterns add to the file's."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from quantcli.errors import QuantcliError, did_you_mean, pick
+from quantcli.formats.facts import Calibration
+from quantcli.formats.layouts import LAYOUTS
+from quantcli.kernels.spec import SCALE_RULES, SCALE_SEARCHES
+from quantcli.planning.calibration import check_options
+from quantcli.planning.plan import Options
+from quantcli.recipes import DENSE_RECIPES, RECIPES
+
+
+def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[str], config: Path | None,
+                       scale_rule: str | None, calibrate: dict | None = None,
+                       scale_search: str | None = None) -> Options:
+    """The options of one conversion, from the command line and the recipe file (if any);
+    `calibrate`: the command line's activations, kv_cache, calibration and calibration_* values."""
+    opts = Options(recipe=recipe or "")
+    data: dict = {}
+    if config is not None:
+        data = load_recipe_file(config)
+        opts.recipe = recipe or data.get("recipe", "")
+        opts.layout = data.get("layout")
+        opts.scale_rule = data.get("scale_rule")
+        opts.scale_search = data.get("scale_search", "none")
+        opts.targets = list(data.get("targets", []))
+        opts.ignore = list(data.get("ignore", []))
+        opts.overrides = [(o["pattern"], o["recipe"]) for o in data.get("override", [])]
+    opts.layout = layout or opts.layout
+    opts.scale_rule = scale_rule or opts.scale_rule
+    opts.scale_search = scale_search or opts.scale_search
+    opts.ignore += ignore
+    _calibration_options(opts, data, calibrate or {})
+    return opts  # no recipe: the planner takes a quantized source's own (planner.default_recipe)
+
+
+_CALIBRATION_KEYS = {"activations": ("static", "dynamic"), "kv_cache": ("fp8", "none"), "calibration": None,
+                     "calibration_samples": 128, "calibration_seq_len": 512, "calibration_batch": 1}
+
+
+def _calibration_options(opts: Options, data: dict, given: dict) -> None:
+    """--activations, --kv-cache, --calibration*: the command line over the file; checked once."""
+    merged = {k: given[k] if given.get(k) is not None else data.get(k) for k in _CALIBRATION_KEYS}
+    opts.activations = merged["activations"] if merged["activations"] == "static" else None
+    opts.kv_cache = merged["kv_cache"] if merged["kv_cache"] == "fp8" else None
+    cal = None
+    if merged["calibration"] is not None:
+        sizes = {k: merged[k] if merged[k] is not None else _CALIBRATION_KEYS[k] for k in _CALIBRATION_KEYS
+                 if k.startswith("calibration_")}
+        for k, v in sizes.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise QuantcliError(f"--{k.replace('_', '-')}: must be a positive integer, got {v!r}")
+        cal = Calibration(str(merged["calibration"]), sizes["calibration_samples"], sizes["calibration_seq_len"],
+                          sizes["calibration_batch"])
+    opts.calibration = cal
+    check_options(opts.activations, opts.kv_cache, cal, opts.scale_search)
+
+
+def load_recipe_file(path: Path) -> dict:
+    """Read a TOML recipe file: recipe, layout, scale_rule, targets, ignore, [[override]]. Every
+    value is checked here, once, so that a wrong type is refused instead of misread (a string
+    `targets` would otherwise be iterated character by character); names come back canonical."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QuantcliError(f"--config {path}: no such file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
+        raise QuantcliError(f"--config {path}: not valid TOML ({exc})") from None
+    return _check_recipe_file(data, f"--config {path}")
+
+
+_TOML_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a float", list: "an array",
+               dict: "a table"}
+
+
+def _toml_type(value: object) -> str:
+    return _TOML_TYPES.get(type(value), "a date/time")
+
+
+def _check_recipe_file(data: dict, where: str) -> dict:
+    known = ("recipe", "layout", "scale_rule", "scale_search", "targets", "ignore", "override", *_CALIBRATION_KEYS)
+    for key in data:
+        if key not in known:
+            raise QuantcliError(f"{where}: unknown key {key!r}{did_you_mean(key, known)} (allowed: {', '.join(known)})")
+
+    def string(key: str, value: object, example: str) -> str:
+        if not isinstance(value, str):
+            raise QuantcliError(f"{where}: {key} is {_toml_type(value)}; expected a string, e.g. {example}")
+        return value
+
+    def strings(key: str, example: str) -> list[str]:
+        value = data[key]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            got = _toml_type(value) if not isinstance(value, list) else "an array holding a non-string"
+            raise QuantcliError(f"{where}: {key} is {got}; expected an array of strings, e.g. {example}")
+        return list(value)
+
+    out: dict = {}
+    names = {"recipe": [*RECIPES, *DENSE_RECIPES], "layout": list(LAYOUTS), "scale_rule": list(SCALE_RULES),
+             "scale_search": list(SCALE_SEARCHES)}
+    for key, choices in names.items():
+        if key in data:
+            value = string(key, data[key], f'{key} = "{choices[0]}"')
+            out[key] = pick(f"{where}: {key}", key.replace("_", " "), value, choices)
+    for key, choices in _CALIBRATION_KEYS.items():
+        if key in data and isinstance(choices, tuple):
+            out[key] = pick(f"{where}: {key}", key.replace("_", " "), string(key, data[key], f'{key} = "{choices[0]}"'),
+                            list(choices))
+        elif key in data:
+            out[key] = data[key] if key != "calibration" else string(key, data[key], 'calibration = "data.jsonl"')
+    for key in ("targets", "ignore"):
+        if key in data:
+            out[key] = strings(key, f'{key} = ["*q_proj"]')
+    if "override" in data:
+        overrides = data["override"]
+        if not isinstance(overrides, list):
+            raise QuantcliError(f"{where}: override is {_toml_type(overrides)}; expected [[override]] tables "
+                                'with pattern = "GLOB" and recipe = "NAME"')
+        out["override"] = []
+        for i, o in enumerate(overrides, 1):
+            label = f"[[override]] #{i}"
+            if not isinstance(o, dict) or set(o) != {"pattern", "recipe"}:
+                raise QuantcliError(f"{where}: {label} needs exactly 'pattern' and 'recipe' "
+                                    f'(got {sorted(o) if isinstance(o, dict) else _toml_type(o)})')
+            pattern = string(f"{label} pattern", o["pattern"], 'pattern = "*mlp*"')
+            recipe = pick(f"{where}: {label} recipe", "recipe",
+                          string(f"{label} recipe", o["recipe"], 'recipe = "fp8"'), list(RECIPES))
+            out["override"].append({"pattern": pattern, "recipe": recipe})
+    return out

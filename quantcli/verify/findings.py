@@ -1,0 +1,131 @@
+"""The verify report as data: the checks run, the faults filed under them, one row per compared
+tensor. Serialized by quantcli.reports.to_json; rendered by quantcli.cli.render."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from quantcli.reports import OMITTED
+
+# Every check verify runs, in report order. Each gets its status from the faults filed under it,
+# so the report never says "checked" before the result is known.
+MANIFEST = "manifest agrees with the safetensors headers"
+CONFIG = "config keys the consumer needs are present"
+SERVABLE = "a serving engine loads each (recipe, layout) pair"
+TENSORS = "quantized tensors have the dtypes and shapes the layout reads"
+FUSED = "fused groups share one precision and one global scale"
+COVERAGE = "every Linear is quantized or excluded"
+SCALES = "scales finite, positive, no E8M0 255"
+FINITE = "every quantized module decodes to finite values"
+CALIBRATED = ("activation and KV-cache scales present where the config declares them, finite, positive, in the "
+              "layout's direction, equal across fused groups")
+DIRECTION = "global scales agree in direction with the rest of the checkpoint"
+TP = "quantized dims split into whole blocks across {tp} ranks"
+REF_MODULES = "every quantized module has a reference tensor of the same shape"
+REF_ERROR = "decoded weights within the producers' tolerance of the reference"
+REF_SAME = "modules of the same recipe identical to the decoded reference (lossless re-layout)"
+REF_PRESENT = "every reference tensor present in the checkpoint"
+REF_IDENTICAL = "unquantized tensors bit-identical to the reference"
+REF_DEQUANT = "dequantized tensors bit-identical to the decoded reference cast to their dtype"
+
+
+@dataclass
+class Fault:
+    check: str
+    tensor: str
+    fault: str
+
+
+@dataclass
+class CheckResult:
+    check: str
+    passed: bool
+    faults: int
+
+
+@dataclass
+class TensorRow:
+    """One compared tensor: its error against the reference, the yardstick and the limit."""
+
+    rel_err: float
+    sqnr_db: float
+    cosine: float
+    max_abs: float
+    tensor: str
+    recipe: str
+    baseline_rel_err: float  # quantcli's own quantization of the reference (0 where identity is required)
+    # the module was re-quantized from a quantized source: that recipe, its estimated error, convert's record
+    source_recipe: str = OMITTED
+    source_baseline_rel_err: float = OMITTED
+    requantize_rel_err: float = OMITTED
+    limit_rel_err: float = 0.0
+    limit_basis: str = ""
+    exact_identical_fraction: float | None = OMITTED  # None: compared, not identical (a dequantized tensor)
+    scale_rule_matches: str = OMITTED
+    absmax_rel_err: float = OMITTED  # a searched module: what absmax scales would give (the search's gain)
+    passed: bool = False
+
+
+@dataclass
+class VerifyReport:
+    checkpoint: str
+    layout: str
+    reference: str | None
+    reference_kind: str | None
+    modules: int
+    notes: list[str]
+    checks: list[CheckResult]
+    faults: list[Fault]
+    tensors: list[TensorRow]
+    layers: dict[str, float]
+    warnings: list[str]
+    passed: bool
+
+
+class Findings:
+    """Faults filed under the check that found them, and the checks run, in order."""
+
+    def __init__(self) -> None:
+        self.faults: list[Fault] = []
+        self.checks: list[str] = []
+        self.notes: list[str] = []  # what the user must know about what was (not) checked
+
+    def fault(self, check: str, tensor: str, what: str) -> None:
+        self.faults.append(Fault(check=check, tensor=tensor, fault=what))
+
+    def ran(self, check: str) -> None:
+        if check not in self.checks:
+            self.checks.append(check)
+
+    def record(self, check: str, faults: Iterable[tuple[str, str]]) -> None:
+        """File a check's (tensor, fault) findings and mark it run."""
+        for tensor, what in faults:
+            self.fault(check, tensor, what)
+        self.ran(check)
+
+    def summary(self) -> list[CheckResult]:
+        counts = {c: 0 for c in self.checks}
+        for f in self.faults:
+            counts[f.check] = counts.get(f.check, 0) + 1
+        return [CheckResult(check=c, passed=n == 0, faults=n) for c, n in counts.items()]
+
+
+def _layer_of(name: str) -> int | None:
+    m = re.search(r"layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def build_report(source, layout_name: str, reference: str | None, reference_kind: str | None, modules: int,
+                 found: Findings, rows: list[TensorRow], notes: tuple[str, ...] = ()) -> VerifyReport:
+    rows.sort(key=lambda r: -r.rel_err)
+    layers: dict[str, float] = {}
+    for r in rows:
+        layer = _layer_of(r.tensor)
+        key = "other" if layer is None else str(layer)
+        layers[key] = max(layers.get(key, 0.0), r.rel_err)
+    return VerifyReport(checkpoint=source.label, layout=layout_name, reference=reference,
+                        reference_kind=reference_kind, modules=modules, notes=list(notes), checks=found.summary(),
+                        faults=found.faults, tensors=rows, layers=layers, warnings=list(source.warnings),
+                        passed=not found.faults)
