@@ -24,7 +24,7 @@ CALIBRATED = ("activation and KV-cache scales present where the config declares 
 DIRECTION = "global scales agree in direction with the rest of the checkpoint"
 TP = "quantized dims split into whole blocks across {tp} ranks"
 REF_MODULES = "every quantized module has a reference tensor of the same shape"
-REF_ERROR = "decoded weights within the producers' tolerance of the reference"
+REF_ERROR = "decoded weights are a rounding of the reference to the stored scales (gain, error, blocks, scales)"
 REF_SAME = "modules of the same recipe identical to the decoded reference (lossless re-layout)"
 REF_PRESENT = "every reference tensor present in the checkpoint"
 REF_IDENTICAL = "unquantized tensors bit-identical to the reference"
@@ -65,6 +65,12 @@ class TensorRow:
     exact_identical_fraction: float | None = OMITTED  # None: compared, not identical (a dequantized tensor)
     scale_rule_matches: str = OMITTED
     absmax_rel_err: float = OMITTED  # a searched module: what absmax scales would give (the search's gain)
+    # judged as a quantization of the reference (verify/judge.py): decode = gain x reference + noise,
+    # |gain - 1| allowed up to gain_allowed; judged blocks and those whose scale is wrong
+    gain: float = OMITTED
+    gain_allowed: float = OMITTED
+    blocks: int = OMITTED
+    blocks_off: int = OMITTED
     passed: bool = False
 
 

@@ -13,7 +13,7 @@ from quantcli.formats.fused import fused_group_of
 from quantcli.kernels import tensor_amax
 from quantcli.planning.plan import TRANSPOSED_EXPERTS, matches
 from quantcli.recipes import RECIPES
-from quantcli.verify.compare import IDENTICAL, compare, compare_identical, exact_match, requantized_prior
+from quantcli.verify.compare import IDENTICAL, Comparison, compare_identical, exact_match, requantized_prior
 from quantcli.verify.findings import (
     FINITE,
     REF_ERROR,
@@ -25,7 +25,7 @@ from quantcli.verify.findings import (
     TensorRow,
 )
 from quantcli.verify.limits import Limits
-from quantcli.verify.structure import Progress, finite_check, no_progress, scale_rule_of
+from quantcli.verify.structure import Progress, finite_check, no_progress, nonfinite_fault, scale_rule_of
 
 
 def source_name(module: str, rt: CheckpointTensors) -> str | None:
@@ -82,17 +82,26 @@ class Reference:
                 self.rt.release(name)
 
     def weight(self, module: str, transpose_hint: bool | None) -> tuple[torch.Tensor, bool] | None:
-        """(reference weight of `module` as FP32, whether the checkpoint's decode must be transposed
-        to match it), or None when the reference has no such module."""
+        """(reference weight of `module`, whether the checkpoint's decode must be transposed to
+        match it), or None when the reference has no such module. A dense weight comes as stored
+        (its pages read as the comparison streams through it; release_weight drops them), a
+        quantized reference's module decoded to FP32."""
         if self.recipe_name(module) is not None:
             return self.decoded(module), False  # both sides in the quantized [..., N, K] orientation
         name = source_name(module, self.rt)
         if name is None:
             return None
         transpose = transpose_hint if transpose_hint is not None else bool(TRANSPOSED_EXPERTS.search(name))
-        w = self.rt.get(name).to(torch.float32)
-        self.rt.release(name)  # memory tracks the tensor in flight, not the model
-        return w, transpose
+        return self.rt.get(name), transpose
+
+    def release_weight(self, module: str) -> None:
+        """Memory tracks the tensor in flight, not the model."""
+        if self.recipe_name(module) is not None:
+            self.release(module)
+        else:
+            name = source_name(module, self.rt)
+            if name is not None:
+                self.rt.release(name)
 
 
 def reference_group_amax(decoded_cache: dict, ref: Reference, entries: dict, dev) -> dict:
@@ -114,8 +123,7 @@ def reference_group_amax(decoded_cache: dict, ref: Reference, entries: dict, dev
         if got is None:
             continue
         amax = tensor_amax(got[0].to(dev), name=f"{ref.label}: {module}").cpu()
-        if ref.recipe_name(module) is not None:
-            ref.release(module)
+        ref.release_weight(module)
         out[group] = amax if group not in out else torch.maximum(out[group], amax)
     # A "group" with one member behaves like a plain tensor: its own amax, as convert does.
     return out
@@ -154,34 +162,47 @@ class _Comparison:
         got = self.reference_weight(module)
         if got is None:
             return None
-        w, transpose = got
-        decoded = decode_module(self.layout, module, recipe, q, transpose=transpose, device=self.dev).cpu()
-        if tuple(decoded.shape) != tuple(w.shape):
-            self.found.fault(REF_MODULES, module, f"decodes to {list(decoded.shape)} but the reference is "
+        try:
+            return self._judged(module, recipe, q, *got)
+        finally:
+            self.ref.release_weight(module)
+
+    def _judged(self, module: str, recipe, q, w: torch.Tensor, transpose: bool) -> TensorRow | None:
+        logical = tuple(q.shape[:-2]) + (tuple(q.shape[-2:])[::-1] if transpose else tuple(q.shape[-2:]))
+        if logical != tuple(w.shape):
+            self.found.fault(REF_MODULES, module, f"decodes to {list(logical)} but the reference is "
                                                   f"{list(w.shape)}: a different model or a transposed tensor")
             return None
-        if not finite_check(module, decoded, self.found):
-            return None
+        w = w.to(self.dev).transpose(-1, -2) if transpose else w.to(self.dev)  # the decode's [..., N, K]
         if self.ref.recipe_name(module) == recipe.name:  # a re-layout: the same values, or corrupt
-            row, reasons = compare_identical(module, recipe, decoded, w, q, self.ref.read(module), self.ref.kind,
-                                             self.limits)
+            decoded = decode_module(self.layout, module, recipe, q, device=self.dev).cpu()
+            if not finite_check(module, decoded, self.found):
+                return None
+            row, reasons = compare_identical(module, recipe, decoded, w.cpu(), q, self.ref.read(module),
+                                             self.ref.kind, self.limits)
             check = REF_SAME
         else:
-            row, reasons = self._against_yardstick(module, recipe, q, decoded, w, transpose)
-            check = REF_ERROR
+            got = self._against_source(module, recipe, q, w)
+            if got is None:
+                return None
+            (row, reasons), check = got, REF_ERROR
         for r in reasons:
             self.found.fault(check, module, r)
         return row
 
-    def _against_yardstick(self, module, recipe, q, decoded, w, transpose) -> tuple[TensorRow, list[str]]:
+    def _against_source(self, module, recipe, q, w) -> tuple[TensorRow, list[str]] | None:
+        """The module judged as a quantization of `w` (judge.py); None when it decodes to non-finite
+        values (filed under FINITE)."""
         entry = self.entries.get(module)
         prior = requantized_prior(entry) if self.ref.det is None or self.ref.recipe_name(module) is None else None
         ms = self._search_weights(entry, module)
-        row, ours, reasons = compare(module, recipe, self.layout, decoded, w, transpose, self.group_amax, self.limits,
-                                     self.dev, prior, channel_ms=ms)
+        job = Comparison(module, recipe, q, w, self.limits, prior, ms, self.exact)
+        row, reasons, nonfinite = job.run(self.group_amax)
+        if nonfinite:
+            self.found.fault(FINITE, module, nonfinite_fault(nonfinite))
+            return None
         if self.exact:
-            wq = w.to(self.dev).transpose(-1, -2) if transpose else w.to(self.dev)
-            match = exact_match(self.layout, module, recipe, wq, ours.to("cpu"), q, self.qt)
+            match = exact_match(self.layout, module, recipe, w, job.ours.to("cpu"), q, self.qt)
             row.exact_identical_fraction = match["exact_identical_fraction"]
             if "scale_rule_matches" in match:
                 row.scale_rule_matches = match["scale_rule_matches"]

@@ -146,12 +146,14 @@ def tp_faults(module: str, recipe, shape, tp: int) -> Iterator[Finding]:
                        f"({size}/{tp} = {size / tp:g}); vLLM and SGLang refuse to load it at TP={tp}")
 
 
+def nonfinite_fault(bad: int) -> str:
+    return (f"decodes to {bad} non-finite value(s) (a block scale times its codes overflows FP32): the "
+            f"checkpoint is corrupt; re-quantize it from the source weights")
+
+
 def finite_faults(module: str, decoded: torch.Tensor) -> list[Finding]:
     bad = int((~torch.isfinite(decoded)).sum())
-    if not bad:
-        return []
-    return [(module, f"decodes to {bad} non-finite value(s) (a block scale times its codes overflows "
-                     f"FP32): the checkpoint is corrupt; re-quantize it from the source weights")]
+    return [(module, nonfinite_fault(bad))] if bad else []
 
 
 def finite_check(module: str, decoded: torch.Tensor, found: Findings) -> bool:
