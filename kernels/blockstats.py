@@ -44,7 +44,7 @@ class Yardstick:
 
 @dataclass
 class BlockStats:
-    """Per judging block, in the scale tensor's order (FP64 sums, FP32 amax and scale)."""
+    """Per judging block, in the scale tensor's order (FP32; sum them in FP64)."""
 
     ss: torch.Tensor
     se: torch.Tensor
@@ -139,18 +139,18 @@ def _block_scale(band: Band, global_scale, spec: QuantSpec, rows: int) -> torch.
     return s.reshape(1).expand(rows) if s.dim() == 0 else s.reshape(-1)
 
 
-def _counts(spec: QuantSpec, rows: int, k: int) -> torch.Tensor:
-    """Elements per judging block of a band (FP64): whole groups and rows; edge tiles are smaller."""
+def _counts(spec: QuantSpec, rows: int, k: int) -> torch.Tensor | float:
+    """Elements per judging block of a band: whole groups and rows; edge tiles are smaller."""
     if spec.geometry == GROUP:
-        return torch.full((rows * (k // spec.group),), float(spec.group), dtype=torch.float64)
+        return float(spec.group)
     if spec.geometry != BLOCK:
-        return torch.full((rows,), float(k), dtype=torch.float64)
-    side = [torch.tensor([min(FP8_BLOCK, d - i) for i in range(0, d, FP8_BLOCK)], dtype=torch.float64)
+        return float(k)
+    side = [torch.tensor([min(FP8_BLOCK, d - i) for i in range(0, d, FP8_BLOCK)], dtype=torch.float32)
             for d in (rows, k)]
     return torch.outer(*side).reshape(-1)
 
 
-def _yard_error(y: Yardstick, x: torch.Tensor, f: torch.Tensor, band: Band, shape, tall: int) -> float:
+def _yard_error(y: Yardstick, x: torch.Tensor, f: torch.Tensor, band: Band, shape) -> float:
     """Sum of squared errors of the yardstick on this band's rows."""
     from quantcli.kernels import quantize  # the dispatcher (a band is one chunk: it runs inline)
 
@@ -165,7 +165,12 @@ def _yard_error(y: Yardstick, x: torch.Tensor, f: torch.Tensor, band: Band, shap
     return float(torch.dot(o.view(-1), o.view(-1)))
 
 
-def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yardsticks, shape, tall: int) -> dict:
+ROWS = ("ss", "se", "ee", "sh", "hh", "amax", "scale", "count")  # the per-block table's rows
+
+
+def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yardsticks, shape,
+                table: torch.Tensor) -> dict:
+    """Fill `table` [len(ROWS), this band's blocks]; returns the band's scalars."""
     rows, k = x.shape
     dev = x.device
     f = _buffer("vf", rows * k, dev).view(rows, k).copy_(x)
@@ -174,18 +179,33 @@ def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yard
     max_abs = float(torch.maximum(-lo, hi))  # NaN propagates: finite here means every value is
     nonfinite = 0 if math.isfinite(max_abs) else int((~torch.isfinite(e)).sum())
     p = _buffer("vp", rows * k, dev).view(rows, k)
-    out = {"ee": _per_block(torch.mul(e, e, out=p), spec, "sum"), "se": _per_block(torch.mul(f, e, out=p), spec, "sum")}
-    out["ss"] = _per_block(torch.mul(f, f, out=p), spec, "sum")
+    put = dict(zip(ROWS, table))
+    put["ee"].copy_(_per_block(torch.mul(e, e, out=p), spec, "sum"))
+    put["se"].copy_(_per_block(torch.mul(f, e, out=p), spec, "sum"))
+    put["ss"].copy_(_per_block(torch.mul(f, f, out=p), spec, "sum"))
     a = torch.abs(f, out=p)
-    out["amax"] = _per_block(a, spec, "amax")
-    out["scale"] = scale = _block_scale(band, global_scale, spec, rows)
+    put["amax"].copy_(_per_block(a, spec, "amax"))
+    scale = _block_scale(band, global_scale, spec, rows)
+    put["scale"].copy_(scale)
     h = _max_error(a, scale, spec, _buffer("vd", rows * k, dev).view(rows, k))  # e is no longer needed
-    out["sh"] = _per_block(a.mul_(h), spec, "sum")
-    out["hh"] = _per_block(h.mul_(h), spec, "sum")
-    out["count"] = _counts(spec, rows, k)
-    out["yard"] = [_yard_error(y, x, f, band, shape, tall) for y in yardsticks]
-    out["max_abs"], out["nonfinite"] = max_abs, nonfinite
-    return out
+    put["sh"].copy_(_per_block(a.mul_(h), spec, "sum"))
+    put["hh"].copy_(_per_block(h.mul_(h), spec, "sum"))
+    counts = _counts(spec, rows, k)
+    if isinstance(counts, torch.Tensor):
+        put["count"].copy_(counts)
+    else:
+        put["count"].fill_(counts)
+    return {"yard": [_yard_error(y, x, f, band, shape) for y in yardsticks], "max_abs": max_abs,
+            "nonfinite": nonfinite}
+
+
+def _blocks_in(band: Band, spec: QuantSpec, k: int) -> int:
+    rows = band.stop - band.start
+    if spec.geometry == GROUP:
+        return rows * (k // spec.group)
+    if spec.geometry == BLOCK:
+        return -(-rows // FP8_BLOCK) * -(-k // FP8_BLOCK)
+    return rows
 
 
 def block_stats(x: torch.Tensor, q: QuantResult, spec: QuantSpec, yardsticks: tuple[Yardstick, ...] = (),
@@ -200,20 +220,18 @@ def block_stats(x: torch.Tensor, q: QuantResult, spec: QuantSpec, yardsticks: tu
         elements = max(x.numel(), 1)  # a GPU takes each matrix whole
     mats = x.reshape(-1, n, k)
     work = list(bands(q, spec, shape, elements, tall))
+    sizes = [_blocks_in(b, spec, k) for b in work]
+    table = torch.empty(len(ROWS), sum(sizes), dtype=torch.float32, device=x.device)
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
 
-    def one(band: Band) -> dict:
-        return _band_stats(mats[band.matrix, band.start:band.stop], band, q.global_scale, spec, yardsticks, shape,
-                           tall)
+    def one(i: int) -> dict:
+        b = work[i]
+        return _band_stats(mats[b.matrix, b.start:b.stop], b, q.global_scale, spec, yardsticks, shape,
+                           table[:, starts[i]:starts[i + 1]])
 
-    parts = list(_map(one, work))
-    return _join(parts, len(yardsticks))
-
-
-def _join(parts: list[dict], yards: int) -> BlockStats:
-    cat = {key: torch.cat([p[key].reshape(-1).cpu() for p in parts]) if parts else torch.zeros(0)
-           for key in ("ss", "se", "ee", "sh", "hh", "amax", "scale", "count")}
-    for key in ("ss", "se", "ee", "sh", "hh", "count"):
-        cat[key] = cat[key].double()
-    return BlockStats(**cat, max_abs=max((p["max_abs"] for p in parts), default=0.0),
+    parts = list(_map(one, list(range(len(work)))))
+    return BlockStats(*table.cpu(), max_abs=max((p["max_abs"] for p in parts), default=0.0),
                       nonfinite=sum(p["nonfinite"] for p in parts),
-                      yard=[sum(p["yard"][i] for p in parts) for i in range(yards)])
+                      yard=[sum(p["yard"][i] for p in parts) for i in range(len(yardsticks))])

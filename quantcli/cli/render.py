@@ -336,8 +336,8 @@ def _rows_table(rows, top: int, con: Console) -> Table:
     cells = []
     for r in rows[:top]:
         exact = r.exact_identical_fraction
-        ours = ERROR.format(r.baseline_rel_err) + ("" if r.absmax_rel_err is OMITTED else
-                                                     f" (absmax {ERROR.format(r.absmax_rel_err)})")
+        ours = "-" if r.baseline_rel_err is OMITTED else ERROR.format(r.baseline_rel_err) + (
+            "" if r.absmax_rel_err is OMITTED else f" (absmax {ERROR.format(r.absmax_rel_err)})")
         cells.append([r.recipe, ERROR.format(r.rel_err), ours, _limit_text(r), f"{r.sqnr_db:.2f}", f"{r.cosine:.6f}",
                       ERROR.format(r.max_abs), "-" if exact is OMITTED or exact is None else f"{exact:.2%}"])
     return fitted_table(con, "tensor", [r.tensor for r in rows[:top]], cells, columns,

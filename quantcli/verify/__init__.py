@@ -18,11 +18,16 @@ manifest records the second). A checkpoint with no quantized modules is checked 
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
 from quantcli.convert import resolve_device
 from quantcli.errors import QuantcliError
 from quantcli.formats.detect import all_names, config_with_extras, detect
+from quantcli.kernels import cpu_workers
 from quantcli.planning.plan import matches
 from quantcli.verify.activation_scales import calibrated_check, recalibrated_check
 from quantcli.verify.direction import direction_check
@@ -57,7 +62,9 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
     config = config_with_extras(source, det.extra_files)
     found = Findings()
     rows, reference_kind = [], None
-    with CheckpointTensors(source) as qt:
+    # convert's thread pool: bands of a tensor side by side on the CPU (kernels/chunks.py)
+    threads = cpu_workers(torch.get_num_threads()) if dev.type == "cpu" else contextlib.nullcontext()
+    with CheckpointTensors(source) as qt, threads:
         modules = structure_checks(source, det, config, qt, pattern, found)
         decoded_cache = read_modules(det, modules, qt, tp, found, decode=reference is None, dev=dev,
                                      progress=progress)

@@ -140,13 +140,18 @@ class Comparison:
     def run(self, group_amax: dict) -> tuple[TensorRow, list[str], int]:
         """(row, fault reasons, decoded values that are not finite)."""
         module, recipe, w = self.module, self.recipe, self.w
-        if self.exact:
-            self.ours = quantize_like(recipe, module, w, group_amax, self.channel_ms)
-        yards = [_yardstick(recipe, module, w, group_amax, self.channel_ms,
-                            self.ours.result if self.ours is not None else None)]
-        if recipe.scale_search != "none":  # the search's gain, visible per tensor
-            yards.append(_yardstick(recipe.with_scale_search("none"), module, w, group_amax))
         source = _source_recipe(self.prior)
+        yards = []
+        # quantcli's own quantization costs as much as the rest of the pass: made only where it is
+        # asked for (--exact compares its bytes, --threshold margin= its error) or needed (the
+        # bound of a module re-quantized from a quantized source)
+        if self.exact or self.limits.margin is not None or source is not None:
+            if self.exact:
+                self.ours = quantize_like(recipe, module, w, group_amax, self.channel_ms)
+            yards.append(_yardstick(recipe, module, w, group_amax, self.channel_ms,
+                                    self.ours.result if self.ours is not None else None))
+            if recipe.scale_search != "none":  # the search's gain, visible per tensor
+                yards.append(_yardstick(recipe.with_scale_search("none"), module, w, group_amax))
         if source is not None:
             yards.append(_yardstick(source[1], module, w, group_amax))
         st = block_stats(w, self.q.to(w.device).result, recipe.spec, tuple(yards))
@@ -155,17 +160,19 @@ class Comparison:
         return row, reasons, st.nonfinite
 
     def _row(self, st, verdict, source) -> tuple[TensorRow, list[str]]:
-        ss = float(st.ss.sum())
+        ss = float(st.ss.double().sum())
         rel = (lambda sse: math.sqrt(sse / ss) if ss > 0 else math.sqrt(sse))
         row = TensorRow(rel_err=verdict.rel_err, sqnr_db=verdict.sqnr_db, cosine=verdict.cosine, max_abs=st.max_abs,
-                        tensor=self.module, recipe=self.recipe.name, baseline_rel_err=rel(st.yard[0]),
-                        limit_rel_err=verdict.error_limit, limit_basis=ROUNDING_BASIS, gain=verdict.gain,
-                        gain_allowed=verdict.gain_allowed, blocks=verdict.blocks, blocks_off=verdict.blocks_off)
-        if self.recipe.scale_search != "none":
-            row.absmax_rel_err = rel(st.yard[1])
+                        tensor=self.module, recipe=self.recipe.name, limit_rel_err=verdict.error_limit,
+                        limit_basis=ROUNDING_BASIS, gain=verdict.gain, gain_allowed=verdict.gain_allowed,
+                        blocks=verdict.blocks, blocks_off=verdict.blocks_off)
+        if st.yard:
+            row.baseline_rel_err = rel(st.yard[0])
+            if self.recipe.scale_search != "none" and len(st.yard) > 1 + (source is not None):
+                row.absmax_rel_err = rel(st.yard[1])
         if source is not None:  # both quantizations' errors: the old bound (see requantized_bound)
-            return row, requantized_bound(row, int(st.count.sum()), source[0], rel(st.yard[-1]), self.prior[1],
-                                          self.limits)
+            return row, requantized_bound(row, int(st.count.double().sum()), source[0], rel(st.yard[-1]),
+                                          self.prior[1], self.limits)
         reasons = list(verdict.reasons)
         if self.limits.margin is not None:  # --threshold margin=: also hold it to quantcli's own error
             bound = row.baseline_rel_err * (1 + self.limits.margin) + ABS_FLOOR

@@ -55,7 +55,9 @@ class TensorRow:
     max_abs: float
     tensor: str
     recipe: str
-    baseline_rel_err: float  # quantcli's own quantization of the reference (0 where identity is required)
+    # quantcli's own quantization of the reference (0 where identity is required); computed only where
+    # asked for (--exact, --threshold margin=) or needed (a re-quantized module's bound)
+    baseline_rel_err: float = OMITTED
     # the module was re-quantized from a quantized source: that recipe, its estimated error, convert's record
     source_recipe: str = OMITTED
     source_baseline_rel_err: float = OMITTED
