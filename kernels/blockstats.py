@@ -54,6 +54,12 @@ class BlockStats:
     amax: torch.Tensor
     scale: torch.Tensor  # the block's effective FP32 scale (times the global scale)
     count: torch.Tensor  # elements per block (edge tiles are smaller)
+    # derived per block (0 for an all-zero source block): the norm of the error along the source
+    # beyond what rounding can put there, (|se / ss| - sh / ss)+ sqrt(ss); the norm across it,
+    # sqrt(ee - se^2 / ss); the block amax over the largest value its scale decodes
+    along: torch.Tensor
+    across: torch.Tensor
+    clip: torch.Tensor
     max_abs: float = 0.0  # max |decode - source|
     nonfinite: int = 0  # decoded values that are NaN or Inf
     yard: list[float] = field(default_factory=list)  # sum of squared errors per yardstick
@@ -165,7 +171,18 @@ def _yard_error(y: Yardstick, x: torch.Tensor, f: torch.Tensor, band: Band, shap
     return float(torch.dot(o.view(-1), o.view(-1)))
 
 
-ROWS = ("ss", "se", "ee", "sh", "hh", "amax", "scale", "count")  # the per-block table's rows
+ROWS = ("ss", "se", "ee", "sh", "hh", "amax", "scale", "count", "along", "across", "clip")  # the table's rows
+
+
+def _derived(put: dict, top: float) -> None:
+    """The derived rows (see BlockStats) from the sums, on the band's own thread."""
+    ss, se = put["ss"], put["se"]
+    inv = torch.where(ss > 0, 1 / ss, torch.zeros_like(ss))
+    gain = se * inv  # gain - 1
+    torch.mul(gain.abs().sub_(put["sh"] * inv).clamp_min_(0), ss.sqrt(), out=put["along"])
+    torch.sub(put["ee"], se * gain, out=put["across"]).clamp_min_(0).sqrt_()
+    limit = put["scale"] * top
+    torch.where(limit > 0, put["amax"] / limit, torch.zeros_like(limit), out=put["clip"])
 
 
 def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yardsticks, shape,
@@ -195,6 +212,7 @@ def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yard
         put["count"].copy_(counts)
     else:
         put["count"].fill_(counts)
+    _derived(put, spec.element.max)
     return {"yard": [_yard_error(y, x, f, band, shape) for y in yardsticks], "max_abs": max_abs,
             "nonfinite": nonfinite}
 

@@ -102,48 +102,37 @@ def _gain_cause(gain: float) -> str:
 
 
 def _blocks(st: BlockStats, recipe, shape) -> tuple[int, str | None]:
-    """Blocks whose gain leaves their rounding bound, by much and along their source."""
-    live = st.ss > 0
-    if not bool(live.any()):
-        return 0, None
-    ss, se, ee = st.ss[live], st.se[live], st.ee[live]
-    norm = ss.sqrt()
-    gain = se / ss
-    allowed = st.sh[live] / ss
-    excess = (gain.abs() - allowed).clamp_min(0) * norm  # the part of the error along s beyond rounding
-    across = (ee - se * se / ss).clamp_min(0).sqrt()
-    typical = math.sqrt(max(_median(ee), 0.0))
-    off = (excess > BLOCK_Z * typical) & (excess > BLOCK_T * across)
+    """Blocks whose gain leaves their rounding bound, by much and along their source (an
+    all-zero source block has no gain: it is left out)."""
+    typical = math.sqrt(max(_median(st.ee, st.ss > 0), 0.0))
+    off = (st.along > BLOCK_Z * typical) & (st.along > BLOCK_T * st.across)
     count = int(off.sum())
     if not count:
         return 0, None
-    index = torch.nonzero(live).flatten()
-    worst = int(torch.argmax(torch.where(off, excess / norm, torch.zeros_like(norm))))
-    g = 1 + float(gain[worst])
-    a = float(allowed[worst])
+    worst = int(torch.argmax(torch.where(off, st.along / st.ss.sqrt(), torch.zeros_like(st.ss))))
+    ss = float(st.ss[worst])
+    g, a = 1 + float(st.se[worst]) / ss, float(st.sh[worst]) / ss
     return count, (f"{count} of {st.blocks} blocks decode to a multiple of their reference that rounding does not "
-                   f"explain (worst: {block_name(int(index[worst]), recipe, shape)} at {g:.3g} x, rounding allows "
+                   f"explain (worst: {block_name(worst, recipe, shape)} at {g:.3g} x, rounding allows "
                    f"{1 - a:.3g}-{1 + a:.3g}): their scales are wrong")
 
 
-def _median(t: torch.Tensor, most: int = 1 << 16) -> float:
-    """The median of `t`, over an even spread of at most `most` of its values (a typical block's
-    error needs no more, and a full sort of millions of blocks costs more than the pass)."""
-    t = t[:: max(1, t.numel() // most)]
-    return float(torch.kthvalue(t, (t.numel() + 1) // 2).values)
+def _median(t: torch.Tensor, keep: torch.Tensor, most: int = 1 << 16) -> float:
+    """The median of `t` where `keep`, over an even spread of at most `most` of its values (a
+    typical block's error needs no more, and sorting millions of blocks costs more than the pass)."""
+    step = max(1, t.numel() // most)
+    t = t[::step][keep[::step]]
+    return float(torch.kthvalue(t, (t.numel() + 1) // 2).values) if t.numel() else 0.0
 
 
 def _scales(st: BlockStats, recipe, shape) -> str | None:
     """Blocks whose stored scale is far too small for their reference amax (values clipped away)."""
-    top = st.scale * recipe.element_max
-    ratio = torch.where(top > 0, st.amax / top, torch.zeros_like(top))
-    bad = ratio > SCALE_CLIP
-    count = int(bad.sum())
+    count = int((st.clip > SCALE_CLIP).sum())
     if not count:
         return None
-    worst = int(torch.argmax(ratio))
+    worst = int(torch.argmax(st.clip))
     return (f"{count} block scale(s) too small for the reference: {block_name(worst, recipe, shape)} has amax "
-            f"{float(st.amax[worst]):.4g}, {float(ratio[worst]):.3g} x the largest value its scale decodes "
+            f"{float(st.amax[worst]):.4g}, {float(st.clip[worst]):.3g} x the largest value its scale decodes "
             f"(producers clip at most {SCALE_CLIP:g} x)")
 
 
