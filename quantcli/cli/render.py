@@ -371,7 +371,9 @@ def _verdict(report, con: Console, err: Console) -> None:
         err.print(f"[yellow]warning[/yellow]: {w}")
     for f in report.faults:
         err.print(f"[red]FAIL[/red] {f.tensor}: {f.fault}")
-    con.print("[green]PASS[/green]" if report.passed else f"[red]FAIL[/red]: {len(report.faults)} fault(s)")
+    unchecked = len(report.not_byte_checked)  # -q shows no notes: the verdict line says what it did not check
+    gap = f" ({unchecked} module(s) not byte-checked: need --calibration)" if unchecked else ""
+    con.print(("[green]PASS[/green]" if report.passed else f"[red]FAIL[/red]: {len(report.faults)} fault(s)") + gap)
 
 
 def render_verify_brief(report, con: Console, err: Console) -> None:

@@ -1,19 +1,21 @@
 """`quantcli verify`: decode a quantized checkpoint tensor by tensor and prove it is right.
 
 Structural checks need no reference (structure.py, direction.py). With `--reference`, every
-quantized tensor is compared with the reference (reference.py, compare.py), and fails when its
-error exceeds quantcli's own quantization of the same reference tensor (same recipe, same global
-amax rule) by more than real producers' arithmetic ever does (measured, see limits.py): that
-catches a scale one step off or a scrambled block that an absolute threshold would let through.
-Unquantized tensors must be bit-identical. `--exact` re-quantizes and compares bytes. Each check's
-status comes from the faults filed under it (report.py).
+quantized module is judged as a quantization of the reference (judge.py): its codes must be a
+rounding of the reference to its stored scales, by what makes a checkpoint wrong (a gain that no
+rounding explains, an error beyond what rounding can give, blocks rescaled along their source,
+scales too small for their block), never by how close its error comes to quantcli's own, so
+other producers' rounding (BF16 scales, other tie rules, GPTQ's error feedback) passes and
+swapped, transposed, shifted or inverted scales and codes fail. The comparison streams both
+checkpoints band by band on convert's thread pool (kernels/blockstats.py). Unquantized tensors
+must be bit-identical. `--exact` re-quantizes and compares bytes. Each check's status comes from
+the faults filed under it (findings.py).
 
 A quantized reference (the source of a re-layout or re-quantization) is decoded module by module
 through its own layout: a module of the same recipe must decode identically, another recipe is
-judged against quantcli's quantization of the decoded reference. A module convert re-quantized
-from a quantized source, checked against the original dense model, may carry both errors (the
-manifest records the second). A checkpoint with no quantized modules is checked for identity
-(unquantized.py).
+judged as a quantization of the decoded reference. A module convert re-quantized from a quantized
+source, checked against the original dense model, may carry both errors (the manifest records the
+second). A checkpoint with no quantized modules is checked for identity (unquantized.py).
 """
 
 from __future__ import annotations

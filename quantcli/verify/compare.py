@@ -1,6 +1,9 @@
-"""One decoded module against its reference weight: judged against quantcli's own quantization
-of the same reference (the yardstick, see limits.py), or required identical where the recipe is
-the same on both sides (a re-layout). Each comparison returns a TensorRow and its fault reasons."""
+"""One decoded module against its reference weight: judged as a quantization of it (judge.py:
+are its codes a rounding of the reference to its stored scales?), or required identical where the
+recipe is the same on both sides (a re-layout). A module convert re-quantized from a quantized
+source, checked against the dense model behind that source, rounds the decoded source instead:
+it is held to both quantizations' errors (requantized_bound, the producers' margin of limits.py).
+Each comparison returns a TensorRow and its fault reasons."""
 
 from __future__ import annotations
 
@@ -16,11 +19,11 @@ from quantcli.kernels.blockstats import Yardstick, block_stats
 from quantcli.kernels.spec import TENSOR
 from quantcli.recipes import get_recipe
 from quantcli.verify.findings import TensorRow
-from quantcli.verify.judge import judge
+from quantcli.verify.judge import ERROR_FACTOR, judge
 from quantcli.verify.limits import ABS_FLOOR, Limits, absolute_limits, allowed_margin, metrics
 
 IDENTICAL = "identical to the decoded reference"
-ROUNDING_BASIS = "2 x what rounding to the stored scales gives"
+ROUNDING_BASIS = f"{ERROR_FACTOR:g} x rounding's most"
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quantcli.reports import OMITTED
 
@@ -90,6 +90,9 @@ class VerifyReport:
     layers: dict[str, float]
     warnings: list[str]
     passed: bool
+    # --exact: modules written with an activation-weighted scale search (manifest
+    # scale_search_weights) whose bytes need --calibration DATA to be reproduced, so were not checked
+    not_byte_checked: list[str] = field(default_factory=list)
 
 
 class Findings:
@@ -99,6 +102,7 @@ class Findings:
         self.faults: list[Fault] = []
         self.checks: list[str] = []
         self.notes: list[str] = []  # what the user must know about what was (not) checked
+        self.not_byte_checked: list[str] = []  # --exact could not check these modules' bytes
 
     def fault(self, check: str, tensor: str, what: str) -> None:
         self.faults.append(Fault(check=check, tensor=tensor, fault=what))
@@ -125,8 +129,15 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+NOT_BYTE_CHECKED = ("--exact: {n} module(s) were quantized with an activation-weighted scale search (manifest "
+                    "scale_search_weights) and their bytes were not checked: pass --calibration DATA (the data "
+                    "convert used) to re-quantize them with the same weights and compare byte for byte")
+
+
 def build_report(source, layout_name: str, reference: str | None, reference_kind: str | None, modules: int,
                  found: Findings, rows: list[TensorRow], notes: tuple[str, ...] = ()) -> VerifyReport:
+    if found.not_byte_checked:
+        notes = (*notes, NOT_BYTE_CHECKED.format(n=len(found.not_byte_checked)))
     rows.sort(key=lambda r: -r.rel_err)
     layers: dict[str, float] = {}
     for r in rows:
@@ -136,4 +147,4 @@ def build_report(source, layout_name: str, reference: str | None, reference_kind
     return VerifyReport(checkpoint=source.label, layout=layout_name, reference=reference,
                         reference_kind=reference_kind, modules=modules, notes=list(notes), checks=found.summary(),
                         faults=found.faults, tensors=rows, layers=layers, warnings=list(source.warnings),
-                        passed=not found.faults)
+                        passed=not found.faults, not_byte_checked=list(found.not_byte_checked))

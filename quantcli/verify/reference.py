@@ -215,11 +215,8 @@ class _Comparison:
         if entry is None or not entry.scale_search_weights:
             return None
         ms = self.channel_ms(module) if self.channel_ms is not None else None
-        if ms is None and not self.found.notes:
-            self.found.notes.append(
-                "activation-weighted scale search (manifest scale_search_weights): those modules are compared with "
-                "a data-free search and --exact cannot check their bytes; pass --calibration DATA (the data convert "
-                "used) to re-quantize them with the same weights and compare byte for byte")
+        if ms is None and self.exact:
+            self.found.not_byte_checked.append(module)
         return ms
 
     def _searched_bytes(self, entry, recipe, fraction: float, weights_known: bool) -> list[str]:
