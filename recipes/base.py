@@ -10,10 +10,10 @@ import torch
 from quantcli.errors import RecipeError
 from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.kernels import NonFiniteInput, QuantResult, QuantSpec
-from quantcli.kernels.reference import e8m0_to_float, unpack_nibbles
-from quantcli.kernels.spec import GROUP, NVFP4_GLOBAL_DIVISOR, SCALE_SEARCHES, ElementCodec, ScaleCodec
 from quantcli.kernels import dequantize as kernel_dequantize
 from quantcli.kernels import quantize as kernel_quantize
+from quantcli.kernels.reference import e8m0_to_float, unpack_nibbles
+from quantcli.kernels.spec import GROUP, NVFP4_GLOBAL_DIVISOR, SCALE_SEARCHES, ElementCodec, ScaleCodec
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

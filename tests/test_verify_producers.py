@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gptq import correlated_inputs, gptq
 from safetensors.torch import load_file, save_file
 
-from gptq import correlated_inputs, gptq
 from quantcli.formats.layouts import get_layout
 from quantcli.recipes import get_recipe
 from quantcli.testing import make_llama, make_moe
@@ -60,7 +60,8 @@ def _plant_dominant_weights(folder: Path) -> None:
         torch.randn(down.shape[0], generator=g))
     o = tensors[f"{OPROJ}.weight"].float()
     for tile, (i, j) in enumerate((i, j) for i in range(0, o.shape[0], 128) for j in range(0, o.shape[1], 128)):
-        o[i + int(torch.randint(0, 128, (1,), generator=g)), j + int(torch.randint(0, 128, (1,), generator=g))] = 1.0 + tile
+        at = torch.randint(0, 128, (2,), generator=g)
+        o[i + int(at[0]), j + int(at[1])] = 1.0 + tile
     tensors[f"{DOWN}.weight"], tensors[f"{OPROJ}.weight"] = down.bfloat16(), o.bfloat16()
     save_file(tensors, str(_shard(folder)), metadata={"format": "pt"})
 

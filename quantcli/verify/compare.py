@@ -164,7 +164,10 @@ class Comparison:
 
     def _row(self, st, verdict, source) -> tuple[TensorRow, list[str]]:
         ss = float(st.ss.double().sum())
-        rel = (lambda sse: math.sqrt(sse / ss) if ss > 0 else math.sqrt(sse))
+
+        def rel(sse: float) -> float:
+            return math.sqrt(sse / ss) if ss > 0 else math.sqrt(sse)
+
         row = TensorRow(rel_err=verdict.rel_err, sqnr_db=verdict.sqnr_db, cosine=verdict.cosine, max_abs=st.max_abs,
                         tensor=self.module, recipe=self.recipe.name, limit_rel_err=verdict.error_limit,
                         limit_basis=ROUNDING_BASIS, gain=verdict.gain, gain_allowed=verdict.gain_allowed,
