@@ -14,16 +14,16 @@ from __future__ import annotations
 from typing import Mapping
 
 from quantcli.errors import LayoutError
-from quantcli.formats.layouts.base import SCALAR, Layout, TensorRow
+from quantcli.formats.layouts.base import SCALAR, Direction, Layout, Role, TensorRow
 
-_CODES = TensorRow(".weight", "codes")
-_SCALE_INV = TensorRow(".weight_scale_inv", "block_scale", direction="multiply")
+_CODES = TensorRow(".weight", Role.CODES)
+_SCALE_INV = TensorRow(".weight_scale_inv", Role.BLOCK_SCALE, direction=Direction.MULTIPLY)
 TABLES = {
-    "fp8": (_CODES, TensorRow(".weight_scale", "block_scale", SCALAR, "multiply")),
+    "fp8": (_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, SCALAR, Direction.MULTIPLY)),
     "fp8-block": (_CODES, _SCALE_INV),
     "mxfp8": (_CODES, _SCALE_INV),
 }
-OPTIONAL = {"fp8": (TensorRow(".input_scale", "input_scale", SCALAR, "multiply", fact="input_scale"),)}
+OPTIONAL = {"fp8": (TensorRow(".input_scale", Role.INPUT_SCALE, SCALAR, Direction.MULTIPLY, fact="input_scale"),)}
 
 class Fp8Layout(Layout):
     name = "fp8"

@@ -18,21 +18,21 @@ from typing import Mapping
 
 from quantcli import __version__
 from quantcli.errors import LayoutError
-from quantcli.formats.layouts.base import BLOCK4D, SCALAR, Layout, TensorRow
+from quantcli.formats.layouts.base import BLOCK4D, SCALAR, Direction, Layout, Role, TensorRow
 from quantcli.recipes import Recipe
 
-_CODES = TensorRow(".weight", "codes")
-_SCALE = TensorRow(".weight_scale", "block_scale", direction="multiply")
+_CODES = TensorRow(".weight", Role.CODES)
+_SCALE = TensorRow(".weight_scale", Role.BLOCK_SCALE, direction=Direction.MULTIPLY)
 TABLES = {
-    "nvfp4": (_CODES, _SCALE, TensorRow(".weight_scale_2", "global_scale", SCALAR, "multiply")),
-    "fp8": (_CODES, TensorRow(".weight_scale", "block_scale", SCALAR, "multiply")),
+    "nvfp4": (_CODES, _SCALE, TensorRow(".weight_scale_2", Role.GLOBAL_SCALE, SCALAR, Direction.MULTIPLY)),
+    "fp8": (_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, SCALAR, Direction.MULTIPLY)),
     "fp8-channel": (_CODES, _SCALE),
-    "fp8-block": (_CODES, TensorRow(".weight_scale", "block_scale", BLOCK4D, "multiply")),
+    "fp8-block": (_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, BLOCK4D, Direction.MULTIPLY)),
     "mxfp8": (_CODES, _SCALE),
     "mxfp4": (_CODES, _SCALE),  # read only (unservable)
 }
 # Static activation scales, multipliers (FORMATS.md B 3.1, 6.1): filled from ModuleFacts.
-_INPUT = TensorRow(".input_scale", "input_scale", SCALAR, "multiply", fact="input_scale")
+_INPUT = TensorRow(".input_scale", Role.INPUT_SCALE, SCALAR, Direction.MULTIPLY, fact="input_scale")
 OPTIONAL = {"nvfp4": (_INPUT,), "fp8": (_INPUT,), "fp8-channel": (_INPUT,)}
 
 QUANT_ALGO = {"nvfp4": "W4A16_NVFP4", "fp8": "FP8", "fp8-channel": "FP8_PER_CHANNEL_PER_TOKEN",
