@@ -18,31 +18,17 @@ from quantcli.checkpoint.source import Source
 from quantcli.checkpoint.tensors import CheckpointTensors
 from quantcli.errors import CheckpointError, LayoutError, QuantcliError, RecipeError
 from quantcli.formats.analysis import describe_module
-from quantcli.formats.detect import Detected, all_names, detect, scale_faults
+from quantcli.formats.detect import Detected, all_names, scale_faults
 from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for
 from quantcli.formats.layouts.base import Role
 from quantcli.formats.module_kinds import is_dense_linear
 from quantcli.planning.actions import Action
 from quantcli.planning.fused_groups import drop_single_member_groups
-from quantcli.planning.plan import Exclusion, Options, Plan, TensorPlan, make_plan, output_specs
+from quantcli.planning.plan import Exclusion, Options, Plan, TensorPlan, output_specs
 from quantcli.recipes import DENSE_RECIPES, get_recipe
 
 DENSE_DTYPES = {"bf16": ("BF16", torch.bfloat16), "fp16": ("F16", torch.float16), "fp32": ("F32", torch.float32)}
-
-
-def detect_quantized(source: Source) -> Detected | None:
-    found = detect(source)
-    return found if found is not None and found.modules else None
-
-
-def plan_for(source: Source, opts: Options, detected: Detected | None) -> Plan:
-    if detected is None:
-        if opts.recipe in DENSE_RECIPES:
-            raise QuantcliError(f"--recipe {opts.recipe}: the source {source.label} is not quantized; "
-                                f"nothing to dequantize")
-        return make_plan(source, opts)
-    return make_reformat_plan(source, opts, detected)
 
 
 def refuse_corrupt_scales(source: Source, layout: Layout, module: str, recipe: str, ct: CheckpointTensors) -> None:
