@@ -50,7 +50,8 @@ class Recipe:
 
     name: str
     spec: QuantSpec
-    # FORMATS.md A.1: the layout this recipe is written in unless --layout says otherwise
+    # the layout this recipe is written in unless --layout says otherwise (docs/formats.md,
+    # "Layouts: how it is named on disk")
     default_layout: str = "compressed-tensors"
 
     # --- facts derived from the scheme (stated once, in the spec)
@@ -176,7 +177,7 @@ class Recipe:
     # --- what the manifest, inspect and verify say about a module of this recipe
 
     def manifest_fields(self) -> dict:
-        """The scheme's part of a manifest ModuleEntry (FORMATS.md A.5)."""
+        """The scheme's part of a manifest ModuleEntry (docs/formats.md, "The manifest")."""
         e, s = self.spec.element, self.spec.scale
         divisor = NVFP4_GLOBAL_DIVISOR if s.has_global else e.scale_divisor
         rule = self.scale_rule or f"amax/{divisor:g}"

@@ -8,7 +8,8 @@ source.
 2. A quantized source whose scales hold values no producer writes (a global scale NaN, Inf, 0
    or negative; an E4M3 block scale NaN or negative; an E8M0 byte 255; a float block scale
    negative or NaN) is refused while planning, before anything is written, whether it would be
-   dequantized, re-laid out or re-quantized; legal zeros (FORMATS.md B 5.1, 6.4) still convert.
+   dequantized, re-laid out or re-quantized; legal zeros (docs/formats.md,
+   "Zero blocks and scale values producers write") still convert.
    inspect lists a bad global scale as a problem.
 """
 
@@ -213,7 +214,8 @@ def test_bad_block_scale_is_refused_before_writing(quantized, tmp_path, run_cli,
 
 @pytest.mark.parametrize("source,suffix", [("nvfp4-modelopt", "weight_scale"), ("fp8-block", "weight_scale_inv")])
 def test_zero_block_scales_are_legal(quantized, tmp_path, run_cli, source, suffix):
-    """All-zero blocks: older modelopt writes E4M3 0, HF FineGrainedFP8 an F32 0 (FORMATS.md B 6.4, 5.1)."""
+    """All-zero blocks: older modelopt writes E4M3 0, HF FineGrainedFP8 an F32 0 (docs/formats.md,
+    "Zero blocks and scale values producers write")."""
     src = _corrupt(quantized[source], tmp_path / "src", f"{MODULE}.{suffix}", _fill(0.0))
     code, out, err = run_cli("convert", src, tmp_path / "dst", "--recipe", "bf16", "--quiet")
     assert code == 0, err

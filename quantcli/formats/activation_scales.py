@@ -17,7 +17,7 @@ from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts.base import Direction, Layout, to_direction
 
 # The multiplier's divisor: input_scale = amax_x / 2688 (NVFP4: E4M3 max 448 x E2M1 max 6),
-# amax / 448 for FP8 activations and the FP8 KV cache (FORMATS B 3, 6, 9).
+# amax / 448 for FP8 activations and the FP8 KV cache (docs/formats.md, "Calibrated scales").
 AMAX_DIVISOR = {"nvfp4": 2688.0}
 FP8_DIVISOR = 448.0
 # An activation amax above the FP16 range means the scale was stored in the other direction.

@@ -79,8 +79,9 @@ def detect(source: Source) -> Detected | None:
 # ---------------------------------------------------------------- what the tensors themselves say
 
 # Float dtypes a producer may store an FP32-meaning scale in: llm-compressor writes FP8-family
-# scales in the model's dense dtype (FORMATS.md B 4, 5.2). Each widens to FP32 exactly, so reading
-# them loses nothing; quantcli itself always writes F32 (what every consumer expects).
+# scales in the model's dense dtype (docs/formats.md, "compressed-tensors presets"). Each widens
+# to FP32 exactly, so reading them loses nothing; quantcli itself always writes F32 (what every
+# consumer expects).
 FLOAT_SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
@@ -182,8 +183,9 @@ def tensors_look_like(module: str, recipe: str, tensors) -> str | None:
 
 # ---------------------------------------------------------------- scale values no producer writes
 #
-# FORMATS.md B 6.4, 5.1 and 2.5: a global scale is finite and > 0 (modelopt's multiplier and
-# compressed-tensors' divisor alike: 0 or Inf would zero or blow up the whole tensor); a float
+# docs/formats.md, "Zero blocks and scale values producers write": a global scale is finite
+# and > 0 (modelopt's multiplier and compressed-tensors' divisor alike: 0 or Inf would zero or
+# blow up the whole tensor); a float
 # block or channel scale is finite and >= 0 (0 is what HF FineGrainedFP8 writes for an all-zero
 # block); an E4M3 block scale is not NaN (0x7F/0xFF) and not negative (0 is legal: older
 # modelopt wrote it for tiny blocks); an E8M0 byte is never 255 (NaN). Anything else means the

@@ -1,6 +1,6 @@
 """Which serving engines load each (recipe, layout) pair quantcli writes, and the SGLang
 `--quantization` flag a pair needs. From the loader rules of vLLM 0.33 and SGLang 0.5.23 (see
-docs/formats.md, "where each pair loads"); every pair `layouts_for` allows has a row
+docs/formats.md, "Which engine loads which pair"); every pair `layouts_for` allows has a row
 (tests/test_push.py checks it). Used by the model card's serving commands."""
 
 from __future__ import annotations

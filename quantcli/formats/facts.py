@@ -17,7 +17,8 @@ import torch
 @dataclass(frozen=True)
 class ModuleFacts:
     # max |w| over the module's fused group (q/k/v, gate/up, ...): one NVFP4 global scale for the
-    # group, as the engines that fuse the GEMM require (FORMATS A.3). None: the module's own amax.
+    # group, as the engines that fuse the GEMM require (docs/formats.md,
+    # "Fused groups share one global scale"). None: the module's own amax.
     group_amax: torch.Tensor | None = None
     # Calibrated (quantcli/calibrate), multipliers: the activation scale of a static-activation
     # recipe (amax_x / 448 for FP8, amax_x / 2688 for NVFP4, shared across the fused group) and

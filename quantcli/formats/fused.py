@@ -1,5 +1,5 @@
 """Fused projections: the groups engines run as one GEMM (q/k/v, gate/up, w1/w3, ...), which must
-share one precision and, for NVFP4, one global scale (FORMATS A.3)."""
+share one precision and, for NVFP4, one global scale (docs/formats.md, "Fused groups share one global scale")."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from quantcli.planning.actions import Action
 from quantcli.planning.fused_groups import drop_single_member_groups, one_precision_per_fused_group
 from quantcli.recipes import RECIPES, Recipe, get_recipe
 
-# FORMATS.md A.4: never quantized by default. (reason, pattern on the module name)
+# docs/formats.md, "What is never quantized by default". (reason, pattern on the module name)
 # 3-D expert parameters without a `.weight` suffix (gpt-oss, Llama 4) are stored [E, in, out].
 TRANSPOSED_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")
 

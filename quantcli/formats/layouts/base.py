@@ -107,7 +107,7 @@ class Layout:
     tables: Mapping[str, tuple[TensorRow, ...]] = {}
     # recipe -> optional per-module tensors, written only when the module's facts carry them
     optional: Mapping[str, tuple[TensorRow, ...]] = {}
-    # KV-cache scales, relative to the attention module (FORMATS.md B 9); none when empty
+    # KV-cache scales, relative to the attention module (docs/formats.md, "FP8 KV-cache scale names"); none when empty
     kv_scales: tuple[str, ...] = ()
     kv_scale_shape: tuple[int, ...] = ()  # F32, 0-d (modelopt) or [1] (compressed-tensors)
     # Recipes a producer writes in this layout that no serving engine loads: read (inspect,

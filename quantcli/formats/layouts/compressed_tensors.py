@@ -64,8 +64,8 @@ TABLES = {recipe: scheme.tensors for recipe, scheme in SCHEMES.items()}
 FORMAT = {recipe: scheme.format for recipe, scheme in SCHEMES.items()}
 WEIGHTS = {recipe: scheme.weights for recipe, scheme in SCHEMES.items()}
 INPUTS = {recipe: scheme.input_activations for recipe, scheme in SCHEMES.items() if scheme.input_activations}
-# Static activation scales (FORMATS.md B 3.2, 6.2): filled from ModuleFacts when a calibration
-# pass learns them; `input_global_scale` is a divisor like `weight_global_scale`.
+# Static activation scales (docs/formats.md, "compressed-tensors presets"): filled from ModuleFacts
+# when a calibration pass learns them; `input_global_scale` is a divisor like `weight_global_scale`.
 _INPUT = TensorRow(".input_scale", Role.INPUT_SCALE, ONE, Direction.MULTIPLY, fact="input_scale")
 OPTIONAL = {"fp8": (_INPUT,), "fp8-channel": (_INPUT,),
             "nvfp4": (TensorRow(".input_global_scale", Role.INPUT_GLOBAL_SCALE, ONE, Direction.DIVIDE, fact="input_scale"),)}
@@ -139,13 +139,13 @@ class CompressedTensorsLayout(Layout):
 
     def declare_calibration(self, config: dict, extra: dict[str, dict], groups: Mapping[str, list[str]],
                             static: bool, kv_fp8: bool) -> None:
-        if static:  # FORMATS B 3.2 (FP8 static) and 6.2 (NVFP4 W4A4 preset)
+        if static:  # the FP8 and NVFP4 (W4A4) presets (docs/formats.md, "compressed-tensors presets")
             for group in config["config_groups"].values():
                 recipe = next(r for r, s in SCHEMES.items() if s.format == group["format"]
                               and _same_weights(group["weights"], s.weights))
                 if recipe in STATIC_INPUTS:
                     group["input_activations"] = dict(STATIC_INPUTS[recipe])
-        if kv_fp8:  # FORMATS B 9
+        if kv_fp8:  # docs/formats.md, "FP8 KV-cache scale names"
             config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                          "symmetric": True}
 

@@ -67,7 +67,7 @@ class Fp8Layout(Layout):
 
     def declare_calibration(self, config: dict, extra: dict[str, dict], groups: Mapping[str, list[str]],
                             static: bool, kv_fp8: bool) -> None:
-        if static:  # FORMATS B 3.3: per-tensor input_scale
+        if static:  # per-tensor input_scale (docs/formats.md, "FineGrainedFP8 and the fp8 layout")
             config["activation_scheme"] = "static"
 
     def activation_scheme(self, config: Mapping) -> str:
