@@ -248,7 +248,7 @@ def test_lpt_split_is_balanced_and_stable():
 
 def test_merged_calibration_stats_are_the_max_and_leave_unreached_experts_absent():
     """Two ranks in threads, meeting through a barrier: each max is the larger one, a module one
-    rank reached is there for both, and an expert no rank reached stays absent (so scales.py
+    rank reached is there for both, and an expert no rank reached stays absent (so quantcli/calibrate/scales.py
     fills it from its block, as in one process)."""
     import threading
 

@@ -1,6 +1,7 @@
 """Passes over the source before any shard is written: each learns facts about modules
-(quantcli/formats/facts.py). Today one pass: the shared amax of each fused group. A new pass (activation
-or KV-cache amax, a scale search) is one function here, added to PASSES, plus a ModuleFacts field."""
+(quantcli/formats/facts.py). Two passes: the shared amax of each fused group, and with --calibration the
+calibrated activation and KV-cache scales (calibrated_scales). A new pass is one function here, added to
+PASSES, plus a ModuleFacts field."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ quantized module's static input scale and the FP8 KV-cache scales per attention 
 
 Names, directions and shapes come from the layout tables (`Layout.optional` rows with an
 input-scale role, `Layout.kv_names`); nothing here knows a suffix. Shared by inspect (shown) and
-verify (checked: verify/calibrated.py). Scalars only: a few bytes each are read.
+verify (checked: quantcli/verify/activation_scales.py). Scalars only: a few bytes each are read.
 """
 
 from __future__ import annotations

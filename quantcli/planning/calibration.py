@@ -14,8 +14,9 @@ from quantcli.model.samples import check_token_ids, check_tokenizer, read_sample
 from quantcli.planning.actions import Action
 from quantcli.planning.plan import Exclusion, Plan, TensorPlan
 
-# Decoder-only architectures whose layers engine.py runs: dense Llama-style attention + MLP, and
-# MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters (weights.py).
+# Decoder-only architectures whose layers quantcli/calibrate/engine.py runs: dense Llama-style
+# attention + MLP, and MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters
+# (quantcli/model/weights.py).
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
              "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 HEAD = "lm_head.weight"
