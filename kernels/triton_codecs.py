@@ -156,7 +156,7 @@ def _round_to_src(v, MANT: tl.constexpr, TINY: tl.constexpr, MAGIC: tl.constexpr
         normal = ((bits + ((1 << (22 - MANT)) - 1) + kept) & -(1 << (23 - MANT))).to(tl.float32, bitcast=True)
         a = tl.abs(v)
         sub = (a + MAGIC) - MAGIC
-        sub = tl.where(v < 0.0, -sub, sub)
+        sub = tl.where(bits < 0, -sub, sub)  # the sign bit: -0.0 stays -0.0
         return tl.where(a < TINY, sub, normal)
 
 

@@ -276,7 +276,9 @@ def _group(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None,
     m, k = x2.shape
     g, element = spec.group, spec.element
     codes = torch.empty((m, element.codes_cols(k)), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((m, k // g), dtype=spec.scale.raw_dtype_for(x.dtype), device=x.device)
+    # Scales of the weight's dtype are written as FP32 and cast here (exact: the kernel rounds
+    # them to that dtype): the interpreter's narrowing store flushes BF16 subnormals to zero.
+    scale = torch.empty((m, k // g), dtype=spec.scale.raw_dtype_for(torch.float32), device=x.device)
     grid = (triton.cdiv(m, BM), triton.cdiv(k, BK))
     flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
     dummy = torch.zeros(1, dtype=torch.float32, device=x.device)
@@ -289,6 +291,7 @@ def _group(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None,
     )
     _check_flags(flags)
     lead = x.shape[:-1]
+    scale = scale.to(spec.scale.raw_dtype_for(x.dtype))
     return QuantResult(codes.reshape(*lead, codes.shape[-1]), scale.reshape(*lead, k // g), s2)
 
 
@@ -330,7 +333,8 @@ def dequantize(q: QuantResult, spec: QuantSpec, shape: tuple[int, ...]) -> torch
     out = torch.empty((nmat, rows, k), dtype=torch.float32, device=q.codes.device)
     s2 = q.global_scale if q.global_scale is not None else torch.zeros((), device=q.codes.device)
     grid = (triton.cdiv(rows, 32), triton.cdiv(k, 128), nmat)
-    _dequant_kernel[grid](q.codes.contiguous(), q.scale.contiguous(), s2.to(torch.float32), out, rows, k, sn, sk,
+    scale = q.scale.to(spec.scale.raw_dtype_for(torch.float32)).contiguous()  # BF16 / FP16 scales as FP32 (exact)
+    _dequant_kernel[grid](q.codes.contiguous(), scale, s2.to(torch.float32), out, rows, k, sn, sk,
                           br, bc, TM=32, TK=128, ELEM=spec.element.triton_id, BITS=spec.element.bits,
                           SCALE=spec.scale.triton_id)
     return out.reshape(shape)
