@@ -292,7 +292,8 @@ E8M0_SCALE = E8M0Scale("e8m0_bias127", 1, "U8", "byte 0", rules=tuple(ScaleRule)
 # The NVFP4 window: the absmax code, then codes -3..-1 and +1..+7 around it (E4M3 codes of
 # positive values are monotone, so code + d is the d-th neighbouring scale).
 E4M3_GLOBAL_SCALE = E4M3GlobalScale("e4m3fn", 1, "F8_E4M3", "block scale 1.0 (0x38)", has_global=True, triton_id=2,
-                                    dtype=torch.uint8, disk_view=torch.float8_e4m3fn, search_window=(-3, -2, -1, 1, 2, 3, 4, 5, 6, 7))
+                                    dtype=torch.uint8, disk_view=torch.float8_e4m3fn,
+                                    search_window=(-3, -2, -1, 1, 2, 3, 4, 5, 6, 7))
 # nbytes: BF16 / FP16, the dtypes W4A16 checkpoints are made from (FP32 weights give 4).
 WEIGHT_DTYPE_SCALE = WeightDtypeScale("weight_dtype", 2, "weight dtype", "scale eps of the weight dtype", triton_id=3,
                                       dtype=None)

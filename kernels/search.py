@@ -23,8 +23,9 @@ How this file computes it on a CPU (tests/test_scale_search.py keeps the definit
 out as its oracle and checks the two agree): all candidates of a few rows are one batch laid out
 [position in block, candidate, row, block], so every op is contiguous, the halves sum adds
 contiguous slabs and the batch stays in cache; `r` comes from a few float and integer ops (the
-element codec's `on_grid_`: e2m1_grid_x2_, e4m3_grid_ in kernels/elements.py) instead of comparisons, selects, casts or lookups, equal to the
-definition for every non-negative FP32 value (checked exhaustively when they were written).
+element codec's `on_grid_`: e2m1_grid_x2_, e4m3_grid_ in kernels/elements.py) instead of
+comparisons, selects, casts or lookups, equal to the definition for every non-negative FP32
+value (checked exhaustively when they were written).
 """
 
 from __future__ import annotations
