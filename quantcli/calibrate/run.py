@@ -1,4 +1,5 @@
-"""The calibration pass: data -> layer-by-layer statistics -> ModuleFacts (convert/passes.py).
+"""The calibration pass: data -> layer-by-layer statistics -> ModuleFacts (a fact pass,
+convert/passes/fact_passes.py).
 
 What it learned is kept in the staging folder (`cache`) as safetensors (tensors, and notes in
 the metadata; no pickle), so `--resume` of an interrupted conversion does not calibrate again:
@@ -17,6 +18,7 @@ import torch
 
 from quantcli.calibrate.engine import Stats, collect
 from quantcli.calibrate.scales import scale_facts
+from quantcli.convert.passes.kinds import combined_max
 from quantcli.model.samples import token_ids
 from quantcli.planning.plan import Plan
 
@@ -57,19 +59,17 @@ def splits_exactly(plan: Plan) -> bool:
 
 def merged_stats(stats: Stats, share: Callable[[object], list],
                  all_max: Callable[[torch.Tensor], torch.Tensor]) -> Stats:
-    """Every rank's maxima combined (maxima only: see splits_exactly). `share(value)` returns
-    every rank's JSON `value`, `all_max(t)` the elementwise max of `t` over the ranks. A module
-    no rank's tokens reached (an expert the router never chose) stays absent, as in one process."""
-    names = share({"inputs": sorted(stats.inputs), "attention": sorted(stats.keys)})
-    inputs = sorted({m for n in names for m in n["inputs"]})
-    attention = sorted({a for n in names for a in n["attention"]})
-    missing = -1.0  # every statistic is a max |x| >= 0
-    local = [stats.inputs.get(m, missing) for m in inputs] + [stats.keys.get(a, missing) for a in attention]
-    local += [stats.values.get(a, missing) for a in attention]
-    best = all_max(torch.tensor(local, dtype=torch.float64)).tolist()
-    n, a = len(inputs), len(attention)
-    return Stats(inputs={m: v for m, v in zip(inputs, best[:n]) if v != missing},
-                 keys=dict(zip(attention, best[n:n + a])), values=dict(zip(attention, best[n + a:])),
+    """Every rank's maxima combined as every fact pass combines them (combined_max; maxima only:
+    see splits_exactly). `share(value)` returns every rank's JSON `value`, `all_max(t)` the
+    elementwise max of `t` over the ranks. A module no rank's tokens reached (an expert the router
+    never chose) stays absent, as in one process."""
+    parts = {"input": stats.inputs, "key": stats.keys, "value": stats.values}
+    best = combined_max({f"{kind}:{m}": v for kind, found in parts.items() for m, v in found.items()}, share, all_max)
+    merged: dict[str, dict[str, float]] = {kind: {} for kind in parts}
+    for name, v in best.items():  # sorted by name, so each kind's modules in sorted order
+        kind, _, module = name.partition(":")
+        merged[kind][module] = v
+    return Stats(inputs=merged["input"], keys=merged["key"], values=merged["value"],
                  expert_roles=dict(stats.expert_roles), channel_stats=False)
 
 

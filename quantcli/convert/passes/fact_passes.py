@@ -29,7 +29,8 @@ def fused_group_amax(reader: ModuleReader, world: World) -> Facts:
             for g, members in groups.items() for t in members}
 
 
-def _partial_group_amax(reader: ModuleReader, groups: dict[str, list[TensorPlan]], shards: set[str]) -> dict[str, float]:
+def _partial_group_amax(reader: ModuleReader, groups: dict[str, list[TensorPlan]],
+                        shards: set[str]) -> dict[str, float]:
     from quantcli.kernels import tensor_amax
 
     out: dict[str, float] = {}
