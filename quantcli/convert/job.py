@@ -167,8 +167,12 @@ class ConversionJob:
                                   self.progress if self.world.lead else None)
             facts = learn_facts(reader, world=self.world)
             staged = learn_weights(reader, facts, world=self.world)  # None: no weight pass takes a tensor
-            return self.world.settle(lambda: self._write_shards(stage, reader, facts, staged,
-                                                                [s for s in sizes if s in mine]))
+            try:
+                return self.world.settle(lambda: self._write_shards(stage, reader, facts, staged,
+                                                                    [s for s in sizes if s in mine]))
+            finally:
+                if staged is not None:
+                    staged.close()
 
     def _write_shards(self, stage: Path, reader: ModuleReader, facts, staged: StagedWeights | None,
                       shards: list[str]) -> dict[str, ShardResult]:

@@ -130,6 +130,14 @@ class StagedWeights:
         return {n: reader.raw(n) for n in outputs}, learned.get(t.module, {})
 
 
+    def close(self) -> None:
+        """After the shard job: this process's maps of the layer files go, before finalize removes
+        them (a file still open elsewhere would leave the folder non-empty on NFS)."""
+        for reader, _, _ in (self._index or {}).values():
+            reader.close()
+        self._index = None
+
+
 def check_product(t: TensorPlan, made: Mapping[str, OutSpec], layout: Layout, where: str) -> None:
     """The outputs a weight pass made for `t` must be the plan's, name for name, dtype and shape
     (all but the KV-cache scales, which the shard job adds from the facts); else refused, loudly."""

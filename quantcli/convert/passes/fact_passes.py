@@ -66,7 +66,8 @@ def calibrated_scales(reader: ModuleReader, world: World) -> Facts:
     plan, cache = reader.plan, _cache(reader)
     if plan.options.calibration is None:
         return {}
-    from quantcli.calibrate.run import calibrate, collect_stats, load_facts, merged_stats, save_facts, splits_exactly
+    from quantcli.calibrate.run import (calibrate, collect_stats, load_facts, merged_stats, save_facts,
+                                        splits_exactly)
     from quantcli.calibrate.scales import scale_facts
 
     if world.size == 1:
