@@ -55,19 +55,19 @@ def calibrated_scales(reader: ModuleReader, world: World) -> Facts:
     model layer by layer over the calibration data (quantcli/calibrate).
 
     Several ranks split the batches (each runs every layer on its share) and combine their maxima
-    as every fact pass does (kinds.combined_max: all_reduce(MAX)), which is exact: the one-process values bit for bit wherever a batch is
-    computed as one process computes it. On the CPU the ranks get fewer threads each, and torch's
-    CPU matmul rounding depends on the thread count, so there the last bits can differ (as they
-    did when rank 0 calibrated alone with its share of the cores). An activation-weighted scale search
-    also needs FP64 sums whose rounding a split would change, so there rank 0 calibrates alone.
+    as every fact pass does (kinds.combined_max: all_reduce(MAX)), which is exact: the one-process
+    values bit for bit wherever a batch is computed as one process computes it. On the CPU the
+    ranks get fewer threads each, and torch's CPU matmul rounding depends on the thread count, so
+    there the last bits can differ (as they did when rank 0 calibrated alone with its share of the
+    cores). An activation-weighted scale search also needs FP64 sums whose rounding a split would
+    change, so there rank 0 calibrates alone.
     Either way rank 0 keeps the result in the staging folder, which --resume reads on any rank.
     (The walk and its observer, model/layers.py and model/inputs.py, are the ones weight passes
     run on.)"""
     plan, cache = reader.plan, _cache(reader)
     if plan.options.calibration is None:
         return {}
-    from quantcli.calibrate.run import (calibrate, collect_stats, load_facts, merged_stats, save_facts,
-                                        splits_exactly)
+    from quantcli.calibrate.run import calibrate, collect_stats, load_facts, merged_stats, save_facts, splits_exactly
     from quantcli.calibrate.scales import scale_facts
 
     if world.size == 1:
