@@ -130,6 +130,11 @@ def _print_convert_result(plan, result, src: str) -> None:
               f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)}{_timing(result)}")
     if plan.exclusions:
         con.print(f"left dense: {dense_reasons(plan.exclusions)}")
+    if plan.layout is not None:  # the card's verdicts (quantcli/formats/engines.py, checked on the output)
+        from quantcli.convert.model_card import output_loads
+        from quantcli.formats.engine_checks import loads_in_line
+
+        con.print(f"loads in: {loads_in_line(output_loads(plan, result.dst))}", markup=False)
     cal = plan.options.calibration
     if cal is not None:
         con.print(f"calibrated: {_calibrated_counts(plan)} from {cal.data}")

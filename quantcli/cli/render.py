@@ -8,11 +8,14 @@ import json
 import os
 import re
 import sys
+import textwrap
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from quantcli.cli.grouping import group_names
+from quantcli.cli.render_catalog import render_layouts, render_recipes  # noqa: F401 (commands.py imports them here)
 from quantcli.cli.name_tables import ERROR, SCALE, Column, fitted_table, named_table, total, value_range
 from quantcli.reports import OMITTED, block_label, to_json
 
@@ -220,7 +223,7 @@ def _scales_tables(cal, con: Console) -> None:
 
 
 def _inspect_headline(report) -> str:
-    return (f"{report.source}: layout [bold]{report.layout}[/bold] (loads in {report.consumers})"
+    return (f"{report.source}: layout [bold]{report.layout}[/bold] (loads in {escape(report.consumers)})"
             + ("; quantcli manifest present" if report.has_manifest else ""))
 
 
@@ -250,8 +253,22 @@ def render_inspect_brief(report, con: Console, err: Console) -> None:
     _inspect_problems(report, err)
 
 
+def _engines_lines(report, con: Console) -> None:
+    """Each engine's verdict on the checkpoint, from quantcli/formats/engines.py (its conditions
+    settled on these files; `quantcli layouts` lists the conditions, docs/formats.md the loader code)."""
+    if not report.engines:
+        return
+    con.print("engines (checked on this checkpoint):")
+    width = max(len(j.engine) for j in report.engines)
+    for j in report.engines:  # wrapped under the verdict, not at the margin
+        line = f"  {j.engine:<{width}}  {j.loads}" + (f": {j.reason}" if j.reason else "")
+        con.print(textwrap.fill(line, width=con.width, subsequent_indent=" " * (width + 4), break_on_hyphens=False),
+                  markup=False)
+
+
 def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
     con.print(_inspect_headline(report))
+    _engines_lines(report, con)
     if report.modules:
         con.print(_modules_table(report.modules, con, per_tensor))
         if any(m.stats is not OMITTED for m in report.modules):
@@ -266,53 +283,6 @@ def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
     _inspect_problems(report, con)
     if report.kv_cache is not OMITTED:
         con.print(_kv_table(report.kv_cache))
-
-
-# ---------------------------------------------------------------- recipes, layouts
-
-
-def render_recipes(infos, con: Console) -> None:
-    columns = [Column(h, justify="right" if h.startswith("bits") else "left")
-               for h in ("element", "block", "block scale", "global", "bits/param*", "default layout", "layouts")]
-    cells = [[r.element + (" x2/byte" if r.packed else ""), r.block, r.block_scale, r.global_scale or "-",
-              f"{r.bits_per_param:.3f}", r.default_layout, ", ".join(r.layouts)] for r in infos]
-    # one card per recipe where the table is too wide (80 columns), never a name broken mid-word
-    con.print(fitted_table(con, "recipe", [r.name for r in infos], cells, columns, title="recipes"))
-    con.print("* on a 4096x4096 weight, scales included; 1xK: one scale per row")
-
-
-def render_layouts(infos, matrix: dict[str, dict[str, str]], con: Console) -> None:
-    t = Table(title="layouts")
-    t.add_column("layout", no_wrap=True)  # names and keys whole; the engines wrap between words
-    t.add_column("engines")
-    t.add_column("exclusion key", no_wrap=True)
-    for i in infos:
-        t.add_row(i.name, ", ".join(i.engines) + ("; MoE experts only" if i.experts_only else ""), i.exclusion_key)
-    con.print(t)
-    # one row per recipe, one column per layout: four layout columns fit 80 columns, ten recipes do not
-    recipes = list(next(iter(matrix.values()), {}))
-    m = Table(title="which engines load each recipe in each layout")
-    m.add_column("recipe", no_wrap=True)
-    for layout in matrix:
-        m.add_column(layout, justify="center", no_wrap=True)
-    engines = {i.name: i.loads_in for i in infos}
-    static = {(i.name, r) for i in infos for r in i.static_only}
-    for r in recipes:
-        m.add_row(r, *(_engine_marks(engines[layout].get(r, [])) + ("*" if (layout, r) in static else "")
-                       if row[r] == "loads" else "read" if row[r] == "read only" else "-"
-                       for layout, row in matrix.items()))
-    con.print(m)
-    con.print("V vLLM, S SGLang, T TensorRT-LLM, H transformers")
-    if static:
-        con.print("*: only with calibrated activation scales (--activations static)")
-    con.print("read: quantcli reads it, no engine loads it; -: not written in that layout")
-
-
-_ENGINE_MARKS = {"vLLM": "V", "SGLang": "S", "TensorRT-LLM": "T", "transformers": "H"}
-
-
-def _engine_marks(engines: list[str]) -> str:
-    return " ".join(_ENGINE_MARKS[e] for e in engines)
 
 
 # ---------------------------------------------------------------- verify

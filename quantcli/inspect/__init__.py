@@ -28,6 +28,7 @@ from quantcli.formats.analysis import (
     unservable_problems,
 )
 from quantcli.formats.detect import Detected, all_names, config_with_extras, detect, global_scale_fault
+from quantcli.formats.engine_checks import EngineLoad, Facts, judge_checkpoint, loads_in_line
 from quantcli.planning.plan import matches
 from quantcli.reports import NOT_IN_JSON, OMITTED
 
@@ -89,7 +90,7 @@ class KvCacheAccount:
 class InspectReport:
     source: str
     layout: str
-    consumers: str
+    consumers: str  # the engines that load it, checked on it (engines.py's table; "any" when unquantized)
     has_manifest: bool
     modules: list[ModuleDescription]
     dense: dict[str, DenseTotals]
@@ -107,6 +108,8 @@ class InspectReport:
     kv_cache: KvCacheAccount = OMITTED
     # activation scheme, static input scales, KV-cache scales (quantized checkpoints only)
     calibrated: CalibratedScales = OMITTED
+    # each engine's verdict on this checkpoint (quantcli/formats/engines.py, conditions settled on the files)
+    engines: list[EngineLoad] = OMITTED
 
 
 def inspect_checkpoint(path: str, revision: str | None = None, pattern: str | None = None,
@@ -207,6 +210,7 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
                                 f"`quantcli inspect {source.label} --json` to list the names")
         excluded = exclusion_list(config)
         unlisted = _unlisted_linears(det, names, tensors, excluded)
+        engines = _engine_loads(det, tensors, config, scales)
     by_format = _format_totals(modules, dense)
     if scales is not OMITTED:
         _count_scales(by_format, scales, tensors_bytes=4)
@@ -214,13 +218,30 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
     total_bytes = sum(f.bytes for f in by_format.values())
     return InspectReport(
         source=source.label, layout=det.layout.name if det else "unquantized",
-        consumers=det.layout.consumers if det else "any", has_manifest=bool(det and det.manifest),
+        consumers=loads_in_line(engines) if det else "any", has_manifest=bool(det and det.manifest),
         modules=modules, dense=dense, by_format=by_format, params=total_params, bytes=total_bytes,
         bits_per_param=round(8 * total_bytes / total_params, 4) if total_params else None,
         size_vs_bf16=round(total_bytes / (2 * total_params), 4) if total_params else None,
         exclusion_list=excluded, unlisted_linears=unlisted, fused_mismatches=fused_mismatches(modules),
         problems=[f"{m.module}: {p}" for m in modules for p in m.problems] + unservable_problems(det, modules),
-        warnings=list(source.warnings) + _kv_warnings(scales), config=config, calibrated=scales)
+        warnings=list(source.warnings) + _kv_warnings(scales), config=config, calibrated=scales,
+        engines=engines if det else OMITTED)
+
+
+def _engine_loads(det: Detected | None, tensors: CheckpointTensors, config: dict, scales) -> list[EngineLoad]:
+    """The engines table's verdicts settled on this checkpoint: every quantized module's logical
+    shape (from its codes tensor's header, also outside --tensors), the config, the static scales."""
+    if det is None:
+        return []
+    modules = {}
+    for module, recipe_name in det.modules.items():
+        recipe = det.layout.recipe_for(recipe_name)
+        codes = f"{module}{det.layout.rows(recipe_name)[0].suffix}"
+        shape = tuple(tensors.info(codes).shape) if codes in tensors else ()
+        modules[module] = (recipe_name, det.layout.logical_shape(recipe, shape) if shape else ())
+    static = (scales is not OMITTED and scales.activation_scheme == "static" and bool(scales.inputs)
+              and not scales.missing_inputs)
+    return judge_checkpoint(det.layout.name, Facts(modules, config, static))
 
 
 def _calibrated(det: Detected | None, config: dict, modules: list[ModuleDescription], names,
