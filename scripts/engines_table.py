@@ -1,5 +1,6 @@
-"""Regenerate docs/formats.md's "Which engine loads which pair" section from the engines table
-(quantcli/formats/engines.py), or check that it is current.
+"""Regenerate docs/formats.md's generated sections ("Which engine loads which pair" from the
+engines table, quantcli/formats/engines.py; "Coming from llm-compressor" from
+quantcli/formats/schemes.py), or check that they are current.
 
     python scripts/engines_table.py           # rewrite the section in place
     python scripts/engines_table.py --check   # exit 1 if the section is stale (tests/test_engines.py)
@@ -27,7 +28,7 @@ def main() -> int:
     new = replaced(text)
     if args.check:
         if new != text:
-            print(f"{DOC}: the engines section is stale; run python scripts/engines_table.py", file=sys.stderr)
+            print(f"{DOC}: a generated section is stale; run python scripts/engines_table.py", file=sys.stderr)
             return 1
         return 0
     DOC.write_text(new, encoding="utf-8")

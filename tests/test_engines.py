@@ -99,11 +99,12 @@ def test_every_verdict_cites_its_loader_code_and_every_pair_has_four_engines():
 
 
 def test_docs_table_is_generated_from_the_engines_table():
-    from quantcli.formats.engines_doc import BEGIN, END, section
+    from quantcli.formats.engines_doc import BLOCKS, section
 
     text = (ROOT / "docs" / "formats.md").read_text()
-    assert text[text.index(BEGIN):text.index(END) + len(END) + 1] == section(), \
-        "docs/formats.md's engine section is stale: run python scripts/engines_table.py"
+    for begin, end, make in BLOCKS:
+        assert text[text.index(begin):text.index(end) + len(end) + 1] == make(), \
+            "a generated section of docs/formats.md is stale: run python scripts/engines_table.py"
     for (recipe, layout), found in TABLE.items():
         assert statement(recipe, layout) in section()
         for v in found.values():
@@ -192,3 +193,29 @@ def test_make_checkpoint_gpt_oss_converts_with_the_example_recipe(tmp_path, monk
     assert {m["module"] for m in doc["modules"]} == {"model.layers.0.mlp.experts.gate_up_proj",
                                                      "model.layers.0.mlp.experts.down_proj"}
     assert doc["consumers"] == "vLLM, SGLang, transformers"
+
+
+# ---------------------------------------------------------------- llm-compressor's scheme names
+
+
+def test_llm_compressor_schemes_map_to_recipes_and_a_missing_recipe_is_coming(run_cli, monkeypatch):
+    """Every scheme the issue names is listed with the options that write it; W4A16's recipe
+    (int4) is listed as coming until the registry has it, then with its options."""
+    import quantcli.recipes as registry
+    from quantcli.formats.schemes import recipe_label, scheme_infos
+
+    infos = {i.scheme: i for i in scheme_infos()}
+    assert {"FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "NVFP4A16", "NVFP4", "MXFP4"} <= set(infos)
+    assert infos["FP8_DYNAMIC"].options == "--recipe fp8-channel"
+    assert infos["FP8_BLOCK"].options == "--recipe fp8-block --layout compressed-tensors"
+    assert infos["NVFP4"].options.endswith("--activations static --calibration DATA")
+    if "int4" not in registry.RECIPES:
+        assert recipe_label(infos["W4A16"]) == "int4 (coming)" and not infos["W4A16"].available
+        text = run_cli("recipes")[1]
+        assert re.search(r"W4A16\s+│ int4 \(coming\)", text) and "--recipe fp8-block --layout compressed-tensors" in text
+
+        class Int4:
+            default_layout = "compressed-tensors"
+        monkeypatch.setitem(registry.RECIPES, "int4", Int4())
+        w4 = {i.scheme: i for i in scheme_infos()}["W4A16"]
+        assert w4.available and w4.options == "--recipe int4" and recipe_label(w4) == "int4"

@@ -304,8 +304,10 @@ def run_recipes(json_out: bool) -> int:
     from quantcli.formats.catalog import recipes
 
     infos = recipes()
-    if json_out:
-        emit_json(envelope("recipes", {"recipes": infos}))  # quantcli/schemas/recipes.json
+    if json_out:  # quantcli/schemas/recipes.json
+        from quantcli.formats.schemes import scheme_infos
+
+        emit_json(envelope("recipes", {"recipes": infos, "llm_compressor": scheme_infos()}))
     else:
         render_recipes(infos, _console())
     return 0

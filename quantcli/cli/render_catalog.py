@@ -22,6 +22,18 @@ def render_recipes(infos, con: Console) -> None:
     # one card per recipe where the table is too wide (80 columns), never a name broken mid-word
     con.print(fitted_table(con, "recipe", [r.name for r in infos], cells, columns, title="recipes"))
     con.print("* on a 4096x4096 weight, scales included; 1xK: one scale per row")
+    render_schemes(con)
+
+
+def render_schemes(con: Console) -> None:
+    """llm-compressor's scheme names and the convert options that write the same config."""
+    from quantcli.formats.schemes import recipe_label, scheme_infos
+
+    infos = scheme_infos()
+    columns = [Column("quantcli convert options"), Column("note")]
+    cells = [[i.options if i.available else recipe_label(i), i.note or "-"] for i in infos]
+    con.print(fitted_table(con, "llm-compressor", [i.scheme for i in infos], cells, columns,
+                           title="from llm-compressor (its scheme names; layout compressed-tensors)"))
 
 
 def render_layouts(infos, matrix: dict[str, dict[str, str]], con: Console) -> None:
