@@ -71,7 +71,8 @@ def test_inspect_card_summary_and_layouts_say_the_same_for_every_pair(run_cli, o
     assert list(inspected) == list(ENGINES)
     assert _card_rows(out) == {e: (loads, why.replace("|", "/")) for e, (loads, why) in inspected.items()}
     loading = [e for e, (loads, _) in inspected.items() if loads in (YES, IF)]
-    assert f"loads in: {doc['consumers']}\n" in summary and f"(loads in {doc['consumers']})" in (out / "README.md").read_text()
+    assert f"loads in: {doc['consumers']}\n" in summary
+    assert f"(loads in {doc['consumers']})" in (out / "README.md").read_text()
     assert [e for e in loading] == [e for e in loads_in(recipe, layout) if e in loading]  # never beyond the table
     for engine, (loads, reason) in inspected.items():
         v = TABLE[pair][engine]
@@ -212,7 +213,8 @@ def test_llm_compressor_schemes_map_to_recipes_and_a_missing_recipe_is_coming(ru
     if "int4" not in registry.RECIPES:
         assert recipe_label(infos["W4A16"]) == "int4 (coming)" and not infos["W4A16"].available
         text = run_cli("recipes")[1]
-        assert re.search(r"W4A16\s+│ int4 \(coming\)", text) and "--recipe fp8-block --layout compressed-tensors" in text
+        assert re.search(r"W4A16\s+│ int4 \(coming\)", text)
+        assert "--recipe fp8-block --layout compressed-tensors" in text
 
         class Int4:
             default_layout = "compressed-tensors"

@@ -72,13 +72,15 @@ def schemes_section() -> str:
     from quantcli.formats.schemes import recipe_label, scheme_infos
 
     lines = [SCHEMES_BEGIN, "## Coming from llm-compressor", "",
-             "llm-compressor names its schemes after compressed-tensors' presets (`QuantizationModifier(scheme=...)`,",
-             "compressed-tensors 0.19.0 `quantization/quant_scheme.py` PRESET_SCHEMES). The quantcli conversion that",
-             "writes the same compressed-tensors config (`quantcli recipes` lists it too; DATA is calibration data):", "",
+             "llm-compressor names its schemes after compressed-tensors' presets",
+             "(`QuantizationModifier(scheme=...)`, compressed-tensors 0.19.0 `quantization/quant_scheme.py`",
+             "PRESET_SCHEMES). The quantcli conversion that writes the same compressed-tensors config",
+             "(`quantcli recipes` lists it too; DATA is calibration data):", "",
              "| llm-compressor | weights | activations | quantcli | convert options | note |", "|---|---|---|---|---|---|"]
     for i in scheme_infos():
         options = f"`{i.options}`" if i.available else "-"
-        lines.append(f"| `{i.scheme}` | {i.weights} | {i.activations} | {recipe_label(i)} | {options} | {i.note or '-'} |")
+        lines.append(f"| `{i.scheme}` | {i.weights} | {i.activations} | {recipe_label(i)} | {options} "
+                     f"| {i.note or '-'} |")
     return "\n".join(lines + [SCHEMES_END]) + "\n"
 
 
