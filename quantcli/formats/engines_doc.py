@@ -76,7 +76,8 @@ def schemes_section() -> str:
              "(`QuantizationModifier(scheme=...)`, compressed-tensors 0.19.0 `quantization/quant_scheme.py`",
              "PRESET_SCHEMES). The quantcli conversion that writes the same compressed-tensors config",
              "(`quantcli recipes` lists it too; DATA is calibration data):", "",
-             "| llm-compressor | weights | activations | quantcli | convert options | note |", "|---|---|---|---|---|---|"]
+             "| llm-compressor | weights | activations | quantcli | convert options | note |",
+             "|---|---|---|---|---|---|"]
     for i in scheme_infos():
         options = f"`{i.options}`" if i.available else "-"
         lines.append(f"| `{i.scheme}` | {i.weights} | {i.activations} | {recipe_label(i)} | {options} "
