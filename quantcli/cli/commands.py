@@ -239,7 +239,7 @@ def _calibration_estimate(plan, device: str):
 
 def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: bool, kv_cache: bool,
                 kv_budget: str | None, json_out: bool, per_tensor: bool = False, quiet: bool = False) -> int:
-    from quantcli.inspect import inspect_checkpoint, kv_cache_account, parse_size
+    from quantcli.inspect import account_kv_cache, inspect_checkpoint, parse_size
 
     if kv_budget is not None and not kv_cache:
         raise QuantcliError(f"--kv-budget {kv_budget}: only used by the KV-cache account; add --kv-cache")
@@ -248,8 +248,8 @@ def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: 
     context, advance = counting_bar(_console(stderr=True), show_bar, "reading")
     with context:
         report = inspect_checkpoint(path, revision=revision, pattern=tensors, stats=stats, progress=advance)
-    if kv_cache:
-        report.kv_cache = kv_cache_account(report.config, budget)
+    if kv_cache:  # an encoder gets a warning instead: it caches nothing
+        account_kv_cache(report, budget)
     if json_out:  # the config it read is not part of the document; quantcli/schemas/inspect.json
         emit_json(envelope("inspect", report, source=report.source,
                            excluded=[{"module": m, "reason": "in the config's exclusion list"}

@@ -71,7 +71,11 @@ def _update_metadata(data: ModelCardData, plan: Plan) -> None:
         data.base_model = base
         if plan.layout is not None:
             data.base_model_relation = "quantized"
-    data.library_name = "transformers"  # a transformers-format folder (config.json, HF names)
+    # a transformers-format folder (config.json, HF names); a sentence-transformers model keeps its
+    # library (its modules.json and pooling config are copied with it)
+    if data.get("library_name") != "sentence-transformers":
+        st = (plan.source.root / "modules.json").exists()
+        data.library_name = "sentence-transformers" if st else "transformers"
     tags = list(data.tags or [])
     if "quantcli" in tags:  # a quantcli output converted again: its tags describe the source, not this
         tags = [t for t in tags if t not in _quantcli_tags()]

@@ -29,6 +29,7 @@ from quantcli.formats.analysis import (
 )
 from quantcli.formats.detect import Detected, all_names, config_with_extras, detect, global_scale_fault
 from quantcli.formats.engine_checks import EngineLoad, Facts, judge_checkpoint, loads_in_line
+from quantcli.formats.module_kinds import is_encoder
 from quantcli.planning.plan import matches
 from quantcli.reports import NOT_IN_JSON, OMITTED
 
@@ -300,6 +301,17 @@ def _kv_elements_per_layer(text: dict) -> tuple[int, str]:
     return 2 * kv_heads * head_dim, f"2 x {kv_heads} kv heads x {head_dim} head_dim"
 
 
+def account_kv_cache(report: InspectReport, budget: int) -> None:
+    """--kv-cache: the account in `report.kv_cache`, or, for an encoder (bidirectional, nothing
+    cached between steps), a warning saying there is no KV cache to size."""
+    if is_encoder(report.config):
+        arch = (report.config.get("architectures") or [report.config.get("model_type")])[0]
+        report.warnings.append(f"--kv-cache: {arch} is an encoder-only model; it keeps no KV cache, so there is "
+                               f"nothing to size")
+        return
+    report.kv_cache = kv_cache_account(report.config, budget)
+
+
 def kv_cache_account(config: dict, budget: int) -> KvCacheAccount:
     text = config.get("text_config") or config
     if not isinstance(text, dict):
@@ -315,5 +327,5 @@ def kv_cache_account(config: dict, budget: int) -> KvCacheAccount:
                           formats=rows)
 
 
-__all__ = ["InspectReport", "KvCacheAccount", "inspect_checkpoint", "inspect_source", "kv_cache_account",
-           "parse_size"]
+__all__ = ["InspectReport", "KvCacheAccount", "account_kv_cache", "inspect_checkpoint", "inspect_source",
+           "kv_cache_account", "parse_size"]
