@@ -53,8 +53,12 @@ def test_inspect_shows_scales(outs, run_cli):
     code, out, _ = run_cli("inspect", str(outs["compressed-tensors"]))
     assert code == 0
     assert "activations: static" in out and "kv_cache_scheme" in out
-    assert f"{Q}.input_global_scale" in out and "divide" in out
-    assert "model.layers.1.self_attn" in out and "KV-cache scales" in out
+    # grouped by layer pattern as the modules table (a real MoE has thousands), one per tensor on request
+    assert "model.layers.{0,1}.self_attn.q_proj.input_global_scale" in out and "divide" in out
+    assert f"{Q}.input_global_scale" not in out
+    assert "model.layers.{0,1}.self_attn" in out and "KV-cache scales" in out
+    per_tensor = run_cli("inspect", str(outs["compressed-tensors"]), "--per-tensor")[1]
+    assert f"{Q}.input_global_scale" in per_tensor and "model.layers.1.self_attn " in per_tensor
     assert "input scales" in out and "kv scales" in out and "f32" not in out.split("totals")[1].split("params")[0]
     code, out, _ = run_cli("inspect", str(outs["modelopt"]), "--json")
     doc = json.loads(out)["calibrated"]

@@ -155,14 +155,30 @@ def _exponents(histograms: list) -> str:
     return f"{min(present)}..{max(present)}" if present else "-"
 
 
+def _count(values: list) -> str:
+    present = [v for v in values if v is not None]
+    return f"{sum(present):g}" if present else "-"
+
+
+def _saturation(values: list) -> str:
+    """The worst share of codes at the element max, and beside it what absmax scaling saturates
+    by construction (NVFP4: one code per 16-block, 6.25 %), so 11 % reads against 6.25 %."""
+    present = [v for v in values if v[0] is not None]
+    if not present:
+        return "-"
+    worst, inherent = max(present, key=lambda v: v[0])
+    return f"{worst:.2%}" + (f" ({inherent:.2%} inherent)" if inherent is not None else "")
+
+
 # --stats per group: the scale range over all members, counts summed, fractions at their worst.
 _STATS_COLUMNS = [Column("recipe"), Column("scale range", merge=lambda v: _span(v)),
-                  Column("bad scales", justify="right", merge=total(lambda n: f"{n:g}")),
+                  Column("bad scales", justify="right", merge=_count),
                   Column("E8M0 exp", merge=_exponents),
-                  Column("E8M0 255", justify="right", merge=total(lambda n: f"{n:g}")),
-                  Column("NaN/Inf", justify="right", merge=total(lambda n: f"{n:g}")),
+                  Column("E8M0 255", justify="right", merge=_count),
+                  Column("NaN/Inf", justify="right", merge=_count),
                   Column("zero blocks (max)", justify="right", merge=_fraction),
-                  Column("saturated (max)", justify="right", merge=_fraction)]
+                  Column("saturated (max)", justify="right", merge=_saturation)]
+_E8M0 = ("E8M0 exp", "E8M0 255")
 
 
 def _span(pairs: list) -> str:
@@ -177,11 +193,16 @@ def _stats_table(modules, con: Console, per_tensor: bool) -> Table:
     def given(v, default=None):
         return default if v is OMITTED else v
 
-    rows = [[m.recipe, (given(s.scale_min), given(s.scale_max)), given(s.scale_nonfinite, 0),
-             given(s.e8m0_histogram), given(s.e8m0_255_count, 0), given(s.nonfinite_values, 0),
-             given(s.zero_block_fraction), given(s.saturated_fraction)] for s, m in ((m.stats, m) for m in with_stats)]
-    return named_table(con, "module", [m.module for m in with_stats], rows, _STATS_COLUMNS, per_tensor=per_tensor,
-                       title="data (--stats)")
+    rows = [[m.recipe, (given(s.scale_min), given(s.scale_max)), given(s.scale_nonfinite), given(s.e8m0_histogram),
+             given(s.e8m0_255_count), given(s.nonfinite_values, 0), given(s.zero_block_fraction),
+             (given(s.saturated_fraction), given(s.saturated_inherent))] for s, m in ((m.stats, m) for m in with_stats)]
+    keep = list(range(len(_STATS_COLUMNS)))
+    if not any(m.stats.e8m0_histogram is not OMITTED for m in with_stats):  # no MX recipe: no E8M0 columns
+        keep = [i for i in keep if _STATS_COLUMNS[i].header not in _E8M0]
+    if not any(m.stats.scale_min is not OMITTED for m in with_stats):  # only MX recipes: no scale range
+        keep = [i for i in keep if _STATS_COLUMNS[i].header not in ("scale range", "bad scales")]
+    return named_table(con, "module", [m.module for m in with_stats], [[r[i] for i in keep] for r in rows],
+                       [_STATS_COLUMNS[i] for i in keep], per_tensor=per_tensor, title="data (--stats)")
 
 
 def _totals_table(by_format) -> Table:
@@ -202,24 +223,31 @@ def _kv_table(kv) -> Table:
     return t
 
 
-def _scales_tables(cal, con: Console) -> None:
-    """The activation scheme, each module's static input scale, the KV-cache scales per layer."""
+# One row per layer pattern, as the modules table (one per tensor with --per-tensor): a real MoE
+# has thousands of input scales. The direction is part of the key; values merge to min..max.
+_INPUT_COLUMNS = [Column("value", merge=value_range(SCALE)), Column("direction"),
+                  Column("implied amax", merge=value_range(SCALE))]
+_KV_COLUMNS = [Column("k_scale", merge=lambda v: _missing_or(value_range(SCALE), v)),
+               Column("v_scale", merge=lambda v: _missing_or(value_range(SCALE), v))]
+
+
+def _missing_or(merge, values: list) -> str:
+    missing = sum(v is None for v in values)
+    text = merge(values)
+    return text if not missing else ("missing" if text == "-" else f"{text}, {missing} missing")
+
+
+def _scales_tables(cal, con: Console, per_tensor: bool = False) -> None:
+    """The activation scheme, the static input scales and the KV-cache scales per layer pattern."""
     con.print(f"activations: {cal.activation_scheme}"
               + (f"; FP8 KV cache declared ({cal.kv_cache})" if cal.kv_cache else ""))
     if cal.inputs:
-        t = Table(title="input scales")
-        for col in ("tensor", "value", "direction", "implied amax"):
-            t.add_column(col)
-        for s in cal.inputs:
-            t.add_row(s.tensor, SCALE.format(s.value), s.direction, SCALE.format(s.amax))
-        con.print(t)
+        con.print(named_table(con, "tensor", [s.tensor for s in cal.inputs],
+                              [[s.value, s.direction, s.amax] for s in cal.inputs], _INPUT_COLUMNS,
+                              per_tensor=per_tensor, title="input scales"))
     if cal.kv:
-        t = Table(title="KV-cache scales")
-        for col in ("attention", "k_scale", "v_scale"):
-            t.add_column(col)
-        for r in cal.kv:
-            t.add_row(r.attention, *("missing" if v is None else SCALE.format(v) for v in (r.k_scale, r.v_scale)))
-        con.print(t)
+        con.print(named_table(con, "attention", [r.attention for r in cal.kv], [[r.k_scale, r.v_scale] for r in cal.kv],
+                              _KV_COLUMNS, per_tensor=per_tensor, title="KV-cache scales"))
 
 
 def _inspect_headline(report) -> str:
@@ -274,7 +302,7 @@ def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
         if any(m.stats is not OMITTED for m in report.modules):
             con.print(_stats_table(report.modules, con, per_tensor))
     if report.calibrated is not OMITTED:
-        _scales_tables(report.calibrated, con)
+        _scales_tables(report.calibrated, con, per_tensor)
     con.print(_totals_table(report.by_format))
     if report.params:
         con.print(_bits_line(report))
