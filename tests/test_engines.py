@@ -162,6 +162,12 @@ def test_architecture_static_scales_and_spelling_are_checked():
     assert {j.engine: j.loads for j in judge("fp8-block", "modelopt", upper)}["TensorRT-LLM"] == NO
 
 
+def test_a_pair_quantcli_only_reads_loads_nowhere():
+    facts = _facts({f"{ATTN}.q_proj": (256, 256)}, "mxfp4")
+    assert {(j.loads, j.reason) for j in judge("mxfp4", "modelopt", facts)} == {
+        (NO, "no engine loads mxfp4 in the modelopt layout")}
+
+
 def test_fp8_block_modelopt_writes_quant_algo_as_modelopt_does(run_cli, outputs):
     """`fp8_pb_wo` lower case: TensorRT-LLM canonicalizes only that spelling; vLLM upper-cases
     quant_algo before matching, and quantcli reads either."""

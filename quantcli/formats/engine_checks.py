@@ -92,8 +92,11 @@ CHECKS: dict[str, Callable[[Facts, str], str | None]] = {
 
 def judge(recipe: str, layout: str, facts: Facts) -> list[EngineLoad]:
     """Each engine's verdict on the modules of `recipe` in a `layout` checkpoint."""
+    found = verdicts(recipe, layout)
+    if not found:  # a pair quantcli reads but never writes (ModelOpt's own MXFP4 export)
+        return [EngineLoad(e, NO, f"no engine loads {recipe} in the {layout} layout", "") for e in ENGINES]
     out = []
-    for engine, v in ((e, verdicts(recipe, layout)[e]) for e in ENGINES):
+    for engine, v in ((e, found[e]) for e in ENGINES):
         if v.status == LOADS:
             out.append(EngineLoad(engine, YES, v.note, v.cites()))
         elif v.status in (NO, UNCHECKED):
