@@ -165,7 +165,8 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
     ("mxfp8", "compressed-tensors"): {
         VLLM: _loads(V_CT, note=_W8A8_SM100),
         SGLANG: _no("mxfp8-quantized is not one of SGLang's compressed-tensors formats (no scheme)", S_CT),
-        TRTLLM: _no("8-bit group strategy groups are refused", _T_CT), HF: _loads(H_CT)},
+        TRTLLM: _no("reads input_activations.strategy, which this weight-only group lacks, and maps no 8-bit "
+                    "group strategy", _T_CT), HF: _loads(H_CT)},
     ("mxfp8", "fp8"): {
         VLLM: _no("quant_method mxfp8 registers weight_scale; the file's weight_scale_inv has no parameter",
                   V_MXFP8, V_LOADER),
