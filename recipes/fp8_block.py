@@ -16,7 +16,6 @@ Format card
 """
 
 from quantcli.kernels.spec import BLOCK, E4M3, F32_SCALE, QuantSpec
-
 from quantcli.recipes.base import Recipe
 
 RECIPE = Recipe(name="fp8-block", spec=QuantSpec(BLOCK, E4M3, F32_SCALE), default_layout="fp8")

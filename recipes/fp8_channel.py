@@ -14,7 +14,6 @@ Format card
 """
 
 from quantcli.kernels.spec import E4M3, F32_SCALE, ROW, QuantSpec
-
 from quantcli.recipes.base import Recipe
 
 RECIPE = Recipe(name="fp8-channel", spec=QuantSpec(ROW, E4M3, F32_SCALE))

@@ -22,6 +22,12 @@ def tiny_moe(tmp_path_factory) -> Path:
     return make_moe(tmp_path_factory.mktemp("src") / "moe", hidden=64, layers=2, shards=2)
 
 
+@pytest.fixture(scope="session")
+def one_shard_moe(tmp_path_factory) -> Path:
+    """One MoE layer in one shard, in a folder named `moe`."""
+    return make_moe(tmp_path_factory.mktemp("nc") / "moe", hidden=64, layers=1, shards=1)
+
+
 @pytest.fixture
 def run_cli(capsys, monkeypatch):
     """Run `quantcli ARGS` through main() (so errors print as one line) -> (exit code, stdout, stderr)."""

@@ -114,7 +114,7 @@ def test_scales_equal_hooked_amax(src, data, tmp_path, run_cli, recipe, layout):
     if layout == "modelopt":
         hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
         assert hq["quant_algo"] == {"nvfp4": "NVFP4", "fp8": "FP8"}[recipe] and hq["kv_cache_quant_algo"] == "FP8"
-        if recipe == "fp8":  # FORMATS B 3.1: 0-d F32 weight and input scales
+        if recipe == "fp8":  # 0-d F32 weight and input scales (docs/formats.md, "ModelOpt FP8 and NVFP4 scales")
             assert t["model.layers.0.mlp.down_proj.weight_scale"].shape == ()
             assert t["model.layers.0.mlp.down_proj.input_scale"].shape == ()
     elif layout == "fp8":  # SGLang turns its cache to FP8 from this key; the card tells vLLM's flag

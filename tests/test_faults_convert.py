@@ -491,3 +491,13 @@ def test_fused_group_given_two_recipes_is_refused(llama, tmp_path, run_cli):
     assert_one_line_error(code, out, err, "q_proj,k_proj,v_proj", "one precision", "fp8-block, nvfp4")
     assert tree_state(llama) == before
     assert_nothing_left(tmp_path / "o")
+
+
+def test_regex_pattern_that_matches_nothing_gets_no_name_hint(one_shard_moe, tmp_path, run_cli):
+    code, out, err = run_cli("convert", str(one_shard_moe), str(tmp_path / "o"), "--recipe", "nvfp4", "--ignore",
+                             "re:.*nothing$", "--dry-run", "--json")
+    warnings = " ".join(json.loads(out)["warnings"])
+    assert code == 0 and "matches no Linear" in warnings and "closest module name" not in warnings
+    code, out, err = run_cli("convert", str(one_shard_moe), str(tmp_path / "o"), "--recipe", "nvfp4", "--ignore",
+                             "q_prj", "--dry-run", "--json")
+    assert code == 0 and "closest module name" in " ".join(json.loads(out)["warnings"])

@@ -1,11 +1,13 @@
 """Fault injection: corrupt or hostile sources (safetensors headers, index and config files, special
-files, truncation, duplicate and unindexed tensors). Each must end in one line, exit 2, with the
-source unchanged and nothing written, for `convert`, `inspect` and `verify --reference` alike."""
+files, truncation, duplicate and unindexed tensors, one shard of a sharded checkpoint given as the
+whole model). Each must end in one line, exit 2, with the source unchanged and nothing written, for
+`convert`, `inspect` and `verify --reference` alike."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -327,3 +329,53 @@ def test_truncated_shard_refused_by_verify_before_reading(quant, tmp_path, run_c
     code, out, err = run_cli("verify", cut)
     assert_one_line_error(code, out, err, shard.name, "truncated")
     assert tree_state(cut) == before
+
+
+# ---------------------------------------------------------------- one shard of a sharded checkpoint
+
+
+@pytest.fixture(scope="module")
+def two_shard_llama(tmp_path_factory) -> Path:
+    from quantcli.testing import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("src") / "llama", hidden=64, layers=1, shards=2)
+
+
+@pytest.fixture(scope="module")
+def two_shard_nvfp4(two_shard_llama, tmp_path_factory) -> Path:
+    from quantcli.cli.app import main
+
+    out = tmp_path_factory.mktemp("q") / "nvfp4"
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", str(two_shard_llama), str(out), "--recipe", "nvfp4", "--layout", "compressed-tensors",
+              "--quiet"])
+    assert not exc.value.code
+    return out
+
+
+def _shard(folder: Path) -> Path:
+    return sorted(folder.glob("model-*.safetensors"))[0]
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify"])
+def test_one_shard_is_refused(command, two_shard_llama, two_shard_nvfp4, tmp_path, run_cli):
+    shard = _shard(two_shard_llama)
+    before = tree_state(two_shard_llama)
+    dst = tmp_path / "out"
+    args = {"convert": ("convert", shard, dst, "--recipe", "nvfp4"), "inspect": ("inspect", shard),
+            "verify": ("verify", two_shard_nvfp4, "--reference", shard)}[command]
+    code, out, err = run_cli(*args)
+    assert_one_line_error(code, out, err, f"{shard}: is one shard of the sharded checkpoint in {two_shard_llama}",
+                          "the index lists 2 shards", f"pass the folder {two_shard_llama}")
+    assert tree_state(two_shard_llama) == before
+    assert_nothing_left(dst)
+
+
+def test_lone_file_without_index_or_unlisted_still_opens(two_shard_llama, tmp_path, run_cli):
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copy(_shard(two_shard_llama), lone / "model.safetensors")
+    assert run_cli("inspect", lone / "model.safetensors")[0] == 0
+    (lone / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "x-1.safetensors",
+                                                                                  "b": "x-2.safetensors"}}))
+    assert run_cli("inspect", lone / "model.safetensors")[0] == 0

@@ -1,4 +1,5 @@
-"""inspect and verify on quantcli's output, on foreign-layout files written per FORMATS.md, and on
+"""inspect and verify on quantcli's output, on foreign-layout files written as docs/formats.md,
+"Producers and consumers" describes them, and on
 checkpoints with planted faults."""
 
 import json

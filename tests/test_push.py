@@ -201,6 +201,27 @@ def test_second_conversion_replaces_title_tags_and_keeps_the_base(nvfp4, tmp_pat
     assert "carried over byte for byte" in text and "--quantization" not in text
 
 
+def test_second_conversion_replaces_the_card(nvfp4, tmp_path, run_cli):
+    src = tmp_path / "src"
+    shutil.copytree(nvfp4, src)
+    (src / "README.md").write_text((nvfp4 / "README.md").read_text() + "\n## License\n\nMIT\n")
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", src, out, "--recipe", "fp8-block", "--quiet")
+    assert code == 0, err
+    text = (out / "README.md").read_text()
+    assert text.count("## Quantization (quantcli)") == 1, text
+    assert "fp8-block" in text and text.rstrip().endswith("MIT")
+
+
+def test_card_section_replaced_up_to_next_heading():
+    from quantcli.convert.model_card import with_model_card
+
+    card = "\n## Quantization (quantcli)\n\nnew\n"
+    assert with_model_card("# M\n\nhi", card) == "# M\n\nhi\n" + card
+    old = "# M\n\n## Quantization (quantcli)\n\nold\n\n## License\nMIT\n"
+    assert with_model_card(old, card) == "# M\n" + card + "\n## License\nMIT\n"
+
+
 def test_every_recipe_layout_pair_has_its_engines():
     from quantcli.formats.layouts import layouts_for
     from quantcli.recipes import RECIPES

@@ -1,5 +1,5 @@
 """The quantcli manifest (`quantcli_manifest.json`): a self-describing account of every quantized
-tensor, independent of any runtime's config schema (FORMATS.md A.5).
+tensor, independent of any runtime's config schema (docs/formats.md, "The manifest").
 
 Written last, so its presence means the output is complete.
 """

@@ -1,4 +1,4 @@
-"""`quantcli push DST REPO`: the command's options and output (cli.py registers it). Its own
+"""`quantcli push DST REPO`: the command's options and output (app.py registers it). Its own
 module so the command line's table of options stays one screen; the work is in push.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-# convert's --push-to-hub options (declared here, with the push command, to keep cli.py short)
+# convert's --push-to-hub options (declared here, with the push command, to keep app.py short)
 PushToHub = Annotated[Optional[str], typer.Option(
     metavar="REPO", help="Then verify and upload DST to the Hub repo REPO (created if missing), as `quantcli push`.")]
 Private = Annotated[bool, typer.Option("--private", help="--push-to-hub: create the repo private.")]

@@ -17,6 +17,7 @@ from rich.table import Table
 from quantcli.cli.grouping import group_names
 from quantcli.cli.render_catalog import render_layouts, render_recipes  # noqa: F401 (commands.py imports them here)
 from quantcli.cli.name_tables import ERROR, SCALE, Column, fitted_table, named_table, total, value_range
+from quantcli.formats.layouts.base import Role
 from quantcli.reports import OMITTED, block_label, to_json
 
 
@@ -108,7 +109,7 @@ def _dims(shape) -> str:
 
 
 def _module_cells(m) -> list:
-    block_scales = [e for e in m.tensors if e.role == "block_scale"]
+    block_scales = [e for e in m.tensors if e.role == Role.BLOCK_SCALE]
     scales = ", ".join(f"{e.name.rsplit('.', 1)[-1]} {e.dtype}" for e in block_scales)
     values = [e for e in m.tensors if e.value is not OMITTED]
     # an undescribable module has no logical/storage facts: '?' as before

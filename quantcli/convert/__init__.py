@@ -1,7 +1,7 @@
 """`quantcli convert`: stream a safetensors checkpoint into a quantized one.
 
-Data flow (DESIGN.md): plan from headers (quantcli/planning/plan.py) -> passes that learn facts about
-modules (passes.py: today the shared amax of each fused group) -> the per-shard job
+Data flow: plan from headers (quantcli/planning/, `plan_conversion`) -> passes that learn facts about
+modules (passes.py: the shared amax of each fused group; calibrated scales with --calibration) -> the per-shard job
 (shard.py: read -> quantize -> layout names -> streamed into a shard of the staging folder
 `DST.partial`; returns a ShardResult, no shared state) -> finalize (finalize.py: index,
 configs, copied files, model card, manifest last) -> the staging folder is renamed to DST

@@ -1,6 +1,7 @@
 """Passes over the source before any shard is written: each learns facts about modules
-(quantcli/formats/facts.py). Today one pass: the shared amax of each fused group. A new pass (activation
-or KV-cache amax, a scale search) is one function here, added to PASSES, plus a ModuleFacts field."""
+(quantcli/formats/facts.py). Two passes: the shared amax of each fused group, and with --calibration the
+calibrated activation and KV-cache scales (calibrated_scales). A new pass is one function here, added to
+PASSES, plus a ModuleFacts field."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ Pass = Callable[[ModuleReader, World], dict[str, dict[str, object]]]
 
 def fused_group_amax(reader: ModuleReader, world: World) -> dict[str, dict[str, object]]:
     """The max |w| over each fused group's members, streaming (one tensor at a time): one NVFP4
-    global scale per group, as the engines that fuse the GEMM require (FORMATS A.3). With several
+    global scale per group, as the engines that fuse the GEMM require (docs/formats.md,
+    "Fused groups share one global scale"). With several
     ranks each reads the members in its own shards and the partial maxima meet in all_reduce(MAX)
     (a max is exact, so the result is the one-process value bit for bit)."""
     groups = list(reader.plan.fused_groups().values())

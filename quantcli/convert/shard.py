@@ -19,9 +19,10 @@ from quantcli.checkpoint.safetensors_io import DTYPES, ShardWriter, tensor_bytes
 from quantcli.convert.reading import ModuleReader
 from quantcli.convert.records import Findings, Progress, ShardResult
 from quantcli.formats.facts import NO_FACTS, ModuleFacts
-from quantcli.formats.layouts.base import module_of, to_direction
+from quantcli.formats.layouts.base import Direction, Role, module_of, to_direction
 from quantcli.kernels import cpu_workers
 from quantcli.memory import release_freed_memory
+from quantcli.planning.actions import Action
 from quantcli.planning.plan import TensorPlan
 from quantcli.recipes import QuantizedTensor
 
@@ -122,21 +123,21 @@ def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], fact
 def produce(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts) -> tuple[dict, Learned]:
     """The output tensors of one planned tensor, by its action, and what producing them learned."""
     plan = reader.plan
-    if t.action == "copy":
+    if t.action == Action.COPY:
         return {t.name: reader.tensors.raw(t.name)}, Learned()  # bit-identical pass-through
-    if t.action == "relayout":  # codes and block scales carried over byte for byte
+    if t.action == Action.RELAYOUT:  # codes and block scales carried over byte for byte
         q = reader.source_quantized(t)
         out = plan.layout.to_disk(t.module, q, facts=facts)
         return out, Learned(_global_of(q), note=_inversion_note(reader, t, out))
     w = reader.weight(t)
-    if t.action == "dequantize":
+    if t.action == Action.DEQUANTIZE:
         w = w.transpose(-1, -2) if t.transpose else w
         (spec,) = t.outputs
         return {spec.name: w.to(DTYPES[spec.dtype]).cpu()}, Learned()
     recipe = plan.recipes[t.recipe]
     q = recipe.quantize(t.name, w, backend=reader.backend, facts=facts)
     error = None
-    if t.action == "requantize":  # the combined error, against the decoded source
+    if t.action == Action.REQUANTIZE:  # the combined error, against the decoded source
         d = recipe.dequantize(q, backend=reader.backend)
         error = float((d - w).float().norm() / w.float().norm().clamp_min(1e-30))
     weighted = "input_channel_ms" if recipe.scale_search != "none" and facts.input_channel_ms is not None else None
@@ -157,7 +158,7 @@ def _inversion_note(reader: ModuleReader, t: TensorPlan, out: dict[str, torch.Te
     if before is None or after is None:
         return None
     (b, b_dir), (a, a_dir) = before, after
-    back = a if a_dir == b_dir else to_direction(a, "divide")  # the stored value in the source's direction
+    back = a if a_dir == b_dir else to_direction(a, Direction.DIVIDE)  # the stored value in the source's direction
     if torch.equal(back, b):
         return None
     return (f"{t.module}: global scale {float(b)!r} ({b_dir}) has no exact FP32 reciprocal; "
@@ -167,6 +168,6 @@ def _inversion_note(reader: ModuleReader, t: TensorPlan, out: dict[str, torch.Te
 def _global_scale(layout, module: str, recipe, get) -> tuple[torch.Tensor, str] | None:
     """The stored global scale of a module and its direction, or None."""
     for d in layout.describe(module, recipe):
-        if d.role == "global_scale":
+        if d.role == Role.GLOBAL_SCALE:
             return get(d.name).to(torch.float32).reshape(()), d.direction
     return None

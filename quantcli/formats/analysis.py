@@ -25,6 +25,7 @@ from quantcli.formats.detect import Detected, disk_problems, tensors_look_like
 from quantcli.formats.experts import experts_module
 from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import Layout, layouts_for
+from quantcli.formats.layouts.base import Role
 from quantcli.formats.module_kinds import is_dense_linear
 from quantcli.reports import OMITTED
 
@@ -144,7 +145,7 @@ def _disk_entries(layout: Layout, module: str, recipe, tensors: CheckpointTensor
         nbytes += info.nbytes
         entry = TensorEntry(name=d.name, role=d.role, dtype=info.dtype, shape=list(info.shape), encoding=d.encoding,
                             direction=d.direction)
-        if d.role == "global_scale" and info.numel == 1:
+        if d.role == Role.GLOBAL_SCALE and info.numel == 1:
             entry.value = float(tensors.get(d.name).to(torch.float32).reshape(()))
         entries.append(entry)
     return entries, nbytes, problems
@@ -214,7 +215,7 @@ class FusedMismatch:
 
 
 def global_scale_value(m: ModuleDescription) -> float | None:
-    value = next((t.value for t in m.tensors if t.role == "global_scale"), None)
+    value = next((t.value for t in m.tensors if t.role == Role.GLOBAL_SCALE), None)
     return None if value is OMITTED else value
 
 

@@ -16,7 +16,8 @@ by the first of these rules that applies:
 Matching is always on whole dot-separated parts except for `regex` and `glob`, so
 `model.layers.1` never covers `model.layers.10`, and `mlp.gate` never covers `mlp.gate_up_proj`.
 
-Which consumer honours which rule (read from their sources; see FORMATS.md A.4, B 6.5, B 10):
+Which consumer honours which rule (read from their sources; see docs/formats.md,
+"What is never quantized by default" and "Exclusion lists and how consumers match them"):
 
 | consumer (config key)                                   | regex | exact | glob | parent | segment | fused |
 |---------------------------------------------------------|-------|-------|------|--------|---------|-------|

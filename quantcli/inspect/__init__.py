@@ -2,7 +2,7 @@
 
 Headers only by default; global scales (scalars) are read because they are a few bytes each.
 `stats=True` reads scales and codes to report ranges, zero blocks, saturation and NaN/Inf.
-The command layer (commands.py, render.py) prints the report or serializes it (reports.to_json).
+The command layer (quantcli/cli/commands.py, render.py) prints the report or serializes it (reports.to_json).
 """
 
 from __future__ import annotations

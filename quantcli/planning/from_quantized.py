@@ -18,28 +18,17 @@ from quantcli.checkpoint.source import Source
 from quantcli.checkpoint.tensors import CheckpointTensors
 from quantcli.errors import CheckpointError, LayoutError, QuantcliError, RecipeError
 from quantcli.formats.analysis import describe_module
-from quantcli.formats.detect import Detected, all_names, detect, scale_faults
-from quantcli.formats.fused import drop_single_member_groups, fused_group_of
+from quantcli.formats.detect import Detected, all_names, scale_faults
+from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for
+from quantcli.formats.layouts.base import Role
 from quantcli.formats.module_kinds import is_dense_linear
-from quantcli.planning.plan import Exclusion, Options, Plan, TensorPlan, make_plan, output_specs
+from quantcli.planning.actions import Action
+from quantcli.planning.fused_groups import drop_single_member_groups
+from quantcli.planning.plan import Exclusion, Options, Plan, TensorPlan, output_specs
 from quantcli.recipes import DENSE_RECIPES, get_recipe
 
 DENSE_DTYPES = {"bf16": ("BF16", torch.bfloat16), "fp16": ("F16", torch.float16), "fp32": ("F32", torch.float32)}
-
-
-def detect_quantized(source: Source) -> Detected | None:
-    found = detect(source)
-    return found if found is not None and found.modules else None
-
-
-def plan_for(source: Source, opts: Options, detected: Detected | None) -> Plan:
-    if detected is None:
-        if opts.recipe in DENSE_RECIPES:
-            raise QuantcliError(f"--recipe {opts.recipe}: the source {source.label} is not quantized; "
-                                f"nothing to dequantize")
-        return make_plan(source, opts)
-    return make_reformat_plan(source, opts, detected)
 
 
 def refuse_corrupt_scales(source: Source, layout: Layout, module: str, recipe: str, ct: CheckpointTensors) -> None:
@@ -89,7 +78,7 @@ def _module_plan(det: Detected, module: str, src_recipe: str, ct: CheckpointTens
     if recipe is None:
         out_name, transposed = src_layout.dense_name(module)
         out_shape = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
-        return TensorPlan(**base, transpose=transposed, action="dequantize",
+        return TensorPlan(**base, transpose=transposed, action=Action.DEQUANTIZE,
                           outputs=(OutSpec(out_name, DENSE_DTYPES[opts.recipe][0], out_shape),)), []
     try:
         recipe.check(module, shape, torch.float32)
@@ -97,9 +86,9 @@ def _module_plan(det: Detected, module: str, src_recipe: str, ct: CheckpointTens
     except (RecipeError, LayoutError) as exc:
         return None, [str(exc)]
     action = "relayout" if src_recipe == recipe.name else "requantize"
-    if action == "relayout":
-        widened.update(e.dtype for e in desc.tensors if e.role != "codes" and e.dtype in ("BF16", "F16"))
-    group = fused_group_of(module) if recipe.has_global_scale and action == "requantize" else None
+    if action == Action.RELAYOUT:
+        widened.update(e.dtype for e in desc.tensors if e.role != Role.CODES and e.dtype in ("BF16", "F16"))
+    group = fused_group_of(module) if recipe.has_global_scale and action == Action.REQUANTIZE else None
     return TensorPlan(**base, recipe=recipe.name, fused_group=group, action=action,
                       outputs=output_specs(layout, module, recipe, shape)), []
 
@@ -110,10 +99,10 @@ def _warnings(src_layout: Layout, opts: Options, source: Source, tensors: list[T
         warnings.append(f"{src_layout.name} scales stored as {'/'.join(sorted(widened))} are written as F32, "
                         f"which consumers expect: every {'/'.join(sorted(widened))} value is exactly an F32 value, "
                         f"so the re-layout stays lossless")
-    if opts.scale_search != "none" and any(t.action == "relayout" for t in tensors):
+    if opts.scale_search != "none" and any(t.action == Action.RELAYOUT for t in tensors):
         warnings.append(f"--scale-search {opts.scale_search}: modules already {opts.recipe} in the source are "
                         f"re-laid out byte for byte, so they keep the source's scales (nothing is re-quantized)")
-    if any(t.action == "requantize" for t in tensors):
+    if any(t.action == Action.REQUANTIZE for t in tensors):
         warnings.append(f"re-quantizing {src_layout.name} weights to {opts.recipe}: the errors of both "
                         f"quantizations add up")  # the summary's `next:` line gives the verify command
     return warnings
@@ -142,7 +131,7 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
             if name in consumed:
                 continue
             info = ct.info(name)
-            tensors.append(TensorPlan(name, shard, info.dtype, info.shape, action="copy",
+            tensors.append(TensorPlan(name, shard, info.dtype, info.shape, action=Action.COPY,
                                       outputs=(OutSpec(name, info.dtype, info.shape),)))
             if name.endswith(".weight") and len(info.shape) == 2 and is_dense_linear(name[:-7]):
                 exclusions.append(Exclusion(name[:-7], "dense in the source"))

@@ -36,7 +36,7 @@ def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[s
     opts.scale_search = scale_search or opts.scale_search
     opts.ignore += ignore
     _calibration_options(opts, data, calibrate or {})
-    return opts  # no recipe: the planner takes a quantized source's own (planner.default_recipe)
+    return opts  # no recipe: the planner takes a quantized source's own (conversion.default_recipe)
 
 
 _CALIBRATION_KEYS = {"activations": ("static", "dynamic"), "kv_cache": ("fp8", "none"), "calibration": None,

@@ -20,12 +20,14 @@ from quantcli.errors import LayoutError, QuantcliError, RecipeError
 from quantcli.formats import patterns
 from quantcli.formats.experts import every_layers_experts, experts_module
 from quantcli.formats.facts import Calibration
-from quantcli.formats.fused import drop_single_member_groups, fused_group_of, one_precision_per_fused_group  # noqa: F401 (re-exported)
+from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
 from quantcli.formats.module_kinds import default_exclusion, has_lm_head, is_dense_linear
+from quantcli.planning.actions import Action
+from quantcli.planning.fused_groups import drop_single_member_groups, one_precision_per_fused_group
 from quantcli.recipes import RECIPES, Recipe, get_recipe
 
-# FORMATS.md A.4: never quantized by default. (reason, pattern on the module name)
+# docs/formats.md, "What is never quantized by default". (reason, pattern on the module name)
 # 3-D expert parameters without a `.weight` suffix (gpt-oss, Llama 4) are stored [E, in, out].
 TRANSPOSED_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")
 
@@ -43,7 +45,7 @@ class TensorPlan:
     outputs: tuple[OutSpec, ...] = ()
     # Quantized sources (convert from an already quantized checkpoint): how this module is read
     # and what happens to it. `shape` is then the logical shape and `source_bytes` what is read.
-    action: str = "quantize"  # copy | quantize | relayout | requantize | dequantize
+    action: Action = Action.QUANTIZE
     source_recipe: str | None = None
     source_bytes: int | None = None
 
@@ -119,7 +121,7 @@ class Plan:
     @property
     def lossless(self) -> bool:
         """No value changes: every quantized module is carried over byte for byte."""
-        acts = {t.action for t in self.tensors if t.action != "copy"}
+        acts = {t.action for t in self.tensors if t.action != Action.COPY}
         return bool(acts) and acts <= {"relayout"}
 
     def by_shard(self) -> dict[str, list[TensorPlan]]:
@@ -267,7 +269,7 @@ def _owned_tensors(source: Source):
 def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout, recipes: dict[str, Recipe],
                  shard: str, name: str, info) -> None:
     """Plan one source tensor: a copy, or a quantized module, or an excluded Linear."""
-    plain = TensorPlan(name, shard, info.dtype, info.shape, action="copy",
+    plain = TensorPlan(name, shard, info.dtype, info.shape, action=Action.COPY,
                        outputs=(OutSpec(name, info.dtype, info.shape),))
     is_linear = name.endswith(".weight") and len(info.shape) == 2
     is_experts = len(info.shape) == 3 and "experts" in name

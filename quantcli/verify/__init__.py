@@ -6,7 +6,7 @@ error exceeds quantcli's own quantization of the same reference tensor (same rec
 amax rule) by more than real producers' arithmetic ever does (measured, see limits.py): that
 catches a scale one step off or a scrambled block that an absolute threshold would let through.
 Unquantized tensors must be bit-identical. `--exact` re-quantizes and compares bytes. Each check's
-status comes from the faults filed under it (report.py).
+status comes from the faults filed under it (findings.py).
 
 A quantized reference (the source of a re-layout or re-quantization) is decoded module by module
 through its own layout: a module of the same recipe must decode identically, another recipe is

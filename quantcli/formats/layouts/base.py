@@ -11,6 +11,7 @@ tables; the one place a global scale's direction (multiply vs divide) is applied
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Callable, Mapping
 
 import torch
@@ -27,14 +28,31 @@ GetTensor = Callable[[str], torch.Tensor]
 SAME, SCALAR, ONE, COLUMN, BLOCK4D, BLOCKS16 = "same", "scalar", "one", "column", "block4d", "blocks16"
 
 
+class Role(StrEnum):
+    """What an on-disk tensor of a quantized module is (the manifest's `role`)."""
+
+    CODES = "codes"
+    BLOCK_SCALE = "block_scale"
+    GLOBAL_SCALE = "global_scale"
+    INPUT_SCALE = "input_scale"
+    INPUT_GLOBAL_SCALE = "input_global_scale"
+
+
+class Direction(StrEnum):
+    """How a stored scale is applied: the multiplier itself, or its inverse (a divisor)."""
+
+    MULTIPLY = "multiply"
+    DIVIDE = "divide"
+
+
 @dataclass(frozen=True)
 class TensorRow:
     """One on-disk tensor of a quantized module: `<module><suffix>`."""
 
     suffix: str  # ".weight", ".weight_scale", "_blocks", ...
-    role: str  # codes | block_scale | global_scale | input_scale | input_global_scale
+    role: Role
     reshape: str = SAME  # SAME | SCALAR (0-d) | ONE ([1]) | COLUMN ([N] -> [N, 1]) | BLOCK4D | BLOCKS16
-    direction: str | None = None  # scales: multiply | divide (the inverse of the multiplier)
+    direction: Direction | None = None  # scales only
     dtype: torch.dtype | None = None  # None: the recipe's codec decides (codes, block scales)
     fact: str | None = None  # optional tensors: the ModuleFacts field (a multiplier) that fills it
 
@@ -44,9 +62,9 @@ class DiskTensor:
     """One on-disk tensor of a quantized module, as the manifest records it."""
 
     name: str
-    role: str  # codes | block_scale | global_scale
+    role: Role
     encoding: str  # e4m3fn | e2m1x2 | int8 | f32 | e8m0_bias127
-    direction: str | None  # multiply | divide (scales only)
+    direction: Direction | None  # scales only
 
 
 def module_of(param: str) -> str:
@@ -59,7 +77,7 @@ def to_direction(multiplier: torch.Tensor, direction: str | None) -> torch.Tenso
     (compressed-tensors' `weight_global_scale = 1 / weight_scale_2`). Its own inverse, so
     `from_disk` uses it too: the ONE place the multiply <-> divide convention lives."""
     multiplier = multiplier.to(torch.float32)
-    return 1.0 / multiplier if direction == "divide" else multiplier
+    return 1.0 / multiplier if direction == Direction.DIVIDE else multiplier
 
 
 def stored_value(multiplier: float, direction: str | None) -> float:
@@ -88,7 +106,7 @@ class Layout:
     tables: Mapping[str, tuple[TensorRow, ...]] = {}
     # recipe -> optional per-module tensors, written only when the module's facts carry them
     optional: Mapping[str, tuple[TensorRow, ...]] = {}
-    # KV-cache scales, relative to the attention module (FORMATS.md B 9); none when empty
+    # KV-cache scales, relative to the attention module (docs/formats.md, "FP8 KV-cache scale names"); none when empty
     kv_scales: tuple[str, ...] = ()
     kv_scale_shape: tuple[int, ...] = ()  # F32, 0-d (modelopt) or [1] (compressed-tensors)
     # Recipes a producer writes in this layout that no serving engine loads: read (inspect,
@@ -154,7 +172,7 @@ class Layout:
 
     def to_disk(self, module: str, q: QuantizedTensor, facts: ModuleFacts = NO_FACTS) -> dict[str, torch.Tensor]:
         recipe = get_recipe(q.recipe)
-        canonical = {"codes": q.codes, "block_scale": q.scale, "global_scale": q.global_scale}
+        canonical = {Role.CODES: q.codes, Role.BLOCK_SCALE: q.scale, Role.GLOBAL_SCALE: q.global_scale}
         out = {f"{module}{row.suffix}": self._encode(row, recipe, canonical[row.role]) for row in self.rows(q.recipe)}
         for row in self.optional.get(q.recipe, ()):
             value = getattr(facts, row.fact, None)
@@ -191,15 +209,15 @@ class Layout:
 
     def input_scale_rows(self, recipe: str) -> tuple[TensorRow, ...]:
         """The optional activation-scale rows a module of `recipe` may carry."""
-        return tuple(r for r in self.optional.get(recipe, ()) if r.role in ("input_scale", "input_global_scale"))
+        return tuple(r for r in self.optional.get(recipe, ()) if r.role in (Role.INPUT_SCALE, Role.INPUT_GLOBAL_SCALE))
 
     @staticmethod
     def _encode(row: TensorRow, recipe: Recipe, t: torch.Tensor) -> torch.Tensor:
-        if row.role == "codes":
+        if row.role == Role.CODES:
             t = t.contiguous().view(recipe.codes_dtype)
-        elif row.role == "block_scale" and recipe.scale_codec.nbytes == 1:
+        elif row.role == Role.BLOCK_SCALE and recipe.scale_codec.nbytes == 1:
             t = t.contiguous().view(recipe.scale_codec.disk_dtype)
-        elif row.role == "block_scale":
+        elif row.role == Role.BLOCK_SCALE:
             t = t.to(torch.float32)
         else:  # global, input and input_global scales: FP32 in the row's direction
             t = to_direction(t, row.direction)
@@ -216,7 +234,7 @@ class Layout:
         for row in rows[1:]:
             name = f"{module}{row.suffix}"
             stored = get(name)
-            if row.role == "global_scale":
+            if row.role == Role.GLOBAL_SCALE:
                 s2 = to_direction(stored.to(torch.float32).reshape(()), row.direction)
             elif recipe.scale_codec.nbytes == 1:
                 scale = require_8bit(name, stored)
@@ -225,9 +243,9 @@ class Layout:
         return QuantizedTensor(recipe.name, shape, codes, scale, s2, recipe.scale_rule)
 
     def describe(self, module: str, recipe: Recipe) -> list[DiskTensor]:
-        encoding = {"codes": recipe.element.disk_encoding, "block_scale": recipe.scale_encoding}
+        encoding = {Role.CODES: recipe.element.disk_encoding, Role.BLOCK_SCALE: recipe.scale_encoding}
         return [DiskTensor(f"{module}{row.suffix}", row.role, encoding.get(row.role, "f32"),
-                           None if row.role == "codes" else (row.direction or "multiply"))
+                           None if row.role == Role.CODES else (row.direction or Direction.MULTIPLY))
                 for row in self.rows(recipe.name)]
 
     def output_specs(self, module: str, recipe: Recipe, shape: tuple[int, ...]) -> list[tuple[str, torch.dtype, tuple]]:

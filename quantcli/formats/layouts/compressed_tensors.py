@@ -18,13 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from quantcli.formats.layouts.base import COLUMN, ONE, Layout, TensorRow
+from quantcli.formats.layouts.base import COLUMN, ONE, Direction, Layout, Role, TensorRow
 
-_SCALE = TensorRow(".weight_scale", "block_scale", direction="multiply")
-_CODES = TensorRow(".weight", "codes")
-_PACKED = TensorRow(".weight_packed", "codes")
+_SCALE = TensorRow(".weight_scale", Role.BLOCK_SCALE, direction=Direction.MULTIPLY)
+_CODES = TensorRow(".weight", Role.CODES)
+_PACKED = TensorRow(".weight_packed", Role.CODES)
 # The divisor convention: weight_global_scale = 1 / weight_scale_2, one FP32 division.
-_GLOBAL = TensorRow(".weight_global_scale", "global_scale", ONE, "divide")
+_GLOBAL = TensorRow(".weight_global_scale", Role.GLOBAL_SCALE, ONE, Direction.DIVIDE)
 _FLOAT = {"type": "float", "symmetric": True, "dynamic": False}
 _DYNAMIC = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
 
@@ -47,16 +47,16 @@ SCHEMES = {
                     {"num_bits": 4, **_FLOAT, "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}),
     "mxfp8": Scheme((_CODES, _SCALE), "mxfp8-quantized",
                     {"num_bits": 8, **_FLOAT, "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}),
-    "fp8": Scheme((_CODES, TensorRow(".weight_scale", "block_scale", ONE, "multiply")), "float-quantized",
+    "fp8": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, ONE, Direction.MULTIPLY)), "float-quantized",
                   {"num_bits": 8, **_FLOAT, "strategy": "tensor"}, {**_DYNAMIC, "strategy": "token"}),
-    "fp8-channel": Scheme((_CODES, TensorRow(".weight_scale", "block_scale", COLUMN, "multiply")), "float-quantized",
+    "fp8-channel": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, COLUMN, Direction.MULTIPLY)), "float-quantized",
                           {"num_bits": 8, **_FLOAT, "strategy": "channel"}, {**_DYNAMIC, "strategy": "token"}),
     "fp8-block": Scheme((_CODES, _SCALE), "float-quantized",
                         {"num_bits": 8, **_FLOAT, "strategy": "block", "block_structure": [128, 128]},
                         {**_DYNAMIC, "strategy": "group", "group_size": 128}),
     # W8A8 with dynamic per-token INT8 activations: vLLM's CompressedTensorsW8A8Int8 (an
     # int-quantized group with input_activations null matches no vLLM scheme).
-    "int8-channel": Scheme((_CODES, TensorRow(".weight_scale", "block_scale", COLUMN, "multiply")), "int-quantized",
+    "int8-channel": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, COLUMN, Direction.MULTIPLY)), "int-quantized",
                            {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": "channel"},
                            {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}),
 }
@@ -64,11 +64,11 @@ TABLES = {recipe: scheme.tensors for recipe, scheme in SCHEMES.items()}
 FORMAT = {recipe: scheme.format for recipe, scheme in SCHEMES.items()}
 WEIGHTS = {recipe: scheme.weights for recipe, scheme in SCHEMES.items()}
 INPUTS = {recipe: scheme.input_activations for recipe, scheme in SCHEMES.items() if scheme.input_activations}
-# Static activation scales (FORMATS.md B 3.2, 6.2): filled from ModuleFacts when a calibration
-# pass learns them; `input_global_scale` is a divisor like `weight_global_scale`.
-_INPUT = TensorRow(".input_scale", "input_scale", ONE, "multiply", fact="input_scale")
+# Static activation scales (docs/formats.md, "compressed-tensors presets"): filled from ModuleFacts
+# when a calibration pass learns them; `input_global_scale` is a divisor like `weight_global_scale`.
+_INPUT = TensorRow(".input_scale", Role.INPUT_SCALE, ONE, Direction.MULTIPLY, fact="input_scale")
 OPTIONAL = {"fp8": (_INPUT,), "fp8-channel": (_INPUT,),
-            "nvfp4": (TensorRow(".input_global_scale", "input_global_scale", ONE, "divide", fact="input_scale"),)}
+            "nvfp4": (TensorRow(".input_global_scale", Role.INPUT_GLOBAL_SCALE, ONE, Direction.DIVIDE, fact="input_scale"),)}
 
 class CompressedTensorsLayout(Layout):
     name = "compressed-tensors"
@@ -138,13 +138,13 @@ class CompressedTensorsLayout(Layout):
 
     def declare_calibration(self, config: dict, extra: dict[str, dict], groups: Mapping[str, list[str]],
                             static: bool, kv_fp8: bool) -> None:
-        if static:  # FORMATS B 3.2 (FP8 static) and 6.2 (NVFP4 W4A4 preset)
+        if static:  # the FP8 and NVFP4 (W4A4) presets (docs/formats.md, "compressed-tensors presets")
             for group in config["config_groups"].values():
                 recipe = next(r for r, s in SCHEMES.items() if s.format == group["format"]
                               and _same_weights(group["weights"], s.weights))
                 if recipe in STATIC_INPUTS:
                     group["input_activations"] = dict(STATIC_INPUTS[recipe])
-        if kv_fp8:  # FORMATS B 9
+        if kv_fp8:  # docs/formats.md, "FP8 KV-cache scale names"
             config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                          "symmetric": True}
 

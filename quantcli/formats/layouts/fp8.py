@@ -24,16 +24,16 @@ from __future__ import annotations
 from typing import Mapping
 
 from quantcli.errors import LayoutError
-from quantcli.formats.layouts.base import SCALAR, Layout, TensorRow
+from quantcli.formats.layouts.base import SCALAR, Direction, Layout, Role, TensorRow
 
-_CODES = TensorRow(".weight", "codes")
-_SCALE_INV = TensorRow(".weight_scale_inv", "block_scale", direction="multiply")
+_CODES = TensorRow(".weight", Role.CODES)
+_SCALE_INV = TensorRow(".weight_scale_inv", Role.BLOCK_SCALE, direction=Direction.MULTIPLY)
 TABLES = {
-    "fp8": (_CODES, TensorRow(".weight_scale", "block_scale", SCALAR, "multiply")),
+    "fp8": (_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, SCALAR, Direction.MULTIPLY)),
     "fp8-block": (_CODES, _SCALE_INV),
     "mxfp8": (_CODES, _SCALE_INV),
 }
-OPTIONAL = {"fp8": (TensorRow(".input_scale", "input_scale", SCALAR, "multiply", fact="input_scale"),)}
+OPTIONAL = {"fp8": (TensorRow(".input_scale", Role.INPUT_SCALE, SCALAR, Direction.MULTIPLY, fact="input_scale"),)}
 
 class Fp8Layout(Layout):
     name = "fp8"
@@ -78,7 +78,7 @@ class Fp8Layout(Layout):
 
     def declare_calibration(self, config: dict, extra: dict[str, dict], groups: Mapping[str, list[str]],
                             static: bool, kv_fp8: bool) -> None:
-        if static:  # FORMATS B 3.3: per-tensor input_scale
+        if static:  # per-tensor input_scale (docs/formats.md, "FineGrainedFP8 and the fp8 layout")
             config["activation_scheme"] = "static"
         if kv_fp8:  # SGLang's Fp8Config reads it and turns its KV cache to FP8 (vLLM needs the flag)
             config["kv_cache_quant_algo"] = "FP8"

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Mapping
 
 from quantcli.errors import LayoutError
-from quantcli.formats.layouts.base import BLOCKS16, Layout, TensorRow
+from quantcli.formats.layouts.base import BLOCKS16, Direction, Layout, Role, TensorRow
 from quantcli.recipes import Recipe
 
-TABLES = {"mxfp4": (TensorRow("_blocks", "codes", BLOCKS16), TensorRow("_scales", "block_scale", direction="multiply"))}
+TABLES = {"mxfp4": (TensorRow("_blocks", Role.CODES, BLOCKS16), TensorRow("_scales", Role.BLOCK_SCALE, direction=Direction.MULTIPLY))}
 
 class GptOssLayout(Layout):
     name = "gpt-oss"
