@@ -24,6 +24,10 @@ LOADS_IN: dict[tuple[str, str], tuple[str, ...]] = {
     ("nvfp4", "modelopt"): ("vLLM", "SGLang", "TensorRT-LLM"),
     ("nvfp4", "compressed-tensors"): ("vLLM", "SGLang", "transformers"),
     ("int8-channel", "compressed-tensors"): ("vLLM", "SGLang", "transformers"),
+    # pack-quantized W4A16: vLLM compressed_tensors_wNa16.py::CompressedTensorsWNA16 (Machete on SM90,
+    # Marlin SM75+), SGLang's CompressedTensorsWNA16 (Marlin, SM80+), transformers through
+    # compressed-tensors' PackedQuantizationCompressor.decompress
+    ("int4", "compressed-tensors"): ("vLLM", "SGLang", "transformers"),
 }
 
 # SGLang reads the method from the config; ModelOpt's NVFP4 checkpoints are documented (and
