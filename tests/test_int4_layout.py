@@ -317,3 +317,32 @@ def test_transformers_loads_it_with_the_logits_of_our_decode(converted):
     with torch.no_grad():
         expected = ours(ids).logits
     assert torch.equal(logits, expected), float((logits.float() - expected.float()).abs().max())
+
+
+def test_verify_and_convert_refuse_corrupt_int4_tensors(converted, run_cli, tmp_path):
+    """A NaN weight_scale is a scale fault (verify) and a corrupt source (convert); a weight_shape
+    that disagrees with the codes makes the module unreadable (verify names it)."""
+    import shutil
+
+    _, _, out = converted
+    module = "model.layers.0.mlp.down_proj"
+    edits = {"nan": (f"{module}.weight_scale", lambda t: t.index_fill(1, torch.tensor([1]), float("nan"))),
+             "shape": (f"{module}.weight_shape", lambda t: t.flip(0))}
+    for case, (name, edit) in edits.items():
+        bad = tmp_path / case
+        shutil.copytree(out, bad)
+        for shard in bad.glob("*.safetensors"):
+            with safe_open(str(shard), "pt") as f:
+                tensors = {n: f.get_tensor(n) for n in f.keys()}
+            if name in tensors:
+                tensors[name] = edit(tensors[name])
+                save_file(tensors, str(shard), metadata={"format": "pt"})
+        (bad / "quantcli_manifest.json").unlink()  # read it as another producer's checkpoint
+        code, text, err = run_cli("verify", bad, "--json")
+        assert code != 0
+        faults = {(f["tensor"], f["fault"].split(" at ")[0].split(":")[0]) for f in json.loads(text)["faults"]}
+        expected = (module, "block scale nan") if case == "nan" else (module, "cannot be read back")
+        assert expected in faults, faults
+        if case == "nan":
+            code, _, err = run_cli("convert", bad, tmp_path / "from-nan", "--recipe", "bf16")
+            assert code != 0 and f"{module}.weight_scale" in err and "corrupt" in err
