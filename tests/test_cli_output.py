@@ -212,23 +212,22 @@ def test_verify_quiet_sends_faults_to_stderr(run_cli, monkeypatch, checkpoints, 
 
 
 def test_layouts_engines_come_from_one_table(run_cli, monkeypatch):
-    """`quantcli layouts` (text and JSON) and the model card's serving commands read the same
-    table, quantcli/formats/engines.py LOADS_IN; the layouts' prose (inspect's `loads in`) names them all."""
-    from quantcli.formats.engines import LOADS_IN
-    from quantcli.formats.layouts import LAYOUTS
+    """`quantcli layouts` (text and JSON) reads quantcli/formats/engines.py's table (as inspect,
+    the model card and the docs do: tests/test_engines.py); lower case marks a condition."""
+    from quantcli.formats.engines import TABLE, loads_in
 
     doc = json.loads(run_cli("layouts", "--json")[1])
     pairs = {(r, layout["name"]): tuple(engines) for layout in doc["layouts"] for r, engines in layout["loads_in"].items()}
-    assert pairs == LOADS_IN
+    assert pairs == {pair: loads_in(*pair) for pair in TABLE}
     for layout in doc["layouts"]:
-        assert set(layout["engines"]) == {e for (_, name), es in LOADS_IN.items() if name == layout["name"] for e in es}
-        assert all(e in LAYOUTS[layout["name"]].consumers for e in layout["engines"])
+        assert set(layout["engines"]) == {e for (_, name) in TABLE if name == layout["name"] for e in loads_in(_, name)}
         for recipe, cell in doc["loadability"][layout["name"]].items():
-            assert (cell == "loads") == ((recipe, layout["name"]) in LOADS_IN)
+            assert (cell == "loads") == ((recipe, layout["name"]) in TABLE)
     monkeypatch.setenv("COLUMNS", "80")
     text = run_cli("layouts")[1]
     assert max(map(len, text.splitlines())) <= 80 and "compressed-tensors " in text  # whole, at 80 columns
-    assert re.search(r"│ nvfp4\s+│\s+V S T\s+│\s+V S H\s+│", text)
+    assert re.search(r"│ nvfp4\s+│\s+V S t\s+│\s+V S H\s+│", text)
+    assert "  nvfp4 in modelopt: vLLM, SGLang; TensorRT-LLM if static input scales" in text
 
 
 def test_dry_run_quiet_prints_only_the_total_line_with_the_real_peak(run_cli, monkeypatch, checkpoints):

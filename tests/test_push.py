@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import HfApi, ModelCard
 
 from faults import assert_one_line_error
-from quantcli.formats.engines import LOADS_IN, loads_in
+from quantcli.formats.engines import TABLE, loads_in
 from quantcli.testing import make_llama
 from test_json_schema import validate
 
@@ -227,7 +227,7 @@ def test_every_recipe_layout_pair_has_its_engines():
     from quantcli.recipes import RECIPES
 
     pairs = {(r, layout) for r in RECIPES for layout in layouts_for(r)}
-    assert pairs == set(LOADS_IN) and all(loads_in(*p) for p in pairs)
+    assert pairs == set(TABLE) and all(loads_in(*p) for p in pairs)
 
 
 # ---------------------------------------------------------------- scripts/make_checkpoint.py

@@ -86,13 +86,15 @@ class ConvertBar(_Shown):
                                  _RateColumn(),
                                  TimeRemainingColumn(), console=stderr, transient=True) if show_bar else None
         first = next((ts[0].name for ts in self.order.values() if ts), "")
-        self.task = self.progress.add_task(self._describe(f"shard 1/{len(self.shards)}", first), total=plan.bytes_in) \
-            if show_bar else None
+        start = self._describe(f"shard 1/{len(self.shards)}", first)
+        if plan.options.calibration is not None:  # the data is read and run before any shard
+            start = "calibrating: reading the data"
+        self.task = self.progress.add_task(start, total=plan.bytes_in) if show_bar else None
 
     def __call__(self, n: int, shard: str) -> None:
         if not n and shard not in self.order:  # a phase before the shards (calibration) names itself
             if self.progress is not None:
-                self.progress.update(self.task, description=shard)
+                self.progress.update(self.task, description=self._phase(shard))
             elif self.verbose:
                 self.stderr.print(shard)
             return
@@ -111,6 +113,14 @@ class ConvertBar(_Shown):
         if self.progress is not None:
             current = self.left[0].name if self.left else "done"
             self.progress.update(self.task, advance=n, description=self._describe(where, current))
+
+    def _phase(self, text: str) -> str:
+        """A phase's line on one row: cut after its last `, ` part that fits beside the bar and
+        the byte, rate and time columns (28 characters with nothing written yet)."""
+        room = max(24, self.stderr.width - self.bar_width - 30)
+        while len(text) > room and ", " in text:
+            text = text.rsplit(", ", 1)[0]
+        return text if len(text) <= room else text[:room - 1] + "…"
 
     def _describe(self, where: str, current: str) -> str:
         return f"{where} {tail(current, self.stderr.width - len(where) - 1 - self.bar_width - 48)}"

@@ -130,6 +130,11 @@ def _print_convert_result(plan, result, src: str) -> None:
               f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)}{_timing(result)}")
     if plan.exclusions:
         con.print(f"left dense: {dense_reasons(plan.exclusions)}")
+    if plan.layout is not None:  # the card's verdicts (quantcli/formats/engines.py, checked on the output)
+        from quantcli.convert.model_card import output_loads
+        from quantcli.formats.engine_checks import loads_in_line
+
+        con.print(f"loads in: {loads_in_line(output_loads(plan, result.dst))}", markup=False)
     cal = plan.options.calibration
     if cal is not None:
         con.print(f"calibrated: {_calibrated_counts(plan)} from {cal.data}")
@@ -234,7 +239,7 @@ def _calibration_estimate(plan, device: str):
 
 def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: bool, kv_cache: bool,
                 kv_budget: str | None, json_out: bool, per_tensor: bool = False, quiet: bool = False) -> int:
-    from quantcli.inspect import inspect_checkpoint, kv_cache_account, parse_size
+    from quantcli.inspect import account_kv_cache, inspect_checkpoint, parse_size
 
     if kv_budget is not None and not kv_cache:
         raise QuantcliError(f"--kv-budget {kv_budget}: only used by the KV-cache account; add --kv-cache")
@@ -243,8 +248,8 @@ def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: 
     context, advance = counting_bar(_console(stderr=True), show_bar, "reading")
     with context:
         report = inspect_checkpoint(path, revision=revision, pattern=tensors, stats=stats, progress=advance)
-    if kv_cache:
-        report.kv_cache = kv_cache_account(report.config, budget)
+    if kv_cache:  # an encoder gets a warning instead: it caches nothing
+        account_kv_cache(report, budget)
     if json_out:  # the config it read is not part of the document; quantcli/schemas/inspect.json
         emit_json(envelope("inspect", report, source=report.source,
                            excluded=[{"module": m, "reason": "in the config's exclusion list"}
@@ -299,8 +304,10 @@ def run_recipes(json_out: bool) -> int:
     from quantcli.formats.catalog import recipes
 
     infos = recipes()
-    if json_out:
-        emit_json(envelope("recipes", {"recipes": infos}))  # quantcli/schemas/recipes.json
+    if json_out:  # quantcli/schemas/recipes.json
+        from quantcli.formats.schemes import scheme_infos
+
+        emit_json(envelope("recipes", {"recipes": infos, "llm_compressor": scheme_infos()}))
     else:
         render_recipes(infos, _console())
     return 0

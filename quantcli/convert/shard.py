@@ -1,7 +1,8 @@
-"""The per-shard job: one output shard as a function of (plan, shard, facts). It shares no
-mutable state with other shards (everything it learned comes back in its ShardResult), so
-shards can run in any order or on any worker, and a resumed run rebuilds the same manifest
-from the recorded results."""
+"""The per-shard job: one output shard as a function of (plan, shard, facts, staged products). It
+shares no mutable state with other shards (everything it learned comes back in its ShardResult),
+so shards can run in any order or on any worker, and a resumed run rebuilds the same manifest
+from the recorded results. A tensor a weight pass produced (convert/staged.py) is written as it
+was staged instead of being quantized here."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ import torch
 from quantcli.checkpoint.safetensors_io import DTYPES, ShardWriter, tensor_bytes
 from quantcli.convert.reading import ModuleReader
 from quantcli.convert.records import Findings, Progress, ShardResult
+from quantcli.convert.staged import StagedWeights
 from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.formats.layouts.base import Direction, Role, module_of, to_direction
 from quantcli.kernels import cpu_workers
 from quantcli.memory import release_freed_memory
 from quantcli.planning.actions import Action
 from quantcli.planning.plan import TensorPlan
-from quantcli.recipes import QuantizedTensor
+from quantcli.recipes import QuantizedTensor, Recipe
 
 # Outputs waiting for the writer thread besides the one it writes: one keeps it busy while the
 # next tensor is quantized; two held one more tensor's codes (peak RSS above the floor's).
@@ -42,15 +44,15 @@ class Learned:
 
 
 def convert_shard(reader: ModuleReader, shard: str, facts: Mapping[str, ModuleFacts], out_path: Path,
-                  progress: Progress | None = None) -> ShardResult:
+                  progress: Progress | None = None, staged: StagedWeights | None = None) -> ShardResult:
     """Write output shard `shard` to `out_path` atomically. A failed or interrupted write leaves
     no partial file behind; an OSError names the file it was writing."""
     planned = [t for t in reader.plan.tensors if t.shard == shard]
     tmp = out_path.with_name(out_path.name + ".tmp")
     learned: dict[str, Learned] = {}
     try:
-        with open(tmp, "wb") as f, _compute_threads(reader.device):
-            writer = _stream(f, reader, shard, planned, facts, learned, progress or (lambda n, s: None))
+        with open(tmp, "wb") as f, compute_threads(reader.device):
+            writer = _stream(f, reader, shard, planned, facts, staged, learned, progress or (lambda n, s: None))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out_path)
@@ -63,7 +65,7 @@ def convert_shard(reader: ModuleReader, shard: str, facts: Mapping[str, ModuleFa
     return ShardResult(writer.size, writer.sha256, _findings(learned))
 
 
-def _compute_threads(device: torch.device):
+def compute_threads(device: torch.device):
     """On the CPU, torch's intra-op threads (as many as it would use, set per rank on several
     ranks) quantize whole chunks side by side instead of splitting every op (cpu_workers)."""
     return cpu_workers(torch.get_num_threads()) if device.type == "cpu" else contextlib.nullcontext()
@@ -78,7 +80,7 @@ def _findings(learned: Mapping[str, Learned]) -> Findings:
 
 
 def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], facts: Mapping[str, ModuleFacts],
-            learned: dict[str, Learned], progress: Progress) -> ShardWriter:
+            staged: StagedWeights | None, learned: dict[str, Learned], progress: Progress) -> ShardWriter:
     producer = {o.name: t for t in planned for o in t.outputs}
     writer = ShardWriter(f, [o for t in planned for o in t.outputs], {"format": "pt"})
     # One background thread writes (and hashes) while the next tensor is read and quantized;
@@ -92,7 +94,7 @@ def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], fact
                 t = producer[spec.name]
                 module = t.module or module_of(t.name)
                 module_facts = facts.get(module, NO_FACTS)
-                outputs, found = produce(reader, t, module_facts)
+                outputs, found = _outputs(reader, t, module_facts, staged)
                 if reader.plan.layout is not None and module_facts is not NO_FACTS:  # KV scales come from facts
                     outputs.update(reader.plan.layout.kv_to_disk(module, module_facts))
                 if t.module is not None:
@@ -120,6 +122,17 @@ def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], fact
     return writer
 
 
+def _outputs(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts,
+             staged: StagedWeights | None) -> tuple[dict, Learned]:
+    """What a weight pass staged for `t`, byte for byte (checked against the plan), or else the
+    outputs produced here."""
+    made = staged.product(t, reader.plan.layout) if staged is not None else None
+    if made is None:
+        return produce(reader, t, facts)
+    outputs, learned = made
+    return outputs, Learned(**learned)
+
+
 def produce(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts) -> tuple[dict, Learned]:
     """The output tensors of one planned tensor, by its action, and what producing them learned."""
     plan = reader.plan
@@ -142,9 +155,13 @@ def produce(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts) -> tuple[di
     if t.action == Action.REQUANTIZE:  # the combined error, against the decoded source
         d = recipe.dequantize(q, backend=reader.backend)
         error = float((d - w).float().norm() / w.float().norm().clamp_min(1e-30))
+    return plan.layout.to_disk(t.module, q.to("cpu"), facts=facts), learned_of(recipe, q, facts, error)
+
+
+def learned_of(recipe: Recipe, q: QuantizedTensor, facts: ModuleFacts, error: float | None = None) -> Learned:
+    """What quantizing a module to `q` tells the manifest (also for a weight pass's product)."""
     weighted = "input_channel_ms" if recipe.scale_search != "none" and facts.input_channel_ms is not None else None
-    return plan.layout.to_disk(t.module, q.to("cpu"), facts=facts), Learned(_global_of(q), error=error,
-                                                                            weighted=weighted)
+    return Learned(_global_of(q), error=error, weighted=weighted)
 
 
 def _global_of(q: QuantizedTensor) -> float | None:

@@ -102,6 +102,9 @@ class ModuleStats:
     nonfinite_values: int = OMITTED
     zero_block_fraction: float = OMITTED
     saturated_fraction: float = OMITTED
+    # what absmax scaling saturates by construction: one code per block (NVFP4 1/16 = 6.25 %);
+    # OMITTED for E8M0 scales, which put the block amax near, not onto, the largest element
+    saturated_inherent: float = OMITTED
 
 
 @dataclass
@@ -186,7 +189,24 @@ def module_stats(layout: Layout, module: str, recipe_name: str, tensors: Checkpo
         g = w.reshape(-1, blocks)
         out.zero_block_fraction = round(float((g.abs().amax(dim=1) == 0).float().mean()), 6)
     out.saturated_fraction = round(recipe.saturated_fraction(q), 6)
+    inherent = inherent_saturation(recipe, tuple(q.shape))
+    if inherent is not None:
+        out.saturated_inherent = round(inherent, 6)
     return out
+
+
+def inherent_saturation(recipe, shape: tuple[int, ...]) -> float | None:
+    """The share of codes at the element's max that absmax scaling puts there by construction:
+    each block's amax maps to the largest element, so one code per block (partial edge blocks
+    count whole). None for power-of-two (E8M0) scales, which map the amax below the max."""
+    if recipe.scale_encoding == "e8m0_bias127" or len(shape) < 2 or not math.prod(shape):
+        return None
+    rows, cols = recipe.block
+    if rows == 0 and cols == 0:  # one scale for the whole tensor
+        return 1.0 / math.prod(shape)
+    n, k = shape[-2], shape[-1]
+    blocks = math.prod(shape[:-2]) * math.ceil(n / (rows or n)) * math.ceil(k / (cols or k))
+    return blocks / math.prod(shape)
 
 
 @dataclass

@@ -157,7 +157,9 @@ def token_ids(cal: Calibration, source_root: Path) -> list[list[int]]:
             tokenizer = tokenizer or _tokenizer(source_root, cal)
             if isinstance(s, list):
                 s = tokenizer.apply_chat_template(s, tokenize=False)
-            s = tokenizer(s, add_special_tokens=True)["input_ids"]
+            # verbose=False: transformers' "sequence length is longer than the specified maximum"
+            # warning is about running the ids untruncated, and they are cut to seq_len below
+            s = tokenizer(s, add_special_tokens=True, verbose=False)["input_ids"]
         if s:
             out.append(list(s[: cal.seq_len]))
     return out
@@ -174,6 +176,11 @@ def check_tokenizer(samples: list, cal: Calibration, source_root: Path) -> None:
                             f"{source_root}'s tokenizer lacks; give 'text' or 'input_ids' instead")
 
 
+# The files a tokenizer is built from (a fast tokenizer's own file, or a slow one's vocabulary);
+# tokenizer_config.json alone only configures one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt")
+
+
 def _tokenizer(source_root: Path, cal: Calibration):
     try:
         from transformers import AutoTokenizer
@@ -181,7 +188,19 @@ def _tokenizer(source_root: Path, cal: Calibration):
         raise QuantcliError(f"--calibration needs transformers and tokenizers: {EXTRA}") from None
     try:
         return AutoTokenizer.from_pretrained(str(source_root))
-    except (OSError, ValueError):  # transformers' own text names no file; ours says what is missing
-        raise QuantcliError(f"--calibration {cal.data}: text samples need the source's tokenizer "
-                            f"(tokenizer.json or tokenizer_config.json), which {source_root} lacks; copy it there, "
-                            f"or give token ids ({{\"input_ids\": [...]}} per .jsonl line)") from None
+    except (OSError, ValueError) as exc:  # transformers' own text names no file; ours says what is missing
+        raise QuantcliError(f"--calibration {cal.data}: text samples need the source's tokenizer, but "
+                            f"{_tokenizer_problem(source_root, exc)}; copy the tokenizer files there, or give token "
+                            f"ids ({{\"input_ids\": [...]}} per .jsonl line)") from None
+
+
+def _tokenizer_problem(root: Path, exc: Exception) -> str:
+    """Why no tokenizer could be built from `root`, by the files it holds."""
+    present = [f for f in TOKENIZER_FILES if (root / f).is_file()]
+    if present:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"transformers could not build one from {root}'s {', '.join(present)} ({first})"
+    if (root / "tokenizer_config.json").is_file():
+        return (f"{root} has a tokenizer_config.json and no file to build the tokenizer from "
+                f"({', '.join(TOKENIZER_FILES)})")
+    return f"{root} has no tokenizer files (tokenizer.json, or tokenizer_config.json with its vocabulary)"

@@ -22,7 +22,7 @@ from quantcli.formats.experts import every_layers_experts, experts_module
 from quantcli.formats.facts import Calibration
 from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
-from quantcli.formats.module_kinds import default_exclusion, is_dense_linear
+from quantcli.formats.module_kinds import default_exclusion, has_lm_head, is_dense_linear
 from quantcli.planning.actions import Action
 from quantcli.planning.fused_groups import drop_single_member_groups, one_precision_per_fused_group
 from quantcli.recipes import RECIPES, Recipe, get_recipe
@@ -149,9 +149,11 @@ class Plan:
 
     def excluded_names(self) -> list[str]:
         """The exact module names for the layout's exclusion key: every Linear left unquantized,
-        and always lm_head (tied heads have no tensor but are still an unquantized Linear)."""
+        and lm_head where the model has one (a tied head has no tensor but is still an unquantized
+        Linear; an encoder such as BertModel has none to name)."""
         names = {e.module for e in self.exclusions}
-        names.add("lm_head")
+        if has_lm_head(self.source.config):
+            names.add("lm_head")
         return sorted(names)
 
     @property

@@ -103,7 +103,6 @@ def _reshape(t: torch.Tensor, rule: str) -> torch.Tensor:
 
 class Layout:
     name: str = ""
-    consumers: str = ""
     # recipe -> the tensors a module of that recipe is written as (codes row first)
     tables: Mapping[str, tuple[TensorRow, ...]] = {}
     # recipe -> optional per-module tensors, written only when the module's facts carry them

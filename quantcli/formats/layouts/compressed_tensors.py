@@ -1,4 +1,4 @@
-"""compressed-tensors layout (`quant_method: compressed-tensors`): vLLM, SGLang, transformers.
+"""compressed-tensors layout (`quant_method: compressed-tensors`); engines per recipe: quantcli/formats/engines.py.
 
     nvfp4        weight_packed U8 [N, K/2], weight_scale F8_E4M3 [N, K/16],
                  weight_global_scale F32 [1] = 1 / weight_scale_2 (divide)   nvfp4-pack-quantized
@@ -87,7 +87,6 @@ OPTIONAL = {"fp8": (_INPUT,), "fp8-channel": (_INPUT,),
 
 class CompressedTensorsLayout(Layout):
     name = "compressed-tensors"
-    consumers = "vLLM, SGLang, transformers"
     tables = TABLES
     optional = OPTIONAL
     kv_scales = ("k_scale", "v_scale")  # on the attention module: `...self_attn.k_scale`

@@ -1,11 +1,12 @@
-"""modelopt layout (`quant_method: modelopt`), loaded by vLLM, SGLang and TensorRT-LLM.
+"""modelopt layout (`quant_method: modelopt`); engines per recipe: quantcli/formats/engines.py.
 
     nvfp4        weight U8 [N, K/2], weight_scale F8_E4M3 [N, K/16], weight_scale_2 F32 [] (multiply)
     fp8          weight F8_E4M3 [N, K], weight_scale F32 [], input_scale F32 []   FP8 (static
                  activations only: written with --activations static; docs/formats.md,
                  "ModelOpt FP8 and NVFP4 scales")
     fp8-channel  weight F8_E4M3 [N, K], weight_scale F32 [N]            FP8_PER_CHANNEL_PER_TOKEN
-    fp8-block    weight F8_E4M3 [N, K], weight_scale F32 [N/128, 1, K/128, 1]   FP8_PB_WO
+    fp8-block    weight F8_E4M3 [N, K], weight_scale F32 [N/128, 1, K/128, 1]   fp8_pb_wo (lower case,
+                 as ModelOpt writes it: TensorRT-LLM matches only that spelling, vLLM upper-cases)
     mxfp8        weight F8_E4M3 [N, K], weight_scale U8 E8M0 [N, K/32]  MXFP8 (rule rceil)
     mxfp4        weight U8 [N, K/2], weight_scale U8 E8M0 [N, K/32]      MXFP4 (read only: ModelOpt's
                  own export, which no serving engine loads; docs/formats.md, "ModelOpt MXFP4 export")
@@ -38,7 +39,7 @@ _INPUT = TensorRow(".input_scale", Role.INPUT_SCALE, SCALAR, Direction.MULTIPLY,
 OPTIONAL = {"nvfp4": (_INPUT,), "fp8": (_INPUT,), "fp8-channel": (_INPUT,)}
 
 QUANT_ALGO = {"nvfp4": "W4A16_NVFP4", "fp8": "FP8", "fp8-channel": "FP8_PER_CHANNEL_PER_TOKEN",
-              "fp8-block": "FP8_PB_WO", "mxfp8": "MXFP8"}
+              "fp8-block": "fp8_pb_wo", "mxfp8": "MXFP8"}
 ALGO_TO_RECIPE = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8_PER_CHANNEL_PER_TOKEN": "fp8-channel",
                   "FP8_PB_WO": "fp8-block", "MXFP8": "mxfp8", "FP8": "fp8",
                   "MXFP4": "mxfp4", "W4A8_MXFP4_FP8": "mxfp4"}
@@ -47,7 +48,6 @@ GROUP_SIZE = {"nvfp4": 16, "mxfp8": 32}
 
 class ModelOptLayout(Layout):
     name = "modelopt"
-    consumers = "vLLM, SGLang, TensorRT-LLM"
     tables = TABLES
     optional = OPTIONAL
     kv_scales = ("k_proj.k_scale", "v_proj.v_scale")  # relative to the attention module
