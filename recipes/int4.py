@@ -34,9 +34,10 @@ tests/test_int4.py calls its functions and compares every byte)
                 within half an ulp below a .5 tie its codes differ from these and from its own CPU
                 run (measured on N(0, 0.02) weights: ~0.6 % of codes for BF16, ~0.2 % FP16, none
                 for FP32)
-    layouts     none yet (recipes.UNLISTED_RECIPES: get_recipe("int4") finds it, the CLI does
-                not); compressed-tensors `pack-quantized` writes `weight_packed` I32 [N, K/8],
-                `weight_scale` (weight dtype) [N, K/128] and `weight_shape` I64 [2]
+    layouts     compressed-tensors `pack-quantized` (the default; llm-compressor's W4A16):
+                `weight_packed` I32 [N, K/8], `weight_scale` (weight dtype) [N, K/128],
+                `weight_shape` I64 [2] = [N, K]; loaded by vLLM (CompressedTensorsWNA16: Machete
+                on SM90, Marlin SM75+), SGLang (Marlin, SM80+) and transformers (decompressed)
 """
 
 from quantcli.kernels.spec import GROUP, INT4, WEIGHT_DTYPE_SCALE, QuantSpec

@@ -28,7 +28,7 @@ from quantcli.testing import make_llama, make_moe
 
 CALIBRATE = importlib.util.find_spec("transformers") is not None
 GROUP_A = [("nvfp4", "llama"), ("fp8-block", "llama"), ("mxfp4", "moe"), ("int8-channel", "llama")]
-GROUP_B = [("fp8", "llama"), ("fp8-channel", "moe"), ("mxfp8", "llama"), ("nvfp4", "moe")]
+GROUP_B = [("fp8", "llama"), ("fp8-channel", "moe"), ("mxfp8", "llama"), ("nvfp4", "moe"), ("int4", "llama128")]
 
 
 def _rank_worker(rank: int, size: int, port: int, jobs: list[dict], log: str) -> None:
@@ -113,7 +113,9 @@ def runs(tmp_path_factory):
     """Sources, the one-process references, and both spawned groups' outputs and logs."""
     tmp = tmp_path_factory.mktemp("dist")
     src = {"moe": make_moe(tmp / "moe", hidden=64, layers=1, shards=3),
-           "llama": _reshard(make_llama(tmp / "llama1", hidden=64, layers=2, shards=1), tmp / "llama", 4)}
+           "llama": _reshard(make_llama(tmp / "llama1", hidden=64, layers=2, shards=1), tmp / "llama", 4),
+           # int4 takes K % 128 == 0 only
+           "llama128": _reshard(make_llama(tmp / "llama128-1", hidden=128, layers=1, shards=1), tmp / "llama128", 3)}
     ref, a, b = tmp / "ref", tmp / "a", tmp / "b"
 
     def cases(out: Path, table) -> list[dict]:

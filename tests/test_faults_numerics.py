@@ -47,8 +47,13 @@ def _fp4(packed: torch.Tensor) -> torch.Tensor:
 
 def fp32_decode(recipe, q, nvfp4_left_to_right: bool = False) -> torch.Tensor:
     """What a consumer computes from the bytes on disk, in FP32. NVFP4: e2m1 * (sb * s2) as
-    quantcli's dequantize (ModelOpt's order), or left to right (e2m1 * sb) * s2."""
+    quantcli's dequantize (ModelOpt's order), or left to right (e2m1 * sb) * s2. INT4: offset
+    binary nibbles minus 8, times the group's scale (weight dtype, exact in FP32)."""
     shape = q.shape
+    if recipe.scale_encoding == "weight_dtype":
+        nibbles = torch.stack((q.codes & 0xF, q.codes >> 4), dim=-1).reshape(shape)
+        g = (nibbles.to(torch.float32) - 8).reshape(*shape[:-1], shape[-1] // recipe.block[1], recipe.block[1])
+        return (g * q.scale.to(torch.float32).unsqueeze(-1)).reshape(shape)
     if recipe.scale_encoding == "f32":
         values = q.codes.view(torch.int8).to(torch.float32) if recipe.codes_dtype == torch.int8 else _e4m3(q.codes)
         scale = q.scale
@@ -85,7 +90,7 @@ def quantize_checked(recipe, w: torch.Tensor, backend: str, **kw):
     return q, decoded
 
 
-def small(shape=(4, 64), seed=0) -> torch.Tensor:
+def small(shape=(4, 128), seed=0) -> torch.Tensor:  # K = 128: a whole block of every recipe (int4's groups)
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g) * 0.02
 
@@ -153,15 +158,15 @@ def edge_tensors() -> dict[str, torch.Tensor]:
     sub = torch.finfo(torch.float32).smallest_normal
     w_sub = small() * 1e-40  # every value FP32-subnormal (or zero)
     w_sub[0, 0] = 1e-45  # the smallest subnormal
-    lone = torch.zeros(4, 64)
+    lone = torch.zeros(4, 128)
     lone[1, 33] = 1e-45  # one subnormal in an all-zero tensor
-    negzero = torch.full((4, 64), -0.0)
+    negzero = torch.full((4, 128), -0.0)
     negzero[2, :32] = 0.0
     outlier = small() * 1e-30  # tiny values next to one huge outlier, in one block
     outlier[0, 5] = 3.0e38
-    mixed = small()
-    mixed[:, :32] = 0.0  # all-zero blocks next to ordinary ones
-    mixed[1, 40] = sub / 2
+    mixed = small((4, 256))
+    mixed[:, :128] = 0.0  # all-zero blocks (of every recipe's width, int4's 128 too) next to ordinary ones
+    mixed[1, 140] = sub / 2
     return {"subnormal": w_sub, "lone_subnormal": lone, "negative_zero": negzero, "outlier": outlier,
             "zero_blocks": mixed}
 
@@ -174,7 +179,7 @@ def test_edge_values_decode_finite_and_twins_agree(recipe, rule, backend):
         q, decoded = quantize_checked(r, w, backend)
         if case == "negative_zero":
             assert (decoded == 0).all()
-            if r.codes_dtype != torch.int8:  # integers have no -0; float codes keep the sign
+            if r.codes_dtype not in (torch.int8, torch.int32):  # integers have no -0; float codes keep the sign
                 assert torch.signbit(decoded[0]).all()
             if r.scale_encoding == "f32":
                 assert float(q.scale.reshape(-1)[0]) == 1.0  # the all-zero rule, never a zero scale
@@ -205,7 +210,7 @@ def test_dense_dtype_extremes(recipe, dtype, backend):
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_zero_size_tensors(recipe, backend):
     r = get_recipe(recipe)
-    for shape in [(0, 64), (8, 0), (0, 0), (2, 0, 64), (0, 8, 64), (2, 8, 0)]:
+    for shape in [(0, 128), (8, 0), (0, 0), (2, 0, 128), (0, 8, 128), (2, 8, 0)]:
         w = torch.empty(shape, dtype=torch.bfloat16)
         q = r.quantize(NAME, w, backend=backend)
         assert tuple(q.codes.shape) == r.codes_shape(shape) and q.codes.dtype == torch.uint8, shape

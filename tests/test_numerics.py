@@ -203,9 +203,9 @@ def test_mxfp4_worked_example_b76(rule, byte, packed):
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_zero_tensor_never_nan(name):
     r = get_recipe(name)
-    q = r.quantize("w", torch.zeros(4, 64))
+    q = r.quantize("w", torch.zeros(4, 128))  # K = 128: a whole block of every recipe (int4's groups)
     d = r.dequantize(q)
-    assert torch.equal(d, torch.zeros(4, 64))
+    assert torch.equal(d, torch.zeros(4, 128))
     if name == "nvfp4":
         assert set(q.scale.flatten().tolist()) == {0x38}
         assert float(q.global_scale) == float(torch.tensor(1.0) / 2688)
@@ -215,7 +215,7 @@ def test_zero_tensor_never_nan(name):
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_nonfinite_rejected_with_name(name):
-    w = torch.randn(4, 64)
+    w = torch.randn(4, 128)
     w[1, 3] = float("nan")
     with pytest.raises(RecipeError, match="model.layers.0.q_proj.weight: holds NaN or Inf"):
         get_recipe(name).quantize("model.layers.0.q_proj.weight", w)
@@ -230,7 +230,7 @@ def test_shape_check_names_tensor_and_fix():
 
 def test_expert_stack_blocks_run_along_last_dim():
     torch.manual_seed(0)
-    w = torch.randn(3, 8, 64)
+    w = torch.randn(3, 8, 128)  # K = 128: int4's groups are 128 wide
     for name in RECIPES:
         r = get_recipe(name)
         stacked = r.quantize("e", w)
@@ -263,8 +263,10 @@ def test_lossless_on_representable_values():
         assert torch.equal(r.dequantize(r.quantize("w", vals)), vals)
 
 
+# int4 measures 0.174: a 128-wide group holding a 50x outlier rounds most of its other values to 0
+# (0.11 on the same weights without outliers)
 BOUNDS = {"fp8": 0.08, "fp8-channel": 0.05, "fp8-block": 0.05, "mxfp8": 0.05, "mxfp4": 0.2, "nvfp4": 0.13,
-          "int8-channel": 0.05}
+          "int8-channel": 0.05, "int4": 0.2}
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

@@ -14,7 +14,8 @@ from quantcli.errors import UsageError, did_you_mean, pick
 # Names shown in --help. They are written out here because the registries they come from import
 # torch (1-2 s), which --help and --version should not wait for; values are checked against the
 # registries themselves, and tests/test_faults_cli.py checks that these lists equal them.
-RECIPE_NAMES = ("fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4", "int8-channel", "bf16", "fp16", "fp32")
+RECIPE_NAMES = ("fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4", "int8-channel", "int4",
+                "bf16", "fp16", "fp32")
 LAYOUT_NAMES = ("modelopt", "compressed-tensors", "fp8", "gpt-oss")
 BACKEND_NAMES = ("auto", "torch", "triton")
 SCALE_RULE_NAMES = ("floor", "even", "rceil")

@@ -148,7 +148,9 @@ def produce(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts) -> tuple[di
         (spec,) = t.outputs
         return {spec.name: w.to(DTYPES[spec.dtype]).cpu()}, Learned()
     recipe = plan.recipes[t.recipe]
-    q = recipe.quantize(t.name, w, backend=reader.backend, facts=facts)
+    # int4's scales take the weight's dtype: the FP32 decode is cast to the model's first (planned)
+    wq = w if t.requantize_dtype is None else w.to(DTYPES[t.requantize_dtype])
+    q = recipe.quantize(t.name, wq, backend=reader.backend, facts=facts)
     error = None
     if t.action == Action.REQUANTIZE:  # the combined error, against the decoded source
         d = recipe.dequantize(q, backend=reader.backend)

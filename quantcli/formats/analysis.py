@@ -165,6 +165,9 @@ def describe_module(layout: Layout, module: str, recipe_name: str, tensors: Chec
     if looks_like and looks_like != recipe.name:
         problems.append(f"config says {recipe.name} but the tensors look like {looks_like}")
     numel = math.prod(logical) if logical else 0
+    # Bits per parameter count codes and scales: compressed-tensors' `weight_shape` is 16 bytes of
+    # metadata per module, not a cost per parameter (int4 stays 4 + 16/128 on any shape).
+    bits_bytes = nbytes - sum(tensors.info(e.name).nbytes for e in entries if e.role == Role.SHAPE)
     element = recipe.element
     return ModuleDescription(
         module=module, recipe=recipe.name, tensors_look_like=looks_like, logical_shape=logical,
@@ -172,7 +175,7 @@ def describe_module(layout: Layout, module: str, recipe_name: str, tensors: Chec
         storage_shape=list(codes.shape) if codes else None,
         packing=f"{element.packing} low_first" if element.packed else None,
         block=list(recipe.block), scale_rule=recipe.scale_rule, tensors=entries, bytes=nbytes, params=numel,
-        bits_per_param=round(8 * nbytes / numel, 4) if numel else None, problems=problems)
+        bits_per_param=round(8 * bits_bytes / numel, 4) if numel else None, problems=problems)
 
 
 def module_stats(layout: Layout, module: str, recipe_name: str, tensors: CheckpointTensors) -> ModuleStats:

@@ -97,10 +97,26 @@ def stored_as_expected(expected_dtype: str, expected_shape: tuple[int, ...], dty
     return math.prod(expected_shape) == 1 and math.prod(shape) == 1 and len(shape) <= 1 and len(expected_shape) <= 1
 
 
+def stored_weight_dtype(layout: Layout, module: str, recipe, tensors):
+    """The weight dtype a stored module was quantized in, as far as its scales say: the block
+    scale's own float dtype for scales of the weight's dtype (int4: BF16, F16 or F32 alike are
+    what a producer writes for such a model), else F32 (the other codecs do not depend on it)."""
+    import torch
+
+    from quantcli.checkpoint.safetensors_io import DTYPES
+
+    if recipe.scale_codec.dtype is None:
+        for d in layout.describe(module, recipe):
+            if d.role == Role.BLOCK_SCALE and d.name in tensors and tensors.info(d.name).dtype in FLOAT_SCALE_DTYPES:
+                return DTYPES[tensors.info(d.name).dtype]
+    return torch.float32
+
+
 def disk_problems(layout: Layout, module: str, recipe, logical_shape: tuple[int, ...], tensors) -> list[str]:
     """Stored tensors of `module` whose dtype or shape the layout cannot read as `recipe`."""
     problems = []
-    for name, dtype, shape in layout.output_specs(module, recipe, logical_shape):
+    weight_dtype = stored_weight_dtype(layout, module, recipe, tensors)
+    for name, dtype, shape in layout.output_specs(module, recipe, logical_shape, weight_dtype):
         if name in tensors:
             info = tensors.info(name)
             expected = dtype_name(dtype)
@@ -124,7 +140,12 @@ def recipes_the_tensors_allow(module: str, tensors) -> set[str]:
     if codes.dtype == "U8":  # FP4 pairs: the group size tells NVFP4 (16) from MXFP4 (32)
         k = codes.shape[-2] * 32 if codes_row.reshape == BLOCKS16 else codes.shape[-1] * 2
         group = k // max(1, scale.shape[-1]) if scale.shape else 0
-        return {r for r, recipe in RECIPES.items() if recipe.element.packed and recipe.block == (1, group)}
+        return {r for r, recipe in RECIPES.items()
+                if recipe.element.safetensors_dtype == "U8" and recipe.element.packed and recipe.block == (1, group)}
+    if codes.dtype == "I32" and len(codes.shape) >= 2:  # int4: eight codes per word, a float [N, K/128] scale
+        return {r for r, recipe in RECIPES.items() if recipe.element.safetensors_dtype == "I32"
+                and scale.dtype in FLOAT_SCALE_DTYPES and tuple(scale.shape) == recipe.scale_shape(
+                    (*codes.shape[:-1], codes.shape[-1] * 32 // recipe.element_bits))}
     if codes.dtype == "I8" and len(codes.shape) >= 2:
         return {r for r in RECIPES if RECIPES[r].element.safetensors_dtype == "I8"}
     if codes.dtype != "F8_E4M3" or len(codes.shape) < 2:
@@ -236,8 +257,10 @@ def scale_faults(layout: Layout, module: str, recipe, tensors) -> list[tuple[str
     for d in layout.describe(module, recipe):
         if d.role == Role.CODES or d.name not in tensors:
             continue
+        if d.role == Role.SHAPE:  # no scale: from_disk checks it against the codes
+            continue
         dtype = tensors.info(d.name).dtype
-        readable = FLOAT_SCALE_DTYPES if d.encoding == "f32" else ("F8_E4M3", "U8")
+        readable = FLOAT_SCALE_DTYPES if d.encoding in ("f32", "weight_dtype") else ("F8_E4M3", "U8")
         if dtype not in readable:
             continue
         stored = tensors.get(d.name)

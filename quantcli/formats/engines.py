@@ -91,6 +91,10 @@ H_FP8_DEQUANT = _H("integrations/finegrained_fp8.py", "Fp8Dequantize._dequantize
 H_FP8_ENV = _H("quantizers/quantizer_finegrained_fp8.py", "FineGrainedFP8HfQuantizer.validate_environment")
 H_GPT_OSS = _H("integrations/mxfp4.py", "replace_with_mxfp4_linear")
 CT_GROUP = _CT("quantization/lifecycle/forward_helpers.py", "_process_group")
+_WNA16 = ("layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py",
+          "CompressedTensorsWNA16.get_min_capability")
+V_WNA16, S_WNA16 = _V(*_WNA16), _S(*_WNA16)
+CT_PACKED = _CT("compressors/pack_quantized/base.py", "PackedQuantizationCompressor.decompress")
 
 _LLAMA = "not Llama-family (SGLang's Llama loader renames weight_scale_inv)"
 _SM100 = "an SM100+ GPU (AMD: gfx94x/95x)"
@@ -192,6 +196,16 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
     ("int8-channel", "compressed-tensors"): {**_CT_LOADS, TRTLLM: _no(
         "8-bit channel groups are read as FP8_PER_CHANNEL_PER_TOKEN without a type check: INT8 codes would "
         "run as FP8", _T_CT)},
+    # pack-quantized W4A16 (llm-compressor's): CompressedTensorsWNA16 in vLLM (Machete on SM90, Marlin
+    # from SM75) and SGLang (Marlin, SM80+); transformers decompresses it with compressed-tensors
+    ("int4", "compressed-tensors"): {
+        VLLM: _when("an SM75+ GPU", (), V_CT, V_WNA16, hardware="an SM75+ GPU",
+                    note="Machete on SM90, Marlin from SM75"),
+        SGLANG: _when("an SM80+ GPU", (), S_CT, S_WNA16, hardware="an SM80+ GPU",
+                      note="Marlin: N a multiple of 64 and K of 128 per tensor-parallel part"),
+        TRTLLM: _no("reads input_activations.strategy of the group, null for weight-only int4, and maps no "
+                    "integer 4-bit group", _T_CT),
+        HF: _loads(H_CT, CT_PACKED)},
 }
 
 # SGLang reads the method from the config; ModelOpt's NVFP4 checkpoints are documented (and

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from quantcli.checkpoint.safetensors_io import OutSpec
+from quantcli.checkpoint.safetensors_io import DTYPES, OutSpec
 from quantcli.checkpoint.source import Source
 from quantcli.checkpoint.tensors import CheckpointTensors
 from quantcli.errors import CheckpointError, LayoutError, QuantcliError, RecipeError
@@ -29,6 +29,29 @@ from quantcli.planning.plan import Exclusion, Options, Plan, TensorPlan, output_
 from quantcli.recipes import DENSE_RECIPES, get_recipe
 
 DENSE_DTYPES = {"bf16": ("BF16", torch.bfloat16), "fp16": ("F16", torch.float16), "fp32": ("F32", torch.float32)}
+CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def requantize_dtype(source: Source) -> str:
+    """The dtype a decoded module is cast to before a recipe whose scales take the weight's dtype
+    (int4) re-quantizes it: the model's own (config.json `torch_dtype`, or transformers 5's
+    `dtype`), else BF16. Engines run the model in that dtype and load `weight_scale` into a
+    parameter of it (vLLM's CompressedTensorsWNA16 registers it in params_dtype), so scales in
+    any other dtype would be rounded at load and no longer be the ones the codes were made with."""
+    config = source.config
+    named = config.get("torch_dtype") or config.get("dtype")
+    return CONFIG_DTYPES.get(named, "BF16") if isinstance(named, str) else "BF16"
+
+
+def _weight_dtype(recipe, action: str, model_dtype: str, desc) -> str | None:
+    """The dtype the module is quantized in when the recipe's scales take it (a scale codec of
+    dtype None; otherwise None): a re-layout keeps the source's scale dtype (the bytes carry
+    over), a re-quantize uses the model's (requantize_dtype)."""
+    if recipe.scale_codec.dtype is not None:
+        return None
+    if action == Action.RELAYOUT:
+        return next(e.dtype for e in desc.tensors if e.role == Role.BLOCK_SCALE)
+    return model_dtype
 
 
 def refuse_corrupt_scales(source: Source, layout: Layout, module: str, recipe: str, ct: CheckpointTensors) -> None:
@@ -64,8 +87,10 @@ def _target(opts: Options) -> tuple[Layout | None, object]:
 
 
 def _module_plan(det: Detected, module: str, src_recipe: str, ct: CheckpointTensors, names: dict,
-                 opts: Options, layout: Layout | None, recipe, widened: set[str]) -> tuple[TensorPlan | None, list[str]]:
-    """The plan of one quantized source module (or the problems that stop it) and its disk names."""
+                 opts: Options, layout: Layout | None, recipe, widened: set[str],
+                 model_dtype: str) -> tuple[TensorPlan | None, list[str]]:
+    """The plan of one quantized source module (or the problems that stop it) and its disk names;
+    `model_dtype` is what a weight-dtype recipe re-quantizes in (requantize_dtype)."""
     src_layout = det.layout
     desc = describe_module(src_layout, module, src_recipe, ct)
     disk = [d.name for d in src_layout.describe(module, src_layout.recipe_for(src_recipe))]
@@ -86,11 +111,13 @@ def _module_plan(det: Detected, module: str, src_recipe: str, ct: CheckpointTens
     except (RecipeError, LayoutError) as exc:
         return None, [str(exc)]
     action = "relayout" if src_recipe == recipe.name else "requantize"
-    if action == Action.RELAYOUT:
+    dtype = _weight_dtype(recipe, action, model_dtype, desc)
+    if action == Action.RELAYOUT and dtype is None:  # scales that keep the weight's dtype are not widened
         widened.update(e.dtype for e in desc.tensors if e.role != Role.CODES and e.dtype in ("BF16", "F16"))
     group = fused_group_of(module) if recipe.has_global_scale and action == Action.REQUANTIZE else None
     return TensorPlan(**base, recipe=recipe.name, fused_group=group, action=action,
-                      outputs=output_specs(layout, module, recipe, shape)), []
+                      requantize_dtype=dtype if action == Action.REQUANTIZE else None,
+                      outputs=output_specs(layout, module, recipe, shape, DTYPES[dtype or "F32"])), []
 
 
 def _warnings(src_layout: Layout, opts: Options, source: Source, tensors: list[TensorPlan], widened: set[str]) -> list[str]:
@@ -122,7 +149,8 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
     with CheckpointTensors(source) as ct:
         for module, src_recipe in sorted(det.modules.items()):
             refuse_corrupt_scales(source, det.layout, module, src_recipe, ct)
-            plan, problems = _module_plan(det, module, src_recipe, ct, names, opts, layout, recipe, widened)
+            plan, problems = _module_plan(det, module, src_recipe, ct, names, opts, layout, recipe, widened,
+                                          requantize_dtype(source))
             errors.extend(problems)
             if plan is not None:
                 tensors.append(plan)

@@ -48,6 +48,9 @@ class TensorPlan:
     action: Action = Action.QUANTIZE
     source_recipe: str | None = None
     source_bytes: int | None = None
+    # Re-quantized with a recipe whose scales take the weight's dtype (int4): the dtype the decoded
+    # source is cast to before quantizing (from_quantized.requantize_dtype says why); else None.
+    requantize_dtype: str | None = None
 
     @property
     def quantized(self) -> bool:
@@ -175,9 +178,12 @@ def _validate_pattern(pattern: str, option: str) -> None:
     patterns.validate(pattern, option)
 
 
-def output_specs(layout: Layout, module: str, recipe: Recipe, shape: tuple[int, ...]) -> tuple[OutSpec, ...]:
-    """Names, dtypes and shapes the layout will write for a `shape` weight (no data read)."""
-    return tuple(OutSpec(n, dtype_name(dtype), shp) for n, dtype, shp in layout.output_specs(module, recipe, shape))
+def output_specs(layout: Layout, module: str, recipe: Recipe, shape: tuple[int, ...],
+                 weight_dtype: torch.dtype) -> tuple[OutSpec, ...]:
+    """Names, dtypes and shapes the layout will write for a `shape` weight quantized in
+    `weight_dtype` (int4's scales take it), with no data read."""
+    return tuple(OutSpec(n, dtype_name(dtype), shp)
+                 for n, dtype, shp in layout.output_specs(module, recipe, shape, weight_dtype))
 
 
 def _choose_recipe(module: str, opts: Options) -> str:
@@ -301,7 +307,7 @@ def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout,
         return
     group = fused_group_of(module) if recipe.has_global_scale else None
     found.tensors.append(TensorPlan(name, shard, info.dtype, info.shape, recipe.name, module, transpose, group,
-                                    output_specs(layout, module, recipe, shape)))
+                                    output_specs(layout, module, recipe, shape, DTYPES[info.dtype])))
 
 
 def _exclusion_reason(module: str, info, is_experts: bool, opts: Options, layout: Layout,

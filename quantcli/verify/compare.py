@@ -114,7 +114,8 @@ def _source_estimate(prior, module, layout, w, ref, transpose, group_amax) -> tu
 
 
 def compare(module, recipe, layout, decoded, ref, transpose, group_amax, limits: Limits, dev,
-            prior: tuple[str, float] | None = None, channel_ms=None) -> tuple[TensorRow, object, list[str]]:
+            prior: tuple[str, float] | None = None, channel_ms=None,
+            dtype: torch.dtype | None = None) -> tuple[TensorRow, object, list[str]]:
     """Error of the decoded module against the reference, judged against quantcli's own
     quantization `ours` of the same reference tensor; returns (row, ours, fault reasons).
 
@@ -122,8 +123,10 @@ def compare(module, recipe, layout, decoded, ref, transpose, group_amax, limits:
     and the reference is the dense model that source was made from. Its error is then both
     quantizations: by the triangle inequality at most the source's error (estimated by quantcli's
     own quantization of the reference with the source recipe) plus the re-quantization error that
-    convert measured against the decoded source; the margin applies to that sum."""
+    convert measured against the decoded source; the margin applies to that sum. `dtype`: what
+    the yardstick quantizes in (int4's scales carry the weight dtype the module was made in)."""
     w = ref.to(dev).transpose(-1, -2) if transpose else ref.to(dev)
+    w = w if dtype is None else w.to(dtype)
     ours = quantize_like(recipe, module, w, group_amax, channel_ms)
     base = metrics(decode_module(layout, module, recipe, ours, transpose=transpose).cpu(), ref)
     row = TensorRow(**metrics(decoded, ref), tensor=module, recipe=recipe.name, baseline_rel_err=base["rel_err"])

@@ -177,8 +177,11 @@ class _Comparison:
         entry = self.entries.get(module)
         prior = requantized_prior(entry) if self.ref.det is None or self.ref.recipe_name(module) is None else None
         ms = self._search_weights(entry, module)
+        # int4's stored scales carry the dtype it was quantized in (convert casts a decoded source to the
+        # model's): the yardstick quantizes in it too
+        dtype = q.scale.dtype if recipe.scale_codec.dtype is None else None
         row, ours, reasons = compare(module, recipe, self.layout, decoded, w, transpose, self.group_amax, self.limits,
-                                     self.dev, prior, channel_ms=ms)
+                                     self.dev, prior, channel_ms=ms, dtype=dtype)
         if self.exact:
             wq = w.to(self.dev).transpose(-1, -2) if transpose else w.to(self.dev)
             match = exact_match(self.layout, module, recipe, wq, ours.to("cpu"), q, self.qt)

@@ -36,6 +36,7 @@ class Role(StrEnum):
     GLOBAL_SCALE = "global_scale"
     INPUT_SCALE = "input_scale"
     INPUT_GLOBAL_SCALE = "input_global_scale"
+    SHAPE = "shape"  # the logical [N, K] as I64 (compressed-tensors' `weight_shape`): checked, never data
 
 
 class Direction(StrEnum):
@@ -63,7 +64,7 @@ class DiskTensor:
 
     name: str
     role: Role
-    encoding: str  # e4m3fn | e2m1x2 | int8 | f32 | e8m0_bias127
+    encoding: str  # e4m3fn | e2m1x2 | int8 | int4x2_offset8 | f32 | e8m0_bias127 | weight_dtype | int64
     direction: Direction | None  # scales only
 
 
@@ -172,7 +173,8 @@ class Layout:
 
     def to_disk(self, module: str, q: QuantizedTensor, facts: ModuleFacts = NO_FACTS) -> dict[str, torch.Tensor]:
         recipe = get_recipe(q.recipe)
-        canonical = {Role.CODES: q.codes, Role.BLOCK_SCALE: q.scale, Role.GLOBAL_SCALE: q.global_scale}
+        canonical = {Role.CODES: q.codes, Role.BLOCK_SCALE: q.scale, Role.GLOBAL_SCALE: q.global_scale,
+                     Role.SHAPE: torch.tensor(q.shape, dtype=torch.int64)}
         out = {f"{module}{row.suffix}": self._encode(row, recipe, canonical[row.role]) for row in self.rows(q.recipe)}
         for row in self.optional.get(q.recipe, ()):
             value = getattr(facts, row.fact, None)
@@ -213,12 +215,17 @@ class Layout:
 
     @staticmethod
     def _encode(row: TensorRow, recipe: Recipe, t: torch.Tensor) -> torch.Tensor:
-        if row.role == Role.CODES:
+        codec = recipe.scale_codec
+        if row.role == Role.CODES:  # uint8 code bytes viewed as the codec's storage (INT4: I32 words)
             t = t.contiguous().view(recipe.codes_dtype)
-        elif row.role == Role.BLOCK_SCALE and recipe.scale_codec.nbytes == 1:
-            t = t.contiguous().view(recipe.scale_codec.disk_dtype)
+        elif row.role == Role.BLOCK_SCALE and codec.nbytes == 1:
+            t = t.contiguous().view(codec.disk_dtype)
         elif row.role == Role.BLOCK_SCALE:
-            t = t.to(torch.float32)
+            # The scale codec's dtype: F32 scales as F32 (also when read from a BF16 source);
+            # weight-dtype scales (int4) as computed, since the codes were rounded with them.
+            t = t.to(codec.raw_dtype_for(t.dtype))
+        elif row.role == Role.SHAPE:
+            t = t.to(torch.int64)
         else:  # global, input and input_global scales: FP32 in the row's direction
             t = to_direction(t, row.direction)
         return _reshape(t, row.reshape).contiguous()
@@ -226,7 +233,7 @@ class Layout:
     def from_disk(self, module: str, recipe: Recipe, get: GetTensor, names: Mapping[str, object]) -> QuantizedTensor:
         rows = self.rows(recipe.name)
         codes_name = f"{module}{rows[0].suffix}"
-        codes = require_8bit(codes_name, get(codes_name))
+        codes = require_8bit(codes_name, as_code_bytes(get(codes_name), recipe))
         if rows[0].reshape == BLOCKS16:
             codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * codes.shape[-1])
         shape = (*codes.shape[:-1], logical_k(codes, recipe))
@@ -236,34 +243,42 @@ class Layout:
             stored = get(name)
             if row.role == Role.GLOBAL_SCALE:
                 s2 = to_direction(stored.to(torch.float32).reshape(()), row.direction)
+            elif row.role == Role.SHAPE:
+                check_shape_row(name, stored, shape)
             elif recipe.scale_codec.nbytes == 1:
                 scale = require_8bit(name, stored)
-            else:
-                scale = stored.to(torch.float32).reshape(recipe.scale_shape(shape))
+            else:  # F32 scales widen to F32; weight-dtype scales keep the dtype their codes were made with
+                scale = require_float(name, stored)
+                scale = scale.to(recipe.scale_codec.raw_dtype_for(scale.dtype)).reshape(recipe.scale_shape(shape))
         return QuantizedTensor(recipe.name, shape, codes, scale, s2, recipe.scale_rule)
 
     def describe(self, module: str, recipe: Recipe) -> list[DiskTensor]:
-        encoding = {Role.CODES: recipe.element.disk_encoding, Role.BLOCK_SCALE: recipe.scale_encoding}
+        encoding = {Role.CODES: recipe.element.disk_encoding, Role.BLOCK_SCALE: recipe.scale_encoding,
+                    Role.SHAPE: "int64"}
         return [DiskTensor(f"{module}{row.suffix}", row.role, encoding.get(row.role, "f32"),
-                           None if row.role == Role.CODES else (row.direction or Direction.MULTIPLY))
+                           None if row.role in (Role.CODES, Role.SHAPE) else (row.direction or Direction.MULTIPLY))
                 for row in self.rows(recipe.name)]
 
-    def output_specs(self, module: str, recipe: Recipe, shape: tuple[int, ...]) -> list[tuple[str, torch.dtype, tuple]]:
-        """(name, dtype, shape) of each tensor `to_disk` writes for a `shape` weight, from a
-        meta-device stand-in (no data)."""
+    def output_specs(self, module: str, recipe: Recipe, shape: tuple[int, ...],
+                     weight_dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple]]:
+        """(name, dtype, shape) of each tensor `to_disk` writes for a `shape` weight of
+        `weight_dtype` (what a scale codec of the weight's dtype stores), from a meta-device
+        stand-in (no data)."""
         meta = QuantizedTensor(
             recipe.name, tuple(shape),
             torch.empty(recipe.codes_shape(shape), dtype=torch.uint8, device="meta"),
-            torch.empty(recipe.scale_shape(shape), dtype=recipe.scale_codec.raw_dtype, device="meta"),
+            torch.empty(recipe.scale_shape(shape), dtype=recipe.scale_codec.raw_dtype_for(weight_dtype), device="meta"),
             torch.empty((), dtype=torch.float32, device="meta") if recipe.has_global_scale else None,
             recipe.scale_rule)
         return [(n, t.dtype, tuple(t.shape)) for n, t in self.to_disk(module, meta).items()]
 
     def logical_shape(self, recipe: Recipe, codes_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The [..., N, K] weight shape a stored codes tensor of `recipe` holds."""
+        """The [..., N, K] weight shape a stored codes tensor of `recipe` holds (in its storage
+        dtype: INT4's I32 words hold eight codes each)."""
         if self.rows(recipe.name)[0].reshape == BLOCKS16:
             codes_shape = (*codes_shape[:-2], codes_shape[-2] * codes_shape[-1])
-        return (*codes_shape[:-1], codes_shape[-1] * 8 // recipe.element_bits)
+        storage_bits = 8 * recipe.codes_dtype.itemsize
+        return (*codes_shape[:-1], codes_shape[-1] * storage_bits // recipe.element_bits)
 
     def dense_name(self, module: str) -> tuple[str, bool]:
         """Where a dequantized module is written, and whether it is stored transposed: Linear
@@ -312,3 +327,25 @@ def require_8bit(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.element_size() != 1:
         raise LayoutError(f"{name}: stored as {t.dtype}, expected an 8-bit type (F8_E4M3, I8 or U8)")
     return t.view(torch.uint8)
+
+
+def as_code_bytes(t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """Codes stored in a wider word than a byte (INT4's I32 `weight_packed`, eight codes per
+    little-endian word) as the code bytes they are; any other dtype is left for require_8bit."""
+    if t.dtype == recipe.codes_dtype and t.element_size() > 1:
+        return t.contiguous().view(torch.uint8)
+    return t
+
+
+def require_float(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not t.is_floating_point() or t.element_size() == 1:
+        raise LayoutError(f"{name}: stored as {t.dtype}, expected a float scale (F32, BF16 or F16)")
+    return t
+
+
+def check_shape_row(name: str, stored: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """compressed-tensors' `weight_shape` states the logical shape; it is checked against the one
+    the codes hold, never used in its place (a wrong one would make a loader unpack wrongly)."""
+    if stored.dtype != torch.int64 or stored.reshape(-1).tolist() != list(shape):
+        raise LayoutError(f"{name}: holds {stored.dtype} {stored.reshape(-1).tolist()}, but the codes hold a "
+                          f"{list(shape)} weight")

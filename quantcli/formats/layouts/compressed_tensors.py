@@ -8,8 +8,11 @@
     fp8-channel  weight F8_E4M3, weight_scale F32 [N, 1]                        float-quantized
     fp8-block    weight F8_E4M3, weight_scale F32 [ceil(N/128), ceil(K/128)]    float-quantized
     int8-channel weight I8 [N, K], weight_scale F32 [N, 1]                      int-quantized
+    int4         weight_packed I32 [N, K/8], weight_scale (weight dtype) [N, K/128],
+                 weight_shape I64 [2]                                           pack-quantized
 FP8-family scales are written in FP32 (the producer writes the dense dtype, usually BF16, which
-would round the scale the codes were computed with); consumers cast on load. Activations of
+would round the scale the codes were computed with); consumers cast on load. int4's scales are
+in the weight's dtype, as llm-compressor writes them: its codes were rounded with those values. Activations of
 the fp8 recipes are declared dynamic (per token / per 128-group), which needs no calibration.
 """
 
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
+
+import torch
 
 from quantcli.formats.layouts.base import COLUMN, ONE, Direction, Layout, Role, TensorRow
 
@@ -27,6 +32,14 @@ _PACKED = TensorRow(".weight_packed", Role.CODES)
 _GLOBAL = TensorRow(".weight_global_scale", Role.GLOBAL_SCALE, ONE, Direction.DIVIDE)
 _FLOAT = {"type": "float", "symmetric": True, "dynamic": False}
 _DYNAMIC = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
+# The logical [N, K], which the pack-quantized compressor stores with every packed weight.
+_SHAPE = TensorRow(".weight_shape", Role.SHAPE, dtype=torch.int64)
+# llm-compressor 0.14's W4A16 weights, key for key (QuantizationModifier, scheme="W4A16", with
+# compressed-tensors 0.19; docs/formats.md, "compressed-tensors presets"): compressed-tensors'
+# QuantizationArgs parses it (extra="forbid"), and 0.20 reads the same keys it would write.
+_W4A16 = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 128, "num_bits": 4,
+          "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": None, "strategy": "group",
+          "symmetric": True, "type": "int", "zp_dtype": None}
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,8 @@ SCHEMES = {
     "int8-channel": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, COLUMN, Direction.MULTIPLY)), "int-quantized",
                            {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": "channel"},
                            {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}),
+    # W4A16: vLLM's CompressedTensorsWNA16 (Machete on SM90, Marlin SM75+), SGLang's (Marlin).
+    "int4": Scheme((_PACKED, _SCALE, _SHAPE), "pack-quantized", _W4A16),
 }
 TABLES = {recipe: scheme.tensors for recipe, scheme in SCHEMES.items()}
 FORMAT = {recipe: scheme.format for recipe, scheme in SCHEMES.items()}
@@ -103,7 +118,9 @@ class CompressedTensorsLayout(Layout):
             return None
         w = scheme.get("weights") or {}
         bits, strategy, group = w.get("num_bits"), w.get("strategy"), w.get("group_size")
-        if bits == 4 and group == 32:
+        if w.get("type") == "int" and w.get("symmetric", True) is not True:
+            return None  # zero points (W4A16_ASYM): no recipe decodes them
+        if bits == 4 and group == 32 and w.get("type", "float") == "float":
             return "mxfp4"
         if bits == 8 and strategy == "group" and group == 32:
             return "mxfp8"
@@ -186,7 +203,9 @@ def _group_size_problems(qc: Mapping) -> list[str]:
     (nvfp4 16, mxfp4 and mxfp8 32): loaders would read the scales with the wrong block."""
     from quantcli.recipes import get_recipe
 
-    by_format = {s.format: r for r, s in SCHEMES.items() if s.weights.get("group_size")}
+    # Only formats that fix the group (pack-quantized holds int groups of any size).
+    by_format = {s.format: r for r, s in SCHEMES.items()
+                 if s.weights.get("group_size") and s.weights["type"] == "float"}
     problems = []
     for name, group in (qc.get("config_groups") or {}).items():
         if not isinstance(group, dict):
