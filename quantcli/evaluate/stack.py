@@ -77,7 +77,7 @@ def _materialize(stack: Stack, get, device: torch.device) -> tuple[torch.nn.Modu
             emb = type(model.embeddings)(model.config)
         names = {n: f"{stack.prefix}embeddings.{n}" for n in emb.state_dict()}
         emb.load_state_dict({n: get(src) for n, src in names.items()}, assign=True)
-        model.embeddings = emb.float()
+        model.embeddings = emb.float().eval()  # built fresh: in training mode (dropout) until told
         return model, list(names.values())
     body = model.model
     body.embed_tokens.load_state_dict({"weight": get(EMBEDDING)}, assign=True)
