@@ -156,3 +156,15 @@ def test_encoder_has_no_kv_cache(run_cli, root, tmp_path):
                                          root / "eval.jsonl", "--json")))
     assert doc["encoder"]["pooling_source"].startswith("default") and 0.99 < doc["encoder"]["cosine_min"] <= 1
     assert doc["activations"] == [{"scheme": "FP8 dynamic per token", "modules": 6}]
+
+
+def test_other_architectures_are_refused_by_name():
+    from quantcli.errors import QuantcliError
+    from quantcli.evaluate.stack import build_stack
+
+    distil = {"model_type": "distilbert", "architectures": ["DistilBertModel"], "vocab_size": 100, "dim": 32,
+              "n_layers": 1, "n_heads": 2, "hidden_dim": 64}
+    with pytest.raises(QuantcliError, match="has embeddings but no encoder.layer blocks"):
+        build_stack(distil, {"embeddings.word_embeddings.weight"}, "ckpt")
+    with pytest.raises(QuantcliError, match="neither a causal LM .* nor a BERT-like encoder"):
+        build_stack({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, {"lm_head.weight"}, "ckpt")

@@ -52,7 +52,10 @@ def build_stack(config: dict, names, label: str) -> Stack:
         cfg = dict(config)
         tf_config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         with torch.device("meta"):
-            model = transformers.AutoModel.from_config(tf_config, add_pooling_layer=False)
+            try:  # BERT-likes build a pooler eval does not use (sentence-transformers does not either)
+                model = transformers.AutoModel.from_config(tf_config, add_pooling_layer=False)
+            except TypeError:
+                model = transformers.AutoModel.from_config(tf_config)
         if not hasattr(getattr(model, "encoder", None), "layer"):
             raise QuantcliError(f"{label}: {archs or config.get('model_type')} has embeddings but no encoder.layer "
                                 f"blocks; eval runs causal LMs and BERT-like encoders")
