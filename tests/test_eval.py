@@ -304,3 +304,32 @@ def test_encoder_embedding_cosine_equals_transformers_mean_pooling(run_cli, root
     assert enc["samples"] == 4
     assert enc["cosine_mean"] == pytest.approx(sum(cos) / len(cos), rel=REL)
     assert enc["cosine_min"] == pytest.approx(min(cos), rel=REL) and min(cos) < 1
+
+
+# ---------------------------------------------------------------- each scheme, bit for bit
+
+
+@pytest.mark.parametrize("kind", ["fp8-token", "fp8-group", "fp8-tensor", "int8-token", "fp8-static", "nvfp4"])
+def test_each_activation_scheme_equals_compressed_tensors_bit_for_bit(kind):
+    from quantcli.evaluate.fake_quant import ActQuant
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 64) * torch.logspace(-2, 2, 64)  # channels of very different ranges
+    x[0, 0] = 0  # an all-zero token / block
+    args = {"fp8-token": dict(num_bits=8, type="float", strategy="token", dynamic=True),
+            "fp8-group": dict(num_bits=8, type="float", strategy="group", group_size=32, dynamic=True),
+            "fp8-tensor": dict(num_bits=8, type="float", strategy="tensor", dynamic=True),
+            "int8-token": dict(num_bits=8, type="int", strategy="token", dynamic=True),
+            "fp8-static": dict(num_bits=8, type="float", strategy="tensor", dynamic=False),
+            "nvfp4": dict(num_bits=4, type="float", strategy="tensor_group", group_size=16, dynamic="local",
+                          scale_dtype=torch.float8_e4m3fn)}[kind]
+    qa = QuantizationArgs(symmetric=True, **args)
+    if kind == "fp8-static":
+        scale = float(x.abs().amax()) / 448 * 0.8  # a calibrated scale that saturates the largest values
+        want, ours = ct_forward.fake_quantize(x, torch.tensor([scale]), torch.zeros(1), qa), ActQuant(kind, scale)
+    else:
+        gs = torch.tensor([2688 / float(x.abs().amax())]) if kind == "nvfp4" else None
+        scale, zp = compute_dynamic_scales_and_zp(x, qa, module=None, global_scale=gs)
+        want = ct_forward.fake_quantize(x, scale, zp, qa, global_scale=gs)
+        ours = ActQuant(kind, float(gs) if gs is not None else 0.0, group=args.get("group_size", 0) if kind != "nvfp4" else 0)
+    assert torch.equal(ours(x), want)
