@@ -333,3 +333,19 @@ def test_each_activation_scheme_equals_compressed_tensors_bit_for_bit(kind):
         want = ct_forward.fake_quantize(x, scale, zp, qa, global_scale=gs)
         ours = ActQuant(kind, float(gs) if gs is not None else 0.0, group=args.get("group_size", 0) if kind != "nvfp4" else 0)
     assert torch.equal(ours(x), want)
+
+
+# ---------------------------------------------------------------- --recipe: a recipe emulated in memory
+
+
+@pytest.mark.parametrize("src,recipe", [("llama", "fp8-channel"), ("moe", "nvfp4"), ("llama", "mxfp4")])
+def test_recipe_in_memory_equals_converting_then_evaluating(run_cli, root, src, recipe):
+    dst, _ = _convert(run_cli, root, src, f"{src}-{recipe}", "--recipe", recipe)
+    converted = _eval(run_cli, dst, root / src, root / "eval.jsonl")
+    code, out, err = run_cli("eval", root / src, "--recipe", recipe, "--data", root / "eval.jsonl", "--device", "cpu",
+                             "--json")
+    assert code == 0, err
+    emulated = validate("eval", json.loads(out))
+    assert emulated["checkpoint"].endswith(f"(--recipe {recipe}, emulated)")
+    for key in ("causal", "layers", "worst_modules", "activations", "recipes", "layout"):
+        assert emulated[key] == converted[key], key

@@ -168,3 +168,12 @@ def test_other_architectures_are_refused_by_name():
         build_stack(distil, {"embeddings.word_embeddings.weight"}, "ckpt")
     with pytest.raises(QuantcliError, match="neither a causal LM .* nor a BERT-like encoder"):
         build_stack({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, {"lm_head.weight"}, "ckpt")
+
+
+def test_recipe_and_reference_options_are_checked(run_cli, root, nvfp4):
+    data = ("--data", root / "eval.jsonl")
+    assert "drop one of them" in _fails(run_cli, *_eval(root / "llama", "--recipe", "nvfp4", "--reference",
+                                                        root / "llama", *data))
+    assert "give --reference SRC" in _fails(run_cli, *_eval(nvfp4, *data))
+    assert "--layout need --recipe" in _fails(run_cli, *_eval(nvfp4, "--layout", "modelopt", *data))
+    assert "already quantized" in _fails(run_cli, *_eval(nvfp4, "--recipe", "fp8", *data))

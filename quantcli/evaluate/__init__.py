@@ -32,6 +32,10 @@ class EvalOptions:
     kv_cache: str = "auto"  # auto | scale-one | none (declared.KV_MODES)
     revision: str | None = None  # of a Hub --reference
     top: int = 3  # worst modules listed per layer
+    recipe: str | None = None  # emulate this recipe on `checkpoint` (dense) in memory; then no reference
+    layout: str | None = None
+    scale_rule: str | None = None
+    scale_search: str | None = None
 
 
 @contextmanager
@@ -55,14 +59,32 @@ def evaluate(opts: EvalOptions, progress: Callable[[int, int, float], None] | No
     start = time.monotonic()
     with _as_eval():
         device = resolve_device(opts.device)
-        ref_src, quant_src = open_source(opts.reference, opts.revision), open_source(opts.checkpoint)
+        if opts.recipe:
+            ref_src = quant_src = open_source(opts.checkpoint, opts.revision)
+        else:
+            ref_src, quant_src = open_source(opts.reference, opts.revision), open_source(opts.checkpoint)
         with CheckpointTensors(ref_src) as rt, CheckpointTensors(quant_src) as qt:
             ref = Side(f"--reference {ref_src.label}", ref_src, rt, device)
-            quant = Side(quant_src.label, quant_src, qt, device)
+            quant = _recipe_side(opts, quant_src, qt, device) if opts.recipe else Side(quant_src.label, quant_src, qt,
+                                                                                       device)
             check_same_model(ref, quant)
             report = _run(opts, ref, quant, device, progress)
     report.seconds = round(time.monotonic() - start, 3)
     return report
+
+
+def _recipe_side(opts: EvalOptions, source, tensors, device: torch.device):
+    """`source` with `opts.recipe` applied in memory, planned exactly as convert plans it."""
+    from quantcli.evaluate.sides import RecipeSide
+    from quantcli.planning.conversion import plan_conversion
+    from quantcli.planning.options_file import conversion_options
+
+    options = conversion_options(recipe=opts.recipe, layout=opts.layout, ignore=[], config=None,
+                                 scale_rule=opts.scale_rule, scale_search=opts.scale_search)
+    plan = plan_conversion(source, options)
+    if plan.layout is None:
+        raise QuantcliError(f"--recipe {opts.recipe}: a dequantizing recipe; eval emulates a quantization recipe")
+    return RecipeSide(f"{source.label} (--recipe {opts.recipe}, emulated)", source, tensors, device, plan)
 
 
 def _run(opts: EvalOptions, ref, quant, device: torch.device, progress):

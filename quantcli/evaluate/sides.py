@@ -92,3 +92,58 @@ def check_same_model(ref: Side, quant: Side) -> None:
         said = ", ".join(f"{k} {a.get(k)} vs {b.get(k)}" for k in differ)
         raise QuantcliError(f"--reference {ref.label} and {quant.label} are not the same model ({said}); "
                             f"eval compares a checkpoint with the model it was made from")
+
+
+class RecipeSide(Side):
+    """A dense checkpoint with a conversion plan applied in memory: every tensor the plan
+    quantizes is quantized with its recipe (fused groups sharing one global scale, as convert
+    does) and decoded back, nothing written. `get` returns what `convert` then decoding would."""
+
+    def __init__(self, label: str, source, tensors: CheckpointTensors, device: torch.device, plan):
+        super().__init__(label, source, tensors, device)
+        if self.quantized:
+            raise QuantcliError(f"--recipe: {label} is already quantized ({self.layout.name}); emulate a recipe on "
+                                f"the dense model, or evaluate this checkpoint with --reference SRC")
+        self.plan = plan
+        self.planned = {t.name: t for t in plan.tensors if t.quantized}
+        if any(t.transpose for t in self.planned.values()):
+            raise QuantcliError(f"--recipe: {label} stores transposed expert stacks, which eval does not emulate")
+        self.groups = plan.fused_groups()
+        self.modules = {t.module: t.recipe for t in self.planned.values()}
+        self.layout = plan.layout
+        self._amax: dict[str, torch.Tensor] = {}
+
+    def _group_amax(self, group: str) -> torch.Tensor:
+        from quantcli.kernels import tensor_amax
+
+        if group not in self._amax:
+            self._amax[group] = torch.stack([tensor_amax(self.tensors.get(t.name), name=t.name).cpu()
+                                             for t in self.groups[group]]).amax()
+        return self._amax[group]
+
+    def get(self, name: str) -> torch.Tensor:
+        from quantcli.formats.facts import NO_FACTS, ModuleFacts
+
+        t = self.planned.get(name)
+        if t is None:
+            return self.tensors.get(name).to(self.device, torch.float32)
+        recipe = self.plan.recipes[t.recipe]
+        facts = ModuleFacts(group_amax=self._group_amax(t.fused_group)) \
+            if t.fused_group and recipe.has_global_scale else NO_FACTS
+        q = recipe.quantize(name, self.tensors.get(name).to(self.device), facts=facts)
+        return recipe.dequantize(q).to(torch.float32)
+
+    def release(self, name: str) -> None:
+        if name in self.tensors:
+            self.tensors.release(name)
+
+    def declared_config(self) -> dict:
+        """The config the conversion would write (with ModelOpt's hf_quant_config merged in)."""
+        groups, excluded = self.plan.modules_by_recipe(), self.plan.excluded_names()
+        config = {**self.source.config, "quantization_config": self.layout.quantization_config(groups, excluded)}
+        extra = self.layout.extra_files(groups, excluded).get("hf_quant_config.json")
+        return {**config, "hf_quant_config": extra} if extra else config
+
+    def calibrated(self) -> CalibratedScales | None:
+        self.config = self.declared_config()
+        return CalibratedScales(self.layout.activation_scheme(self.config), None)
