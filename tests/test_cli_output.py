@@ -20,7 +20,7 @@ from test_grouping import expand
 
 SNAPSHOTS = Path(__file__).parent / "data" / "snapshots"
 REPRS = ("{'", "[(", "<list", "<str>", "<path>", "<int>", "OMITTED")
-COMMANDS = ([], ["convert"], ["inspect"], ["verify"], ["recipes"], ["layouts"], ["push"])
+COMMANDS = ([], ["convert"], ["inspect"], ["verify"], ["eval"], ["recipes"], ["layouts"], ["push"])
 
 
 def check_snapshot(name: str, text: str) -> None:

@@ -196,6 +196,47 @@ def layouts(json_out: JsonOut = False) -> None:
     raise typer.Exit(run_layouts(json_out))
 
 
+@app.command(name="eval", cls=Command)
+def eval_command(
+    checkpoint: Annotated[str, typer.Argument(metavar="DST", help="The quantized checkpoint (folder, .safetensors file or Hub repo id); with --recipe, the dense model to emulate it on.")],
+    data: Annotated[str, typer.Option(metavar="DATA", help="Held-out samples: .txt or .jsonl (text, messages or input_ids), or a Hub dataset OWNER/NAME[:SPLIT].")],
+    reference: Annotated[Optional[str], typer.Option(metavar="SRC", help="The model it was made from (folder, file or Hub repo id).")] = None,
+    samples: Annotated[int, typer.Option(metavar="N", min=1, help="Samples to use.")] = 32,
+    seq_len: Annotated[int, typer.Option(metavar="L", min=2, help="Tokens per sample, at most.")] = 256,
+    batch: Annotated[int, typer.Option(metavar="B", min=1, help="Samples per forward (consecutive samples of equal length).")] = 1,
+    kv_cache: Annotated[str, typer.Option(
+        metavar="MODE", callback=one_of("--kv-cache", "KV-cache mode", lambda: ["auto", "scale-one", "none"]),
+        help="auto: FP8 with the checkpoint's k/v scales where it declares an FP8 KV cache; scale-one: FP8 with scale 1.0 (SGLang without scales); none.")] = "auto",
+    top: Annotated[int, typer.Option(metavar="N", min=1, help="Worst modules listed per layer.")] = 3,
+    recipe: Annotated[Optional[str], typer.Option(
+        metavar="RECIPE", callback=one_of("--recipe", "recipe", recipe_names),
+        help="Emulate this recipe on DST (a dense model) in memory, planned as convert plans it; nothing is written.")] = None,
+    layout: Annotated[Optional[str], typer.Option(
+        metavar="LAYOUT", callback=one_of("--layout", "layout", layout_names),
+        help="With --recipe: the layout whose declarations (activations) to emulate (default per recipe).")] = None,
+    scale_rule: Annotated[Optional[str], typer.Option(
+        metavar="RULE", callback=one_of("--scale-rule", "MX scale rule", scale_rule_names),
+        help="With --recipe: the MX scale exponent rule.")] = None,
+    scale_search: Annotated[Optional[str], typer.Option(metavar="METHOD", callback=one_of("--scale-search", "scale search", lambda: ["none", "mse"]), help="With --recipe: none or mse block scales.")] = None,
+    revision: Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision of a --reference repo id.")] = None,
+    device: Device = "auto",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets one line of headline numbers.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One stderr line per layer as it finishes.")] = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Measure what quantization costs the model, end to end.
+
+    Runs the reference and the quantized checkpoint layer by layer on the same samples, emulating
+    the checkpoint's weights, activations and KV cache; nothing is written."""
+    from quantcli.cli.commands import run_eval
+
+    raise typer.Exit(run_eval(checkpoint, reference=reference, data=data, samples=samples, seq_len=seq_len,
+                              batch=batch, kv_cache=kv_cache, top=top, revision=revision, device=device,
+                              quiet=quiet, verbose=verbose, json_out=json_out,
+                              emulate=dict(recipe=recipe, layout=layout, scale_rule=scale_rule,
+                                           scale_search=scale_search)))
+
+
 app.command(name="push", cls=Command)(push_command)  # quantcli/cli/push_command.py
 
 

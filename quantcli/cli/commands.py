@@ -341,3 +341,34 @@ def _push(folder: Path, hub: dict, api, quiet: bool):
     if not quiet:
         _console(stderr=True).print(f"pushed {pushed.files} files ({human_bytes(pushed.bytes)}) to {pushed.url}")
     return pushed
+
+
+# ---------------------------------------------------------------- eval
+
+
+def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int, seq_len: int, batch: int,
+             kv_cache: str, top: int, revision: str | None, device: str, quiet: bool, verbose: bool, json_out: bool,
+             emulate: dict) -> int:
+    from quantcli.cli.eval_view import LayerBar, render_eval, render_eval_brief
+    from quantcli.evaluate import EvalOptions, evaluate
+
+    if emulate["recipe"] and reference:
+        raise QuantcliError("--recipe with --reference: --recipe emulates the recipe on DST itself (a dense model, "
+                            "its own reference); drop one of them")
+    if not emulate["recipe"] and not reference:
+        given = [f"--{k.replace('_', '-')}" for k, v in emulate.items() if v]
+        raise QuantcliError(f"{' '.join(given) + ' need --recipe; ' if given else ''}give --reference SRC (the "
+                            f"model DST was made from), or --recipe RECIPE to emulate a recipe on DST in memory")
+    opts = EvalOptions(checkpoint, reference or checkpoint, data, samples=samples, seq_len=seq_len, batch=batch,
+                       device=device, kv_cache=kv_cache, revision=revision, top=top, **emulate)
+    show = sys.stderr.isatty() and not quiet and not json_out
+    with LayerBar(_console(stderr=True), show, verbose) as bar:
+        report = evaluate(opts, bar)
+    if json_out:
+        emit_json(envelope("eval", report, source=report.reference))
+    elif quiet:
+        render_eval_brief(report, _console())
+    else:
+        render_eval(report, _console(), top)
+    return 0
+
