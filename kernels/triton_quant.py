@@ -125,10 +125,10 @@ def _block_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, N, K, NB, KB, sxb, sxn,
     tl.store(codes_ptr + mat * N * K + rows[:, None] * K + cols[None, :], _encode(y, ELEM), mask=mask)
 
 
-@triton.jit
-def _group_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, w_ptr, M, K, sxm, sxk,
+@triton.jit(do_not_specialize=["rule"])  # else the JIT makes rule == 1 a constant: a variant per rule
+def _group_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, w_ptr, M, K, sxm, sxk, rule,
                   TM: tl.constexpr, TK: tl.constexpr, G: tl.constexpr, ELEM: tl.constexpr,
-                  SCALE: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr, RULE: tl.constexpr,
+                  SCALE: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr,
                   MAXBYTE: tl.constexpr, SEARCH: tl.constexpr, WEIGHTED: tl.constexpr):
     """1 x G groups along K: an E8M0 scale per group (SCALE 1, MX) or an E4M3 scale per group
     times the FP32 global (SCALE 2, NVFP4); E2M1 elements (ELEM 1) are packed two per byte.
@@ -151,7 +151,7 @@ def _group_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, w_ptr, M, K, sx
         denom = _decode_e4m3(scale_code) * s2
     else:
         # Saturate at the largest byte whose codes all decode finitely (reference.encode_scale).
-        byte = tl.minimum(_e8m0_byte(amax, EMAX, MAXV, RULE), MAXBYTE)
+        byte = tl.minimum(_e8m0_byte(amax, EMAX, MAXV, rule), MAXBYTE)
         scale_code = byte.to(tl.uint8)
         denom = _e8m0_to_float(byte)
     if SEARCH:
@@ -324,10 +324,10 @@ def _group(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None,
     dummy = torch.zeros(1, dtype=torch.float32, device=x.device)
     weight = None if channel_weight is None else channel_weight.reshape(-1).to(x.device, torch.float32).contiguous()
     args = (x2, codes, scale, dummy if s2 is None else s2, flags, dummy if weight is None else weight, m, k,
-            x2.stride(0), x2.stride(1))
+            x2.stride(0), x2.stride(1), RULE_IDS.get(spec.scale_rule, 0))
     run(Launch(_group_kernel, grid, args, dict(
         TM=tm, TK=BK, G=g, ELEM=ELEM_IDS[element.name], SCALE=SCALE_IDS[spec.scale.encoding], EMAX=element.emax,
-        MAXV=element.max, RULE=RULE_IDS.get(spec.scale_rule, 0), MAXBYTE=254 - element.emax, SEARCH=search,
+        MAXV=element.max, MAXBYTE=254 - element.emax, SEARCH=search,
         WEIGHTED=weight is not None)))
     _check_flags(flags)
     lead = x.shape[:-1]
