@@ -86,11 +86,13 @@ def _decode_e2m1(c):
 
 
 @triton.jit
-def _e8m0_byte(amax, EMAX: tl.constexpr, MAXV: tl.constexpr, RULE: tl.constexpr):
+def _e8m0_byte(amax, EMAX: tl.constexpr, MAXV: tl.constexpr, rule):
+    """`rule` (RULE_IDS) is a runtime scalar, not a constexpr: one compiled kernel serves all
+    three rules (a uniform branch per tile), a third of the variants to JIT-compile and check."""
     bits = amax.to(tl.int32, bitcast=True)
-    if RULE == 0:
+    if rule == 0:
         biased = (bits >> 23) - EMAX
-    elif RULE == 1:
+    elif rule == 1:
         biased = ((bits + (1 << 21)) >> 23) - EMAX
     else:
         q = tl.math.div_rn(amax, tl.full(amax.shape, MAXV, tl.float32)).to(tl.int32, bitcast=True)

@@ -9,7 +9,11 @@ Bit-exactness rules (why the code looks the way it does):
   an approximate division on the GPU;
 - E4M3 and E2M1 encodings are integer bit math, not `.to(tl.float8e4nv)`: the cast's rounding
   differs between the interpreter and hardware, the bit math is RNE everywhere;
-- E8M0 exponents come from the FP32 bit pattern exactly as in the reference.
+- E8M0 exponents come from the FP32 bit pattern exactly as in the reference;
+- every launch compiles without FP contraction or flush-to-zero (triton_launch.EXACT_OPTIONS),
+  so a*b+c rounds twice and subnormals survive, as in torch; the PTX of every variant the
+  recipes launch is checked for this on sm_90 and sm_100 (kernels/ptx_rules.py,
+  tests/test_kernels_compile.py).
 Every kernel also counts non-finite inputs per program, so NaN/Inf are rejected without a
 separate pass over the data.
 
@@ -53,9 +57,14 @@ from quantcli.kernels.triton_codecs import (
     _scaled,
     _searched_scale,
 )
+from quantcli.kernels.triton_launch import Launch, recording, run
 
 MIN_SCALE = tl.constexpr(FP32_MIN_NORMAL)  # reference.f32_scale's floor
 BM, BK = 32, 256  # row tile for the grouped kernels (BK is a multiple of every group size)
+# The scale search evaluates up to 11 candidate scales per element: at 32 rows it needed 255
+# registers and spilled (ptxas -v, sm_90, NVFP4) and took ~15 s to compile per variant; 4 rows
+# per program need 78 registers, no spills, and compile in ~1 s.
+BM_SEARCH = 4
 
 # ---------------------------------------------------------------- kernels, one per geometry
 
@@ -206,7 +215,7 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(m, tm), triton.cdiv(k, tk))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
     flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
-    _amax_kernel[grid](x2, partial, flags, m, k, x2.stride(0), x2.stride(1), TM=tm, TK=tk)
+    run(Launch(_amax_kernel, grid, (x2, partial, flags, m, k, x2.stride(0), x2.stride(1)), dict(TM=tm, TK=tk)))
     _check_flags(flags)
     return partial.amax()
 
@@ -229,8 +238,8 @@ def _tensor(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
     m, k = x2.shape
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(m, 64), triton.cdiv(k, 256))
-    _tensor_kernel[grid](x2, scale, codes, m, k, x2.stride(0), x2.stride(1), TM=64, TK=256,
-                         ELEM=spec.element.triton_id)
+    run(Launch(_tensor_kernel, grid, (x2, scale, codes, m, k, x2.stride(0), x2.stride(1)),
+               dict(TM=64, TK=256, ELEM=spec.element.triton_id)))
     return QuantResult(codes.reshape(x.shape), scale)
 
 
@@ -242,9 +251,9 @@ def _row(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     flags = torch.empty(triton.cdiv(m, tm), dtype=torch.int32, device=x.device)
-    _row_kernel[(triton.cdiv(m, tm),)](x2, codes, scale, flags, m, k, x2.stride(0), x2.stride(1), TM=tm, TK=256,
-                                       ELEM=spec.element.triton_id, DIVISOR=spec.element.scale_divisor,
-                                       CAP=_cap(spec))
+    run(Launch(_row_kernel, (triton.cdiv(m, tm),), (x2, codes, scale, flags, m, k, x2.stride(0), x2.stride(1)),
+               dict(TM=tm, TK=256, ELEM=spec.element.triton_id, DIVISOR=spec.element.scale_divisor,
+                    CAP=_cap(spec))))
     _check_flags(flags)
     return QuantResult(codes.reshape(x.shape), scale.reshape(x.shape[:-1]))
 
@@ -258,9 +267,10 @@ def _block(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
     codes = torch.empty((nmat, n, k), dtype=torch.uint8, device=x.device)
     scale = torch.empty((nmat, nb, kb), dtype=torch.float32, device=x.device)
     flags = torch.empty(nmat * nb * kb, dtype=torch.int32, device=x.device)
-    _block_kernel[(nmat * nb, kb)](x3, codes, scale, flags, n, k, nb, kb, x3.stride(0), x3.stride(1),
-                                   x3.stride(2), B=FP8_BLOCK, ELEM=spec.element.triton_id,
-                                   DIVISOR=spec.element.scale_divisor, CAP=_cap(spec))
+    run(Launch(_block_kernel, (nmat * nb, kb),
+               (x3, codes, scale, flags, n, k, nb, kb, x3.stride(0), x3.stride(1), x3.stride(2)),
+               dict(B=FP8_BLOCK, ELEM=spec.element.triton_id, DIVISOR=spec.element.scale_divisor,
+                    CAP=_cap(spec))))
     _check_flags(flags)
     return QuantResult(codes.reshape(x.shape), scale.reshape(*lead, nb, kb))
 
@@ -286,20 +296,20 @@ def _group(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None,
     x2 = _rows(x)
     m, k = x2.shape
     g, element = spec.group, spec.element
+    search = spec.scale_search == "mse"
+    tm = BM_SEARCH if search else BM
     codes = torch.empty((m, element.codes_cols(k)), dtype=torch.uint8, device=x.device)
     # Scales of the weight's dtype are written as FP32 and cast here (exact: the kernel rounds
     # them to that dtype): the interpreter's narrowing store flushes BF16 subnormals to zero.
     scale = torch.empty((m, k // g), dtype=spec.scale.raw_dtype_for(torch.float32), device=x.device)
-    grid = (triton.cdiv(m, BM), triton.cdiv(k, BK))
+    grid = (triton.cdiv(m, tm), triton.cdiv(k, BK))
     flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
     dummy = torch.zeros(1, dtype=torch.float32, device=x.device)
     weight = None if channel_weight is None else channel_weight.reshape(-1).to(x.device, torch.float32).contiguous()
-    # No FMA contraction: the search's error (r * den - |x|, e * w) must round as the reference's.
-    _group_kernel[grid](
-        x2, codes, scale, dummy if s2 is None else s2, flags, dummy if weight is None else weight, m, k,
-        x2.stride(0), x2.stride(1), TM=BM, TK=BK, G=g, **_codec_args(spec, x.dtype),
-        SEARCH=spec.scale_search.active, WEIGHTED=weight is not None, enable_fp_fusion=False,
-    )
+    args = (x2, codes, scale, dummy if s2 is None else s2, flags, dummy if weight is None else weight, m, k,
+            x2.stride(0), x2.stride(1))
+    run(Launch(_group_kernel, grid, args, dict(
+        TM=tm, TK=BK, G=g, **_codec_args(spec, x.dtype), SEARCH=search, WEIGHTED=weight is not None)))
     _check_flags(flags)
     lead = x.shape[:-1]
     scale = scale.to(spec.scale.raw_dtype_for(x.dtype))
@@ -345,7 +355,18 @@ def dequantize(q: QuantResult, spec: QuantSpec, shape: tuple[int, ...]) -> torch
     s2 = q.global_scale if q.global_scale is not None else torch.zeros((), device=q.codes.device)
     grid = (triton.cdiv(rows, 32), triton.cdiv(k, 128), nmat)
     scale = q.scale.to(spec.scale.raw_dtype_for(torch.float32)).contiguous()  # BF16 / FP16 scales as FP32 (exact)
-    _dequant_kernel[grid](q.codes.contiguous(), scale, s2.to(torch.float32), out, rows, k, sn, sk,
-                          br, bc, TM=32, TK=128, ELEM=spec.element.triton_id, BITS=spec.element.bits,
-                          SCALE=spec.scale.triton_id)
+    run(Launch(_dequant_kernel, grid, (q.codes.contiguous(), scale, s2.to(torch.float32), out, rows, k, sn, sk, br, bc),
+               dict(TM=32, TK=128, ELEM=spec.element.triton_id, BITS=spec.element.bits,
+                    SCALE=spec.scale.triton_id)))
     return out.reshape(shape)
+
+
+def launches(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None,
+             channel_weight: torch.Tensor | None = None) -> list[Launch]:
+    """The kernel launches `quantize(x, spec, global_amax, channel_weight)` and the dequantize of
+    its result make, recorded rather than run (x: a small CPU tensor of the dtype and layout
+    to check). tests/test_kernels_compile.py compiles these for GPU targets."""
+    with recording() as made:
+        q = quantize(x, spec, global_amax, channel_weight)
+        dequantize(q, spec, tuple(x.shape))
+    return made

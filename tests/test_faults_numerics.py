@@ -3,8 +3,9 @@ tensors, NaN/Inf, K not a multiple of the block, and the dense dtypes' extremes.
 
 Every written block must decode to finite values, decoded here from the written bytes in plain
 FP32 exactly as the consumers do (code * 2^(byte - 127) for MX; e2m1 * e4m3 scale * global for
-NVFP4; e4m3 * scale for FP8), independently of kernels.reference. The Triton kernels (run on the
-CPU by the interpreter, tests/conftest.py) must write the same bytes as the torch reference.
+NVFP4; e4m3 * scale for FP8), independently of kernels.reference. The Triton kernels (compiled on
+the GPU when there is one, else run on the CPU by the interpreter, tests/conftest.py) must write
+the same bytes as the torch reference on the CPU.
 """
 
 from __future__ import annotations
@@ -73,13 +74,21 @@ def fp32_decode(recipe, q, nvfp4_left_to_right: bool = False) -> torch.Tensor:
     return (g * (sb * q.global_scale)).reshape(shape)
 
 
+def on_device(w: torch.Tensor, backend: str) -> torch.Tensor:
+    """`w` where `backend` runs it: compiled Triton kernels take CUDA tensors (the interpreter,
+    used without CUDA, takes CPU ones); the torch backend is checked on the CPU."""
+    return w.to("cuda") if backend == "triton" and torch.cuda.is_available() else w
+
+
 def quantize_checked(recipe, w: torch.Tensor, backend: str, **kw):
     """Quantize, decode the bytes in FP32, and check what every case must hold: finite decode,
     equal to the library's own dequantize, and the same bytes from both backends."""
-    q = recipe.quantize(NAME, w, backend=backend, **kw)
+    q = recipe.quantize(NAME, on_device(w, backend), backend=backend, **kw)
+    dequantized = recipe.dequantize(q, backend=backend).cpu()
+    q = q.to("cpu")
     decoded = fp32_decode(recipe, q)
     assert torch.isfinite(decoded).all(), f"{recipe.name}: non-finite decode at {(~torch.isfinite(decoded)).nonzero()}"
-    assert torch.equal(decoded, recipe.dequantize(q, backend=backend)), "dequantize != FP32 decode of the bytes"
+    assert torch.equal(decoded, dequantized), "dequantize != FP32 decode of the bytes"
     assert torch.isfinite(fp32_decode(recipe, q, nvfp4_left_to_right=True)).all()
     if backend == "triton":
         t = recipe.quantize(NAME, w, backend="torch", **kw)
@@ -211,7 +220,7 @@ def test_dense_dtype_extremes(recipe, dtype, backend):
 def test_zero_size_tensors(recipe, backend):
     r = get_recipe(recipe)
     for shape in [(0, 128), (8, 0), (0, 0), (2, 0, 128), (0, 8, 128), (2, 8, 0)]:
-        w = torch.empty(shape, dtype=torch.bfloat16)
+        w = on_device(torch.empty(shape, dtype=torch.bfloat16), backend)
         q = r.quantize(NAME, w, backend=backend)
         assert tuple(q.codes.shape) == r.codes_shape(shape) and q.codes.dtype == torch.uint8, shape
         assert tuple(q.scale.shape) == r.scale_shape(shape), shape
@@ -219,7 +228,7 @@ def test_zero_size_tensors(recipe, backend):
         d = r.dequantize(q, backend=backend)
         assert d.shape == shape and d.dtype == torch.float32
         assert torch.isfinite(q.scale.float()).all()
-    assert float(tensor_amax(torch.empty(0, 64), backend=backend, name=NAME)) == 0.0
+    assert float(tensor_amax(on_device(torch.empty(0, 64), backend), backend=backend, name=NAME)) == 0.0
 
 
 # ---------------------------------------------------------------- NaN / Inf name the tensor
@@ -233,7 +242,7 @@ def test_nonfinite_names_the_tensor(recipe, backend):
         w = small()
         w[2, 50] = bad
         with pytest.raises(RecipeError, match=rf"^{NAME}: holds NaN or Inf values; .*--ignore$"):
-            r.quantize(NAME, w, backend=backend)
+            r.quantize(NAME, on_device(w, backend), backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -242,6 +251,7 @@ def test_tensor_amax_and_fused_global_name_the_tensor(backend):
     with name= the error names the tensor; without, it is still a one-line RecipeError."""
     w = small()
     w[0, 1] = float("nan")
+    w = on_device(w, backend)
     with pytest.raises(RecipeError, match=rf"^{NAME}: holds NaN or Inf"):
         tensor_amax(w, backend=backend, name=NAME)
     with pytest.raises(NonFiniteInput) as exc:
@@ -249,7 +259,7 @@ def test_tensor_amax_and_fused_global_name_the_tensor(backend):
     assert isinstance(exc.value, RecipeError) and "\n" not in str(exc.value)
     # a NaN group amax handed to a member (never from tensor_amax, but the kernel checks it too)
     with pytest.raises(RecipeError, match=rf"^{NAME}: holds NaN or Inf"):
-        get_recipe("nvfp4").quantize(NAME, small(), backend=backend,
+        get_recipe("nvfp4").quantize(NAME, on_device(small(), backend), backend=backend,
                                          facts=ModuleFacts(group_amax=torch.tensor(float("nan"))))
 
 
