@@ -37,6 +37,7 @@ from quantcli.cli.options import (
     Revision,
     Tensors,
     backend_names,
+    completer,
     layout_names,
     one_of,
     recipe_names,
@@ -72,22 +73,24 @@ def convert(
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source: checkpoint folder, .safetensors file or Hub repo id.")],
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Destination folder (created; written atomically).")],
     recipe: Annotated[Optional[str], typer.Option(
-        metavar="RECIPE", callback=one_of("--recipe", "recipe", recipe_names),
+        metavar="RECIPE", callback=one_of("--recipe", "recipe", recipe_names), autocompletion=completer(RECIPE_NAMES),
         help=f"One of: {', '.join(RECIPE_NAMES)} (bf16/fp16/fp32 dequantize a quantized source).")] = None,
     layout: Annotated[Optional[str], typer.Option(
-        metavar="LAYOUT", callback=one_of("--layout", "layout", layout_names),
+        metavar="LAYOUT", callback=one_of("--layout", "layout", layout_names), autocompletion=completer(LAYOUT_NAMES),
         help=f"One of: {', '.join(LAYOUT_NAMES)} (default per recipe).")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(metavar="PATTERN", help="Leave modules matching PATTERN unquantized: a name, a parent module, a glob or re:REGEX (repeatable).")] = None,
     config: Annotated[Optional[Path], typer.Option(metavar="FILE", help="TOML recipe file: recipe, layout, scale_rule, scale_search, targets, ignore, [[override]].")] = None,
     scale_rule: Annotated[Optional[str], typer.Option(
         metavar="RULE", callback=one_of("--scale-rule", "MX scale rule", scale_rule_names),
+        autocompletion=completer(SCALE_RULE_NAMES),
         help=f"MX scale exponent rule: {', '.join(SCALE_RULE_NAMES)} (default: the layout's producer).")] = None,
-    scale_search: Annotated[Optional[str], typer.Option(metavar="METHOD", callback=one_of("--scale-search", "scale search", lambda: ["none", "mse"]), help="none: absmax block scales; mse: per block the scale code with the smallest error (nvfp4, mxfp4, mxfp8; activation-weighted with --calibration).")] = None,
+    scale_search: Annotated[Optional[str], typer.Option(metavar="METHOD", callback=one_of("--scale-search", "scale search", lambda: ["none", "mse"]), autocompletion=completer(["none", "mse"]), help="none: absmax block scales; mse: per block the scale code with the smallest error (nvfp4, mxfp4, mxfp8; activation-weighted with --calibration).")] = None,
     activations: Annotated[Optional[str], typer.Option(
         metavar="MODE", callback=one_of("--activations", "activation scheme", lambda: ["static", "dynamic"]),
+        autocompletion=completer(["static", "dynamic"]),
         help="static: calibrated activation scales (nvfp4 W4A4, fp8); needs --calibration.")] = None,
     kv_cache: Annotated[Optional[str], typer.Option(
-        metavar="DTYPE", callback=one_of("--kv-cache", "KV-cache dtype", lambda: ["fp8", "none"]),
+        metavar="DTYPE", callback=one_of("--kv-cache", "KV-cache dtype", lambda: ["fp8", "none"]), autocompletion=completer(["fp8", "none"]),
         help="fp8: write calibrated k_scale/v_scale; needs --calibration.")] = None,
     calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help="Calibration samples: .txt or .jsonl (text, messages or input_ids), or a Hub dataset OWNER/NAME[:SPLIT] (needs the datasets package).")] = None,
     calibration_samples: Annotated[Optional[int], typer.Option(metavar="N", help="Samples to use.  [default: 128]")] = None,
@@ -96,7 +99,7 @@ def convert(
     revision: Revision = None,
     device: Device = "auto",
     backend: Annotated[str, typer.Option(
-        metavar="BACKEND", callback=one_of("--backend", "backend", backend_names),
+        metavar="BACKEND", callback=one_of("--backend", "backend", backend_names), autocompletion=completer(BACKEND_NAMES),
         help=f"One of: {', '.join(BACKEND_NAMES)} (auto: Triton on CUDA).")] = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run with the same inputs.")] = False,

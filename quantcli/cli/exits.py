@@ -33,8 +33,13 @@ ARGV = "quantcli.argv"  # key in the context's meta: the arguments main() was gi
 DESTINATION = "quantcli.destination"  # convert's DST (absolute), for an interrupt after it was installed
 
 
+COMPLETE_VAR = "_QUANTCLI_COMPLETE"  # set by the shell's completion function (--install-completion)
+
+
 def run(command, args: list[str]) -> int:
     """Run the click `command` on `args` -> its exit code, every failure turned into one line."""
+    if os.environ.get(COMPLETE_VAR):  # the shell asks for completions: click's own path, no command runs
+        return complete(command)
     ctx = None
     try:
         ctx = command.make_context("quantcli", args)
@@ -78,6 +83,23 @@ def run(command, args: list[str]) -> int:
             raise
         return _fail(f"internal error: {type(exc).__name__}: {exc} "
                      "(rerun with QUANTCLI_DEBUG=1 for the traceback and report it)", 3)
+
+
+def complete(command) -> int:
+    """Print the completions the shell asked for through COMPLETE_VAR (typer's `complete_bash`,
+    as its installed script sets it, or click's `bash_complete` order) -> exit code."""
+    instruction = os.environ[COMPLETE_VAR]
+    first, _, second = instruction.partition("_")
+    if first in ("bash", "zsh", "fish", "powershell", "pwsh"):  # click's SHELL_INSTRUCTION order
+        os.environ[COMPLETE_VAR] = f"{second}_{first}"  # typer reads INSTRUCTION_SHELL
+    try:
+        command.main([], prog_name="quantcli", complete_var=COMPLETE_VAR)
+    except SystemExit as exc:  # click ends completion with sys.exit
+        sys.stdout.flush()
+        return exc.code if isinstance(exc.code, int) else 0
+    except Exception:  # noqa: BLE001 - a completion that fails prints no candidates, never a traceback
+        return 1
+    return 0
 
 
 def _debug() -> bool:

@@ -4,7 +4,7 @@ check a value against its registry, and the option types several commands declar
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Optional
 
 import typer
@@ -53,6 +53,15 @@ def one_of(option: str, kind: str, names: Callable[[], list[str]]) -> Callable[[
     return check
 
 
+def completer(names: Sequence[str]) -> Callable[..., list[str]]:
+    """An autocompletion callback: the names that start with what was typed (Tab after --recipe)."""
+
+    def complete(incomplete: str) -> list[str]:
+        return [n for n in names if n.startswith(incomplete.lower())]
+
+    return complete
+
+
 def device(value: str) -> str:
     """auto, cpu, cuda or cuda:N (whether CUDA is there is checked when the device is opened)."""
     if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value.lower()):
@@ -64,4 +73,4 @@ def device(value: str) -> str:
 Revision = Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision (branch, tag or commit) of a repo id.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON document instead of tables.")]
 Tensors = Annotated[Optional[str], typer.Option(metavar="PATTERN", help="Only tensors/modules matching PATTERN: a name, a parent module, a glob or re:REGEX.")]
-Device = Annotated[str, typer.Option(metavar="DEVICE", callback=device, help="auto, cpu, cuda or cuda:N.")]
+Device = Annotated[str, typer.Option(metavar="DEVICE", callback=device, autocompletion=completer(["auto", "cpu", "cuda"]), help="auto, cpu, cuda or cuda:N.")]

@@ -16,14 +16,14 @@ class Commands(typer.core.TyperGroup):
         return [name for name in self.list_commands(ctx) if not self.get_command(ctx, name).hidden]
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        if not args:
+        if not args and not ctx.resilient_parsing:  # resilient: shell completion of `quantcli <Tab>`
             raise UsageError(f"missing command; choose one of: {', '.join(self._visible(ctx))} "
                              f"(see '{ctx.command_path} --help')")
         return super().parse_args(ctx, args)
 
     def resolve_command(self, ctx, args: list[str]):
         name = args[0] if args else ""
-        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None and not ctx.resilient_parsing:
             commands = self._visible(ctx)
             raise UsageError(f"no such command {name!r}{did_you_mean(name, commands)} "
                              f"(commands: {', '.join(commands)}; see '{ctx.command_path} --help')")
