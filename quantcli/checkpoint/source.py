@@ -27,6 +27,12 @@ SKIP_COPY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".
 REWRITTEN_FILES = (INDEX, "config.json", "hf_quant_config.json", "quantcli_manifest.json")
 SMALL_FILE_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.md", "tokenizer*", "vocab*",
                        "merges*"]
+# What a single .safetensors file's folder holds for it, copied beside the output's weights: the
+# folder may hold anything else (a downloads folder), so only these names, at its top level.
+COMPANION_FILES = ("tokenizer*", "vocab*", "merges*", "special_tokens_map.json", "added_tokens.json", "*.tiktoken",
+                   "*.model", "chat_template*", "generation_config.json", "preprocessor_config.json",
+                   "processor_config.json", "README.md", "LICENSE*", "modules.json", "sentence_bert_config.json",
+                   "config_sentence_transformers.json")
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -65,9 +71,11 @@ class Source:
         return header
 
     def other_files(self) -> list[str]:
-        """Small files to copy to the output (tokenizer, generation config, chat template...)."""
+        """Small files to copy to the output (tokenizer, generation config, chat template...); for
+        a single file, the COMPANION_FILES beside it."""
         if self.single_file:
-            return []
+            return sorted({p.name for pattern in COMPANION_FILES for p in self.root.glob(pattern)
+                           if p.is_file() and not p.name.startswith(".") and p.name not in REWRITTEN_FILES})
         out = []
         for p in sorted(self.root.rglob("*")):
             rel = p.relative_to(self.root).as_posix()

@@ -86,12 +86,18 @@ def _check_named(dst: Path) -> None:
 
 
 def _check_apart_from_source(src: Path, dst: Path) -> None:
+    """DST must not hold the source (a rename or --overwrite would move or delete it), nor, for a
+    source folder, lie inside it (its files are copied from the whole tree). A single file's
+    folder may hold DST: only that file and the companion files beside it are read."""
     dst_r, src_r = dst.resolve(), src.resolve()
-    src_dir = src_r if src_r.is_dir() else src_r.parent
-    if dst_r == src_dir or src_dir in dst_r.parents:
-        raise CheckpointError(f"{dst}: is the source folder or inside it; choose a destination outside {src_dir}")
+    if dst_r == src_r:
+        raise CheckpointError(f"{dst}: is the source itself; name a new folder for the output")
+    if src_r.is_dir() and src_r in dst_r.parents:
+        raise CheckpointError(f"{dst}: is inside the source folder, whose files are all read; choose a destination "
+                              f"outside {src_r}")
     if dst_r in src_r.parents:
-        raise CheckpointError(f"{dst}: contains the source {src}; choose a destination that does not hold it")
+        raise CheckpointError(f"{dst}: contains the source {src}; choose a destination that does not hold it"
+                              + (f", such as a new folder {src_r.parent / 'quantized'}" if src_r.is_file() else ""))
 
 
 def _check_parent(dst: Path) -> None:
