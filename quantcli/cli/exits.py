@@ -23,7 +23,8 @@ except ImportError:  # older typer raises click's own
     from click import exceptions as click_errors
 
 EXIT_CODES = ("Exit codes: 0 done (verify: passed), 1 verify found a problem, 2 bad input or usage, "
-              "3 internal error (a bug: please report it), 130 interrupted (143 on SIGTERM).")
+              "3 internal error (a bug: please report it), 130 interrupted (143 on SIGTERM), "
+              "141 output closed early (| head).")
 
 # Key in the click context's meta (shared by every nested context): the line printed when the
 # run is interrupted or runs out of disk. `convert` sets it, because its staging folder is kept.
@@ -49,8 +50,7 @@ def run(command, args: list[str]) -> int:
         sys.stdout.flush()  # a closed pipe shows up here, not in interpreter shutdown
         return result if isinstance(result, int) else 0
     except typer.Exit as exc:  # --help, --version and every command's own exit code
-        sys.stdout.flush()
-        return exc.exit_code
+        return _flushed(exc.exit_code)
     except click_errors.UsageError as exc:  # unknown option, missing argument, --top abc
         return _fail(_usage_message(exc), 2)
     except QuantcliError as exc:
@@ -69,9 +69,8 @@ def run(command, args: list[str]) -> int:
         if os.environ.get(SPAWNED_RANK):  # a --workers rank: rank 0 says it, once, for the job
             return getattr(exc, "exit_code", 130)
         return _fail(line, getattr(exc, "exit_code", 130), prefix="")
-    except BrokenPipeError:  # stdout piped into `head` that has stopped reading: end quietly
-        _discard_stdout()
-        return 128 + signal.SIGPIPE
+    except BrokenPipeError:  # stdout or stderr piped into `head` that has stopped reading: end quietly
+        return _broken_pipe()
     except OSError as exc:  # the file system said no where no check turned it into a QuantcliError
         if _debug():
             raise
@@ -107,8 +106,27 @@ def _debug() -> bool:
 
 
 def _fail(message: str, code: int, prefix: str = "error: ") -> int:
-    print(prefix + " ".join(message.split()), file=sys.stderr)
+    try:
+        print(prefix + " ".join(message.split()), file=sys.stderr, flush=True)
+    except BrokenPipeError:  # stderr is a closed pipe too: nothing can be said, exit as for a closed pipe
+        return _broken_pipe()
     return code
+
+
+def _flushed(code: int) -> int:
+    """`code`, once what is buffered for stdout is written (141 if the pipe closed meanwhile)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _broken_pipe()
+    return code
+
+
+def _broken_pipe() -> int:
+    """A closed stdout or stderr (`| head -1`): print nothing more and exit 141, as a process
+    killed by SIGPIPE would. A convert stopped by it keeps DST.partial for --resume, as Ctrl-C does."""
+    _discard_output()
+    return 128 + signal.SIGPIPE
 
 
 def _usage_message(exc: click_errors.UsageError) -> str:
@@ -152,13 +170,16 @@ def _os_error_message(exc: OSError, resumable: bool) -> str:
     return text
 
 
-def _discard_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush does not fail a second time."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # stdout replaced by a test harness: nothing to do
-        pass
+def _discard_output() -> None:
+    """Point stdout and stderr at /dev/null so that nothing more is written into a closed pipe
+    and the interpreter's final flush does not fail a second time."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # replaced by a test harness: nothing to do
+            pass
 
 
 def _installed(ctx) -> bool:

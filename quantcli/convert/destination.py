@@ -166,6 +166,8 @@ def writing(path: Path, dst: Path):
     """An OSError raised inside becomes a FilesystemError naming `path` (or the file it names)."""
     try:
         yield
+    except BrokenPipeError:  # stdout or stderr closed (-v piped into head): an interruption, not the disk
+        raise
     except OSError as exc:
         raise filesystem_error(exc, path, dst) from None
 
