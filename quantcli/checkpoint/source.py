@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from quantcli.checkpoint.config_files import _load_json, load_config  # noqa: F401  (load_config: re-exported)
+from quantcli.checkpoint.manifest import unfinished_conversion
 from quantcli.checkpoint.safetensors_io import Header, parse_header, read_header
 from quantcli.errors import CheckpointError
 
@@ -284,6 +285,9 @@ def open_hub(repo_id: str, revision: str | None) -> Source:
 
 def open_source(src: str, revision: str | None = None) -> Source:
     path = Path(src).expanduser()
+    unfinished = unfinished_conversion(path)
+    if unfinished is not None:  # its shards hold codes, but no config declares them yet
+        raise CheckpointError(unfinished)
     if path.exists():
         if revision:
             raise CheckpointError(f"--revision {revision}: only applies to Hub repo ids, but {src} is a local path")

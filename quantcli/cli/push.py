@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantcli.checkpoint.manifest import MANIFEST_NAME
+from quantcli.checkpoint.manifest import MANIFEST_NAME, STAGING_SUFFIX, finish_hint, unfinished_conversion
 from quantcli.checkpoint.source import REPO_ID
 from quantcli.errors import QuantcliError
 
@@ -57,14 +57,19 @@ def check_can_push(repo_id: str) -> object:
 
 def check_complete(folder: Path) -> None:
     """A finished quantcli output: a folder with the manifest (written last), no staging folder beside it."""
-    if folder.name.endswith(".partial") or not folder.is_dir():
-        what = "a staging folder of an unfinished conversion" if folder.name.endswith(".partial") else "not a folder"
-        raise QuantcliError(f"{folder}: {what}; push a finished output (finish it with `quantcli convert ... "
-                            f"--resume`)")
-    partial = folder.with_name(folder.name + ".partial")
+    unfinished = unfinished_conversion(folder)
+    if unfinished is not None:
+        raise QuantcliError(f"{unfinished}; only a finished output is pushed")
+    if folder.name.endswith(STAGING_SUFFIX):
+        dst = folder.with_name(folder.name[: -len(STAGING_SUFFIX)])
+        raise QuantcliError(f"{folder}: a staging folder of an unfinished conversion; {finish_hint(dst)}, then "
+                            f"push {dst}")
+    if not folder.is_dir():
+        raise QuantcliError(f"{folder}: not a folder; push a finished output")
+    partial = folder.with_name(folder.name + STAGING_SUFFIX)
     if partial.exists():
         raise QuantcliError(f"{folder}: {partial.name} is beside it, so a conversion into it is running or was "
-                            f"interrupted; finish it with `quantcli convert ... --resume` first")
+                            f"interrupted; {finish_hint(folder)} first")
     if not (folder / MANIFEST_NAME).is_file():
         raise QuantcliError(f"{folder}: no {MANIFEST_NAME} (quantcli writes it last), so this is not a finished "
                             f"quantcli output; convert into a new folder and push that")
