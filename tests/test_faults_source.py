@@ -22,6 +22,7 @@ from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
 
 W = "model.layers.0.mlp.down_proj.weight"  # a Linear weight every recipe quantizes
+CONFIG = {"model_type": "llama"}  # the least config.json an engine needs (convert refuses a source without)
 N = "model.norm.weight"
 
 
@@ -105,6 +106,7 @@ def quant(tmp_path_factory) -> Path:
     src = root / "src"
     src.mkdir()
     write_file(src / "model.safetensors", good_tensors())
+    (src / "config.json").write_text(json.dumps(CONFIG))  # convert refuses a source no engine can load
     dst = root / "fp8"
     with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as exc:
         mp.setattr(sys, "argv", ["quantcli", "convert", str(src), str(dst), "--recipe", "fp8", "--quiet"])
@@ -165,8 +167,8 @@ def sharded(root: Path, index: object | None = None, shards: dict[str, dict[str,
     if index is not None:
         text = index if isinstance(index, (str, bytes)) else json.dumps(index)
         (root / "model.safetensors.index.json").write_bytes(text.encode() if isinstance(text, str) else text)
-    if config is not None:
-        (root / "config.json").write_bytes(config if isinstance(config, bytes) else json.dumps(config).encode())
+    config = CONFIG if config is None else config  # convert refuses a source without one
+    (root / "config.json").write_bytes(config if isinstance(config, bytes) else json.dumps(config).encode())
     return root
 
 
@@ -289,6 +291,7 @@ def test_special_file_given_as_source_refused(quant, tmp_path, run_cli):
 
 def test_config_fifo_refused(quant, tmp_path, run_cli):
     src = sharded(tmp_path / "src", {"weight_map": GOOD_MAP})
+    (src / "config.json").unlink()
     os.mkfifo(src / "config.json")
     assert_refused_everywhere(run_cli, src, quant, tmp_path, "config.json", "FIFO")
 

@@ -27,6 +27,7 @@ from quantcli.formats.analysis import (
     module_stats,
     unservable_problems,
 )
+from quantcli.formats.consistency import CONFIG_NAME, config_fix, missing_config
 from quantcli.formats.detect import Detected, all_names, config_with_extras, detect, global_scale_fault
 from quantcli.planning.plan import matches
 from quantcli.reports import NOT_IN_JSON, OMITTED
@@ -214,13 +215,25 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
     total_bytes = sum(f.bytes for f in by_format.values())
     return InspectReport(
         source=source.label, layout=det.layout.name if det else "unquantized",
-        consumers=det.layout.consumers if det else "any", has_manifest=bool(det and det.manifest),
+        consumers=_consumers(source, det), has_manifest=bool(det and det.manifest),
         modules=modules, dense=dense, by_format=by_format, params=total_params, bytes=total_bytes,
         bits_per_param=round(8 * total_bytes / total_params, 4) if total_params else None,
         size_vs_bf16=round(total_bytes / (2 * total_params), 4) if total_params else None,
         exclusion_list=excluded, unlisted_linears=unlisted, fused_mismatches=fused_mismatches(modules),
-        problems=[f"{m.module}: {p}" for m in modules for p in m.problems] + unservable_problems(det, modules),
+        problems=_config_problems(source) + [f"{m.module}: {p}" for m in modules for p in m.problems]
+        + unservable_problems(det, modules),
         warnings=list(source.warnings) + _kv_warnings(scales), config=config, calibrated=scales)
+
+
+def _consumers(source: Source, det: Detected | None) -> str:
+    if missing_config(source) is not None:
+        return f"none: no usable {CONFIG_NAME}"
+    return det.layout.consumers if det else "any"
+
+
+def _config_problems(source: Source) -> list[str]:
+    missing = missing_config(source)
+    return [] if missing is None else [f"{CONFIG_NAME}: {missing}; {config_fix(source)}"]
 
 
 def _calibrated(det: Detected | None, config: dict, modules: list[ModuleDescription], names,
@@ -259,8 +272,10 @@ def _config_int(text: dict, key: str, default: int | None = None, minimum: int =
     value = text.get(key)
     if value is None:
         value = default
+    if value is None:
+        raise QuantcliError(f"--kv-cache: {CONFIG_NAME} has no {key}; cannot size the KV cache")
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise QuantcliError(f"--kv-cache: config.json {key} is {value!r}, not an integer >= {minimum}; cannot size "
+        raise QuantcliError(f"--kv-cache: {CONFIG_NAME} {key} is {value!r}, not an integer >= {minimum}; cannot size "
                             f"the KV cache")
     return value
 
@@ -280,6 +295,9 @@ def _kv_elements_per_layer(text: dict) -> tuple[int, str]:
 
 
 def kv_cache_account(config: dict, budget: int) -> KvCacheAccount:
+    if not any(k != "hf_quant_config" for k in config):
+        raise QuantcliError(f"--kv-cache: there is no {CONFIG_NAME} (or it is empty); the KV-cache account reads the "
+                            f"layers and attention heads from it")
     text = config.get("text_config") or config
     if not isinstance(text, dict):
         raise QuantcliError("--kv-cache: config.json text_config is not an object; cannot size the KV cache")

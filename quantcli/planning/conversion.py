@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from quantcli.checkpoint.source import Source
-from quantcli.errors import QuantcliError
+from quantcli.errors import CheckpointError, QuantcliError
+from quantcli.formats.consistency import CONFIG_NAME, config_fix, missing_config
 from quantcli.formats.detect import Detected
 from quantcli.planning.calibration import checked_plan
 from quantcli.planning.from_quantized import detect_quantized, plan_for
@@ -17,6 +18,9 @@ from quantcli.recipes import DENSE_RECIPES, RECIPES
 
 def plan_conversion(source: Source, opts: Options) -> Plan:
     """The plan for converting `source` with `opts`, from headers (and a quantized source's scales)."""
+    missing = missing_config(source)
+    if missing is not None:  # the output would load nowhere: refused before any work
+        raise CheckpointError(f"{source.label}: {CONFIG_NAME} {missing}; nothing converted: {config_fix(source)}")
     detected = detect_quantized(source)
     if not opts.recipe:
         opts = replace(opts, recipe=default_recipe(source, detected))
