@@ -80,3 +80,74 @@ def test_inspect_says_config_json_is_missing(llama, tmp_path, run_cli):
     src_partial = copy_without_config(llama, tmp_path / "src2", {"model_type": "llama"})
     code, out, err = run_cli("inspect", src_partial, "--kv-cache")
     assert_one_line_error(code, out, err, "config.json has no num_hidden_layers")
+
+
+# ---------------------------------------------------------------- config and tensors that contradict each other
+
+
+def undeclared(quantized: Path, to: Path) -> Path:
+    """A quantized output whose config no longer declares it: no quantization_config, no
+    hf_quant_config.json, no manifest (what is left are codes and scales)."""
+    shutil.copytree(quantized, to)
+    config = json.loads((to / "config.json").read_text())
+    del config["quantization_config"]
+    (to / "config.json").write_text(json.dumps(config))
+    for name in ("hf_quant_config.json", "quantcli_manifest.json"):
+        (to / name).unlink(missing_ok=True)
+    return to
+
+
+def stale(llama: Path, quantized: Path, to: Path) -> Path:
+    """The dense model under a quantization_config copied from a quantized output."""
+    shutil.copytree(llama, to)
+    config = json.loads((to / "config.json").read_text())
+    config["quantization_config"] = json.loads((quantized / "config.json").read_text())["quantization_config"]
+    (to / "config.json").write_text(json.dumps(config))
+    return to
+
+
+@pytest.fixture(scope="module")
+def fp8_ct(llama, tmp_path_factory) -> Path:
+    from quantcli.cli.app import main
+
+    out = tmp_path_factory.mktemp("cfg") / "fp8"
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", str(llama), str(out), "--recipe", "fp8", "--layout", "compressed-tensors", "-q"])
+    assert not exc.value.code
+    return out
+
+
+@pytest.mark.parametrize("which", ["nvfp4", "fp8_ct"])
+def test_codes_no_config_declares_are_named_and_refused(which, request, tmp_path, run_cli):
+    src = undeclared(request.getfixturevalue(which), tmp_path / "src")
+    code, out, err = run_cli("inspect", src)
+    assert code == 0 and "problem: config.json: 7 module(s) hold quantized codes" in out, out
+    assert "loads in any" not in out and "the config and the tensors disagree" in out
+    code, out, err = run_cli("verify", src, "--json")
+    faults = json.loads(out)["faults"]
+    assert code == 1 and [f["tensor"] for f in faults] == ["config.json"], err
+    assert "no config declares a quantization" in faults[0]["fault"]
+    dst = tmp_path / "out"
+    code, out, err = run_cli("convert", src, dst, "--recipe", "nvfp4", "-q")
+    assert_one_line_error(code, out, err, str(src), "quantized codes", "no config declares", "nothing converted")
+    assert_nothing_left(dst)
+
+
+def test_a_quantization_config_over_dense_weights_is_named_and_converted_with_a_warning(llama, nvfp4, tmp_path,
+                                                                                       run_cli):
+    src = stale(llama, nvfp4, tmp_path / "src")
+    code, out, err = run_cli("inspect", src)
+    assert code == 0 and "quantization_config declares a modelopt quantization, but no tensor carries it" in out
+    code, out, err = run_cli("verify", src, "-q")
+    assert code == 1 and "FAIL config.json: quantization_config declares" in err, (out, err)
+    dst = tmp_path / "out"
+    code, out, err = run_cli("convert", src, dst, "--recipe", "fp8", "-q", "--device", "cpu")
+    assert code == 0 and "warning: config.json: quantization_config declares a modelopt quantization" in err, err
+    assert "the output's config.json replaces" in err
+    assert run_cli("verify", dst, "-q")[0] == 0  # the output's own config declares its own fp8
+
+
+def test_a_consistent_checkpoint_has_no_config_problem(nvfp4, llama, run_cli):
+    for folder in (nvfp4, llama):
+        code, out, err = run_cli("inspect", folder, "--json")
+        assert code == 0 and not [p for p in json.loads(out)["problems"] if p.startswith("config.json")]

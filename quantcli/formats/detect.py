@@ -143,6 +143,11 @@ def recipes_the_tensors_allow(module: str, tensors) -> set[str]:
     return out
 
 
+def codes_suffixes() -> tuple[str, ...]:
+    """Every layout's suffixes of a module's codes tensor (`.weight`, `.weight_packed`, `_blocks`)."""
+    return tuple(r.suffix for r in _rows_of("codes"))
+
+
 def _rows_of(role: str) -> list:
     """Every layout's rows of `role`, one per suffix (the union over all layout tables)."""
     rows = {}

@@ -27,7 +27,7 @@ from quantcli.formats.analysis import (
     module_stats,
     unservable_problems,
 )
-from quantcli.formats.consistency import CONFIG_NAME, config_fix, missing_config
+from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config
 from quantcli.formats.detect import Detected, all_names, config_with_extras, detect, global_scale_fault
 from quantcli.planning.plan import matches
 from quantcli.reports import NOT_IN_JSON, OMITTED
@@ -215,25 +215,29 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
     total_bytes = sum(f.bytes for f in by_format.values())
     return InspectReport(
         source=source.label, layout=det.layout.name if det else "unquantized",
-        consumers=_consumers(source, det), has_manifest=bool(det and det.manifest),
+        consumers=_consumers(source, det, contradictions(source, det)), has_manifest=bool(det and det.manifest),
         modules=modules, dense=dense, by_format=by_format, params=total_params, bytes=total_bytes,
         bits_per_param=round(8 * total_bytes / total_params, 4) if total_params else None,
         size_vs_bf16=round(total_bytes / (2 * total_params), 4) if total_params else None,
         exclusion_list=excluded, unlisted_linears=unlisted, fused_mismatches=fused_mismatches(modules),
-        problems=_config_problems(source) + [f"{m.module}: {p}" for m in modules for p in m.problems]
+        problems=_config_problems(source, det) + [f"{m.module}: {p}" for m in modules for p in m.problems]
         + unservable_problems(det, modules),
         warnings=list(source.warnings) + _kv_warnings(scales), config=config, calibrated=scales)
 
 
-def _consumers(source: Source, det: Detected | None) -> str:
+def _consumers(source: Source, det: Detected | None, disagree: list[str]) -> str:
     if missing_config(source) is not None:
         return f"none: no usable {CONFIG_NAME}"
+    if disagree:
+        return "none: the config and the tensors disagree"
     return det.layout.consumers if det else "any"
 
 
-def _config_problems(source: Source) -> list[str]:
+def _config_problems(source: Source, det: Detected | None) -> list[str]:
+    """config.json missing, or contradicted by the tensors (formats/consistency.py)."""
     missing = missing_config(source)
-    return [] if missing is None else [f"{CONFIG_NAME}: {missing}; {config_fix(source)}"]
+    problems = [] if missing is None else [f"{CONFIG_NAME}: {missing}; {config_fix(source)}"]
+    return problems + [f"{CONFIG_NAME}: {p}" for p in contradictions(source, det)]
 
 
 def _calibrated(det: Detected | None, config: dict, modules: list[ModuleDescription], names,

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 from quantcli.checkpoint.source import Source
 from quantcli.errors import CheckpointError, QuantcliError
-from quantcli.formats.consistency import CONFIG_NAME, config_fix, missing_config
-from quantcli.formats.detect import Detected
+from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config, undeclared_codes_in
+from quantcli.formats.detect import Detected, detect
 from quantcli.planning.calibration import checked_plan
 from quantcli.planning.from_quantized import detect_quantized, plan_for
 from quantcli.planning.plan import Options, Plan
@@ -21,10 +21,23 @@ def plan_conversion(source: Source, opts: Options) -> Plan:
     missing = missing_config(source)
     if missing is not None:  # the output would load nowhere: refused before any work
         raise CheckpointError(f"{source.label}: {CONFIG_NAME} {missing}; nothing converted: {config_fix(source)}")
+    stale = _config_against_tensors(source)
     detected = detect_quantized(source)
     if not opts.recipe:
         opts = replace(opts, recipe=default_recipe(source, detected))
-    return checked_plan(plan_for(source, opts, detected))
+    plan = checked_plan(plan_for(source, opts, detected))
+    return replace(plan, warnings=[*stale, *plan.warnings]) if stale else plan
+
+
+def _config_against_tensors(source: Source) -> list[str]:
+    """Refuse codes that no config declares (they would be read as weights); a quantization
+    config over dense weights is a warning: the output's config replaces it."""
+    det = detect(source)
+    found = contradictions(source, det)
+    if found and (det is None or undeclared_codes_in(source)):
+        raise CheckpointError(f"{source.label}: {found[0]}; nothing converted")
+    return [f"{CONFIG_NAME}: {w}; converting the tensors as the dense weights they are, and the output's "
+            f"{CONFIG_NAME} replaces that quantization config" for w in found]
 
 
 def default_recipe(source: Source, detected: Detected | None) -> str:

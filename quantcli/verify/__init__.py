@@ -22,7 +22,7 @@ from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
 from quantcli.convert import resolve_device
 from quantcli.errors import QuantcliError
-from quantcli.formats.consistency import CONFIG_NAME, config_fix, missing_config
+from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config
 from quantcli.formats.detect import all_names, config_with_extras, detect
 from quantcli.planning.plan import matches
 from quantcli.verify.activation_scales import calibrated_check, recalibrated_check
@@ -46,7 +46,7 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
     source = open_source(quant)
     det = detect(source)
     found = Findings()
-    found.record(CONFIG, config_faults(source))
+    found.record(CONFIG, config_faults(source, det))
     if det is None or not det.modules:
         if found.faults:  # no engine loads it, whatever its tensors are
             return build_report(source, det.layout.name if det else "none", reference, None, 0, found, [])
@@ -79,10 +79,11 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
                         notes=tuple(found.notes))
 
 
-def config_faults(source) -> list[tuple[str, str]]:
-    """config.json missing or naming no model: (file, fault) for the config check."""
+def config_faults(source, det) -> list[tuple[str, str]]:
+    """config.json missing or naming no model, or contradicted by the tensors: (file, fault)."""
     missing = missing_config(source)
-    return [] if missing is None else [(CONFIG_NAME, f"{missing}; {config_fix(source)}")]
+    faults = [] if missing is None else [(CONFIG_NAME, f"{missing}; {config_fix(source)}")]
+    return faults + [(CONFIG_NAME, p) for p in contradictions(source, det)]
 
 
 def _require_selection(pattern: str, source, det) -> None:
