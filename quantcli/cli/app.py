@@ -103,7 +103,7 @@ def convert(
         help=f"One of: {', '.join(BACKEND_NAMES)} (auto: Triton on CUDA).")] = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run with the same inputs.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty destination.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST when it is a quantcli output (or empty); never a folder of other files.")] = False,
     per_tensor: Annotated[bool, typer.Option("--per-tensor", help="--dry-run: one row per tensor instead of one per layer pattern.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the destination path, or with --dry-run the total line (errors and warnings go to stderr).")] = False,
     workers: Annotated[int, typer.Option(metavar="N", min=1, help="Convert on N processes on this machine (torch.distributed; under torchrun the ranks come from torchrun).")] = 1,

@@ -91,7 +91,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
             _console(stderr=True).print(f"{result.dst}: already complete; nothing written")
         _console().print(str(result.dst))
         return 0
-    _print_convert_result(plan, result, src)
+    _print_convert_result(plan, result, src, overwrite)
     return 0
 
 
@@ -111,11 +111,12 @@ def _convert_summary(plan, result) -> dict:
     }, source=plan.source.label, destination=result.dst)
 
 
-def _print_convert_result(plan, result, src: str) -> None:
+def _print_convert_result(plan, result, src: str, overwrite: bool = False) -> None:
     con = _console()
-    if result.already_complete:
+    if result.already_complete:  # --resume keeps a finished output of the same plan, with --overwrite too
+        again = "drop --resume (keep --overwrite) to convert again" if overwrite else "use --overwrite to convert again"
         con.print(f"{result.dst}: already complete (a finished quantcli output of the same source headers, recipe "
-                  f"and options); nothing to resume, nothing written. Use --overwrite to convert again")
+                  f"and options); nothing to resume, nothing written: {again}")
         return
     if plan.lossless:
         con.print("lossless re-layout: every code and block-scale value carried over unchanged")
