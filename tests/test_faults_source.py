@@ -330,3 +330,22 @@ def test_truncated_shard_refused_by_verify_before_reading(quant, tmp_path, run_c
     code, out, err = run_cli("verify", cut)
     assert_one_line_error(code, out, err, shard.name, "truncated")
     assert tree_state(cut) == before
+
+
+def test_two_tensors_on_the_same_bytes_are_both_named(tmp_path):
+    """A copied data_offsets (k_proj given v_proj's bytes) also leaves k_proj's own bytes to no
+    tensor; the overlap is the fault to name, with both tensors, as safetensors does."""
+    g = torch.Generator().manual_seed(0)
+    names = [f"model.layers.0.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")]
+    tensors = {n: torch.randn(8, 8, generator=g).bfloat16() for n in names}
+    header, data, start = {}, b"", 0
+    for n in names:
+        raw = tensors[n].view(torch.uint8).numpy().tobytes()
+        header[n] = {"dtype": "BF16", "shape": [8, 8], "data_offsets": [start, start + len(raw)]}
+        data, start = data + raw, start + len(raw)
+    header[names[1]]["data_offsets"] = header[names[2]]["data_offsets"]
+    with pytest.raises(CheckpointError) as exc:
+        read_header(raw_file(tmp_path / "model.safetensors", header, data))
+    message = str(exc.value)
+    assert names[1] in message and names[2] in message and "same data_offsets" in message
+    assert "belong to no tensor" not in message
