@@ -31,20 +31,23 @@ EXIT_CODES = ("Exit codes: 0 done (verify: passed), 1 verify found a problem, 2 
 INTERRUPT_LINE = "quantcli.interrupt_line"
 RESUME_LINE = "interrupted; rerun with --resume to continue"
 ARGV = "quantcli.argv"  # key in the context's meta: the arguments main() was given
+STARTED = "quantcli.started"  # key in the context's meta: when this process started (time.time())
 DESTINATION = "quantcli.destination"  # convert's DST (absolute), for an interrupt after it was installed
 
 
 COMPLETE_VAR = "_QUANTCLI_COMPLETE"  # set by the shell's completion function (--install-completion)
 
 
-def run(command, args: list[str]) -> int:
-    """Run the click `command` on `args` -> its exit code, every failure turned into one line."""
+def run(command, args: list[str], started: float | None = None) -> int:
+    """Run the click `command` on `args` -> its exit code, every failure turned into one line.
+    `started`: when the program started (time.time()), for convert's summary; default now."""
     if os.environ.get(COMPLETE_VAR):  # the shell asks for completions: click's own path, no command runs
         return complete(command)
     ctx = None
     try:
         ctx = command.make_context("quantcli", args)
         ctx.meta[ARGV] = list(args)  # the command line --workers ranks run again
+        ctx.meta[STARTED] = started  # convert's summary counts start-up too
         with ctx:
             result = command.invoke(ctx)
         sys.stdout.flush()  # a closed pipe shows up here, not in interpreter shutdown
@@ -99,6 +102,22 @@ def complete(command) -> int:
     except Exception:  # noqa: BLE001 - a completion that fails prints no candidates, never a traceback
         return 1
     return 0
+
+
+def process_started() -> float:
+    """When this process started, as time.time(): from /proc on Linux (the interpreter's and the
+    imports' start-up included), else now. For the `quantcli` program only: a caller that embeds
+    main() started long before the command did."""
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:  # field 22 (after the parenthesised name): start, in ticks since boot
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 def _debug() -> bool:
