@@ -19,6 +19,7 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from quantcli import __version__
+from quantcli.checkpoint.hub import hub_access
 from quantcli.cli.exits import (
     ARGV,
     DESTINATION,
@@ -57,10 +58,12 @@ from quantcli.cli.options import (
     LAYOUT_NAMES,
     RECIPE_NAMES,
     SCALE_RULE_NAMES,
+    CacheDir,
     Device,
     JsonOut,
     Revision,
     Tensors,
+    Token,
 )
 from quantcli.cli.push_command import Private, PushRevision, PushToHub, push_command
 from quantcli.cli.usage import Command, Commands
@@ -114,6 +117,7 @@ def convert(
     workers: Workers = 1,
     verbose: Verbose = False,
     push_to_hub: PushToHub = None, private: Private = False, push_revision: PushRevision = None,
+    token: Token = None, cache_dir: CacheDir = None,
     json_out: JsonOut = False,
 ) -> None:
     """Quantize, re-layout or dequantize a checkpoint.
@@ -124,15 +128,16 @@ def convert(
     if not dry_run:
         ctx.meta[INTERRUPT_LINE] = RESUME_LINE
         ctx.meta[DESTINATION] = Path(dst).absolute()
-    code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
-                       scale_rule=scale_rule, scale_search=scale_search, calibrate=dict(
-                           activations=activations, kv_cache=kv_cache, calibration=calibration,
-                           calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
-                           calibration_batch=calibration_batch), revision=revision, device=device, backend=backend,
-                       dry_run=dry_run, resume=resume, overwrite=overwrite, quiet=quiet, json_out=json_out,
-                       per_tensor=per_tensor or verbose, verbose=verbose, workers=workers, argv=ctx.meta.get(ARGV), entry=main,
-                       started=ctx.meta.get(STARTED),
-                       push_to_hub=push_to_hub and dict(repo_id=push_to_hub, private=private, revision=push_revision))
+    with hub_access(token, cache_dir):
+        code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
+                           scale_rule=scale_rule, scale_search=scale_search, calibrate=dict(
+                               activations=activations, kv_cache=kv_cache, calibration=calibration,
+                               calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
+                               calibration_batch=calibration_batch), revision=revision, device=device, backend=backend,
+                           dry_run=dry_run, resume=resume, overwrite=overwrite, quiet=quiet, json_out=json_out,
+                           per_tensor=per_tensor or verbose, verbose=verbose, workers=workers, argv=ctx.meta.get(ARGV), entry=main,
+                           started=ctx.meta.get(STARTED),
+                           push_to_hub=push_to_hub and dict(repo_id=push_to_hub, private=private, revision=push_revision))
     raise typer.Exit(code)
 
 
@@ -147,6 +152,7 @@ def inspect(
     per_tensor: Annotated[bool, typer.Option("--per-tensor", help="One row per module instead of one per layer pattern.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the layout and bits/param lines (problems and warnings on stderr).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: one row per module (as --per-tensor).")] = False,
+    token: Token = None, cache_dir: CacheDir = None,
     json_out: JsonOut = False,
 ) -> None:
     """Explain a checkpoint from its headers.
@@ -154,9 +160,10 @@ def inspect(
     Layout, recipes, scales, bits per parameter."""
     from quantcli.cli.commands import run_inspect
 
-    raise typer.Exit(run_inspect(path, revision=revision, tensors=tensors, stats=stats, kv_cache=kv_cache,
-                                 kv_budget=kv_budget, json_out=json_out, per_tensor=per_tensor or verbose,
-                                 quiet=quiet))
+    with hub_access(token, cache_dir):
+        code = run_inspect(path, revision=revision, tensors=tensors, stats=stats, kv_cache=kv_cache,
+                           kv_budget=kv_budget, json_out=json_out, per_tensor=per_tensor or verbose, quiet=quiet)
+    raise typer.Exit(code)
 
 
 @app.command(cls=Command)
@@ -173,6 +180,7 @@ def verify(
     device: Device = "auto",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only PASS or FAIL (each fault on stderr).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: every compared tensor's row, not only the --top worst.")] = False,
+    token: Token = None, cache_dir: CacheDir = None,
     json_out: JsonOut = False,
 ) -> None:
     """Decode a quantized checkpoint and check it.
@@ -180,9 +188,11 @@ def verify(
     Proves it is what it should be. Exit 0 pass, 1 fail, 2 usage."""
     from quantcli.cli.commands import run_verify
 
-    raise typer.Exit(run_verify(quant, reference=reference, revision=revision, tensors=tensors, top=top,
-                                exact=exact, tp=tp, thresholds=threshold or [], device=device, json_out=json_out,
-                                calibration=calibration, quiet=quiet, verbose=verbose))
+    with hub_access(token, cache_dir):  # for a --reference repo id and a --calibration Hub dataset
+        code = run_verify(quant, reference=reference, revision=revision, tensors=tensors, top=top, exact=exact, tp=tp,
+                          thresholds=threshold or [], device=device, json_out=json_out, calibration=calibration,
+                          quiet=quiet, verbose=verbose)
+    raise typer.Exit(code)
 
 
 @app.command(cls=Command)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -74,3 +75,8 @@ Revision = Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revisi
 JsonOut = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON document instead of tables.")]
 Tensors = Annotated[Optional[str], typer.Option(metavar="PATTERN", help="Only tensors/modules matching PATTERN: a name, a parent module, a glob or re:REGEX.")]
 Device = Annotated[str, typer.Option(metavar="DEVICE", callback=device, autocompletion=completer(["auto", "cpu", "cuda"]), help="auto, cpu, cuda or cuda:N.")]
+Token = Annotated[Optional[str], typer.Option(metavar="TOKEN", help=(
+    "Hugging Face token for private or gated Hub repos and datasets (default: HF_TOKEN or the `hf auth login` "
+    "token)."))]
+CacheDir = Annotated[Optional[Path], typer.Option(metavar="DIR", help=(
+    "Hugging Face Hub cache folder for Hub sources (default: HF_HUB_CACHE)."))]
