@@ -55,7 +55,7 @@ def run(command, args: list[str], started: float | None = None) -> int:
     except typer.Exit as exc:  # --help, --version and every command's own exit code
         return _flushed(exc.exit_code)
     except click_errors.UsageError as exc:  # unknown option, missing argument, --top abc
-        return _fail(_usage_message(exc), 2)
+        return _fail(_usage_message(exc, args), 2)
     except QuantcliError as exc:
         if _debug():
             raise
@@ -148,25 +148,47 @@ def _broken_pipe() -> int:
     return 128 + signal.SIGPIPE
 
 
-def _usage_message(exc: click_errors.UsageError) -> str:
+def _usage_message(exc: click_errors.UsageError, args: list[str] = ()) -> str:
     command = exc.ctx.command_path if exc.ctx is not None else "quantcli"
     if isinstance(exc, click_errors.NoSuchOption):
-        # click's own difflib matches among the options, the closest first
-        near = difflib.get_close_matches(exc.option_name, sorted(exc.possibilities or []), n=3, cutoff=0)
+        # the one closest option, if any is close (difflib, as click's own suggestion)
+        near = difflib.get_close_matches(exc.option_name, sorted(exc.possibilities or []), n=1, cutoff=0.6)
         text = f"no such option {exc.option_name} for '{command}'"
-        text += f"; did you mean {' or '.join(near)}?" if near else ""
+        text += f"; did you mean {near[0]}?" if near else ""
+    elif isinstance(exc, click_errors.BadParameter) and exc.param is not None and _PYDANTIC.search(str(exc.message)):
+        # typer's type and range checks speak pydantic: one plain line with the value given instead
+        opt = exc.param.opts[0] if getattr(exc.param, "opts", None) else exc.param.name
+        given = _given(args, getattr(exc.param, "opts", []))
+        said = str(exc.message)
+        for pydantic, ours in _BOUND_WORDS:
+            said = re.sub(pydantic, ours, said)
+        text = f"{opt} {given!r}: {said}" if given is not None else f"{opt}: {said}"
     else:
         text = exc.format_message().rstrip(".")
         text = text[:1].lower() + text[1:]
-        for pydantic, ours in _BOUND_WORDS:  # typer's range checks speak pydantic
-            text = re.sub(pydantic, ours, text)
     return f"{text} (see '{command} --help')"
 
 
+_PYDANTIC = re.compile(r"[Ii]nput should be")
 _BOUND_WORDS = ((r"[Ii]nput should be greater than or equal to (\S+)", r"must be at least \1"),
                 (r"[Ii]nput should be less than or equal to (\S+)", r"must be at most \1"),
                 (r"[Ii]nput should be greater than (\S+)", r"must be more than \1"),
-                (r"[Ii]nput should be less than (\S+)", r"must be less than \1"))
+                (r"[Ii]nput should be less than (\S+)", r"must be less than \1"),
+                (r"[Ii]nput should be a valid integer.*", "not an integer"),
+                (r"[Ii]nput should be a valid number.*", "not a number"),
+                (r"[Ii]nput should be a valid boolean.*", "not true or false"))
+
+
+def _given(args: list[str], opts: list[str]) -> str | None:
+    """What the command line gave `opts` (`--top abc` or `--top=abc`), the last time, or None."""
+    found = None
+    for i, arg in enumerate(args):
+        for opt in opts:
+            if arg == opt and i + 1 < len(args):
+                found = args[i + 1]
+            elif arg.startswith(opt + "="):
+                found = arg[len(opt) + 1:]
+    return found
 
 
 # errno -> what to add to the OS's own text, where that text leaves the cause unclear.
