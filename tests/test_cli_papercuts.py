@@ -26,3 +26,38 @@ def test_a_misspelled_option_gets_the_one_closest_suggestion(run_cli, tmp_path):
 def test_a_bad_value_is_said_in_plain_words(run_cli, argv, said):
     line = assert_one_line_error(*run_cli(*argv), said)
     assert "Input should be" not in line and "unable to parse" not in line
+
+
+# ---------------------------------------------------------------- options that would be ignored: refused
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from quantcli.testing import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("pc") / "llama", hidden=64, layers=1, shards=1)
+
+
+@pytest.mark.parametrize("flag", ["--calibration-samples", "--calibration-seq-len", "--calibration-batch"])
+def test_calibration_sizes_without_calibration_are_refused(llama, tmp_path, run_cli, flag):
+    code, out, err = run_cli("convert", llama, tmp_path / "o", "--recipe", "nvfp4", flag, "0", "--dry-run")
+    assert_one_line_error(code, out, err, f"{flag} 0", "only used with --calibration")
+
+
+def test_calibration_sizes_from_a_recipe_file_without_calibration_are_refused(llama, tmp_path, run_cli):
+    cfg = tmp_path / "r.toml"
+    cfg.write_text('recipe = "nvfp4"\ncalibration_samples = 8\n')
+    code, out, err = run_cli("convert", llama, tmp_path / "o", "--config", cfg, "--dry-run")
+    assert_one_line_error(code, out, err, "calibration_samples in --config", "only used with --calibration")
+
+
+@pytest.mark.parametrize("argv", [["inspect", "{SRC}", "-q", "-v"], ["verify", "{SRC}", "--quiet", "--verbose"],
+                                  ["convert", "{SRC}", "{DST}", "--recipe", "nvfp4", "-v", "-q", "--dry-run"]])
+def test_quiet_and_verbose_together_are_refused(llama, tmp_path, run_cli, argv):
+    args = [str(llama) if a == "{SRC}" else str(tmp_path / "o") if a == "{DST}" else a for a in argv]
+    assert_one_line_error(*run_cli(*args), "-q and -v together", "choose one")
+    assert not (tmp_path / "o").exists()
+
+
+def test_verify_revision_without_reference_is_refused(llama, run_cli):
+    assert_one_line_error(*run_cli("verify", llama, "--revision", "main"), "--revision", "--reference SRC")

@@ -40,11 +40,28 @@ class WordArgument(typer.core.TyperArgument):
         return None
 
 
+# Options that would be silently ignored together: (command or None for any, option, given with
+# (True) or without (False) the other, the other, what to say). Refused before the command runs.
+CONFLICTS = (
+    (None, "quiet", True, "verbose", "-q and -v together: -q leaves only what a script needs, -v adds per-tensor "
+                                     "detail; choose one"),
+    ("verify", "revision", False, "reference", "--revision applies to a --reference repo id (QUANT is read as "
+                                               "given); add --reference SRC or drop --revision"),
+)
+
+
 class Command(typer.core.TyperCommand):
-    """A command whose arguments are shown as words (see WordArgument)."""
+    """A command whose arguments are shown as words (see WordArgument), and that refuses options
+    it would ignore (CONFLICTS)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         for p in self.params:
             if type(p) is typer.core.TyperArgument:
                 p.__class__ = WordArgument
+
+    def invoke(self, ctx):
+        for command, option, together, other, said in CONFLICTS:
+            if command in (None, self.name) and ctx.params.get(option) and bool(ctx.params.get(other)) == together:
+                raise UsageError(f"{said} (see '{ctx.command_path} --help')")
+        return super().invoke(ctx)
