@@ -61,3 +61,39 @@ def test_quiet_and_verbose_together_are_refused(llama, tmp_path, run_cli, argv):
 
 def test_verify_revision_without_reference_is_refused(llama, run_cli):
     assert_one_line_error(*run_cli("verify", llama, "--revision", "main"), "--revision", "--reference SRC")
+
+
+# ---------------------------------------------------------------- errors under --json
+
+
+def error_document(run_cli, *args, code: int = 2) -> dict:
+    import json
+
+    from test_json_schema import validate
+
+    got, out, err = run_cli(*map(str, args))
+    assert got == code, (out, err)
+    doc = validate("error", json.loads(out))
+    assert doc["error"]["exit_code"] == code and err.strip() == "error: " + doc["error"]["message"]
+    return doc
+
+
+def test_errors_under_json_put_an_error_document_on_stdout(llama, tmp_path, run_cli, monkeypatch):
+    doc = error_document(run_cli, "inspect", tmp_path / "nope", "--json")
+    assert doc["command"] == "inspect" and doc["error"]["kind"] == "bad input or usage"
+    doc = error_document(run_cli, "convert", llama, tmp_path / "o", "--recpie", "nvfp4", "--json")
+    assert doc["command"] == "convert" and "did you mean --recipe" in doc["error"]["message"]
+    assert error_document(run_cli, "conevrt", "--json")["command"] is None
+    import quantcli.cli.commands
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(quantcli.cli.commands, "run_inspect", bug)
+    doc = error_document(run_cli, "inspect", llama, "--json", code=3)
+    assert doc["error"]["kind"] == "internal error" and "RuntimeError: a bug" in doc["error"]["message"]
+
+
+def test_without_json_an_error_leaves_stdout_empty(tmp_path, run_cli):
+    code, out, err = run_cli("inspect", tmp_path / "nope")
+    assert code == 2 and out == "" and err.startswith("error: ")

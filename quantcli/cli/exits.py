@@ -43,6 +43,18 @@ def run(command, args: list[str], started: float | None = None) -> int:
     `started`: when the program started (time.time()), for convert's summary; default now."""
     if os.environ.get(COMPLETE_VAR):  # the shell asks for completions: click's own path, no command runs
         return complete(command)
+    _json_errors[:] = [_json_command(command, args)]
+    if _json_errors[0] is not NO_JSON:
+        from quantcli.cli.render import start_json
+
+        start_json()
+    try:
+        return _run(command, args, started)
+    finally:
+        _json_errors[:] = []
+
+
+def _run(command, args: list[str], started: float | None) -> int:
     ctx = None
     try:
         ctx = command.make_context("quantcli", args)
@@ -125,11 +137,47 @@ def _debug() -> bool:
 
 
 def _fail(message: str, code: int, prefix: str = "error: ") -> int:
+    line = " ".join(message.split())
     try:
-        print(prefix + " ".join(message.split()), file=sys.stderr, flush=True)
+        print(prefix + line, file=sys.stderr, flush=True)
+        if _json_errors and _json_errors[0] is not NO_JSON:
+            _print_error_document(_json_errors[0], line, code)
     except BrokenPipeError:  # stderr is a closed pipe too: nothing can be said, exit as for a closed pipe
         return _broken_pipe()
     return code
+
+
+# Under --json a failure also prints its error document on stdout (quantcli/schemas/error.json),
+# so that a script reading stdout gets JSON either way. Holds the command's name (None when the
+# command itself is missing or unknown) while run() runs, NO_JSON without --json.
+NO_JSON = object()
+_json_errors: list = []
+ERROR_KINDS = {2: "bad input or usage", 3: "internal error", 130: "interrupted", 143: "terminated"}
+
+
+def _json_command(command, args: list[str]):
+    """The command a --json run names (None if none or unknown), or NO_JSON."""
+    if "--json" not in args or os.environ.get("RANK", "0") != "0":  # one document per job: rank 0's
+        return NO_JSON
+    names = getattr(command, "commands", {})
+    first = next((a for a in args if not a.startswith("-")), None)
+    return first if first in names else None
+
+
+def _print_error_document(command: str | None, message: str, code: int) -> None:
+    import json
+
+    from quantcli.cli.render import json_was_written
+    from quantcli.reports import SCHEMA_VERSION
+
+    if json_was_written():  # the command's own document is out already: one document on stdout
+        return
+    from quantcli import __version__
+
+    doc = {"quantcli_version": __version__, "schema_version": SCHEMA_VERSION, "command": command,
+           "error": {"exit_code": code, "kind": ERROR_KINDS.get(code, "bad input or usage"), "message": message}}
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    sys.stdout.flush()
 
 
 def _flushed(code: int) -> int:
