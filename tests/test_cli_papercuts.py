@@ -97,3 +97,29 @@ def test_errors_under_json_put_an_error_document_on_stdout(llama, tmp_path, run_
 def test_without_json_an_error_leaves_stdout_empty(tmp_path, run_cli):
     code, out, err = run_cli("inspect", tmp_path / "nope")
     assert code == 2 and out == "" and err.startswith("error: ")
+
+
+# ---------------------------------------------------------------- progress names keep the layer index
+
+
+@pytest.mark.parametrize("room", range(12, 40))
+def test_a_long_name_keeps_its_layer_index_and_leaf(room):
+    from quantcli.cli.bars import elide
+
+    short = elide("model.layers.12.self_attn.o_proj.weight", room)
+    assert len(short) <= room and "12." in short and "o_proj" in short, short
+    assert elide("lm_head.weight", room) in ("lm_head", "lm_head.weight")
+
+
+def test_the_convert_bar_at_80_columns_names_the_layer(monkeypatch):
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from quantcli.cli.bars import ConvertBar
+
+    plan = SimpleNamespace(by_shard=lambda: {}, bytes_in=1)
+    bar = ConvertBar(plan, Console(file=io.StringIO(), width=80), show_bar=False, verbose=False)
+    text = bar._describe("shard 1/4", "model.layers.12.self_attn.o_proj.weight")
+    assert "12." in text and "o_proj" in text and len(text) <= 80 - bar.bar_width - 48, text
