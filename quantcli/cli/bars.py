@@ -53,12 +53,15 @@ def elide(name: str, room: int) -> str:
     m = re.search(r"[^.]+\.\d+\.", core)  # `layers.12.`: where the layer index is
     if m:
         rest = core[m.end():]
-        for head in (core[: m.end()], m.group(0), m.group(0).split(".")[1] + "."):
-            tail = _whole_parts(rest, room - len(head) - 1)
-            if tail == rest:  # only the start was left out
-                return "…" + head + rest
-            if tail:
-                return head + "…" + tail
+        heads = (core[: m.end()], m.group(0), m.group(0).split(".")[1] + ".")  # shorter and shorter
+        # a leaf, then an expert's index in it, then a head with its word (`layers.`), then the
+        # longest leaf, then the longest head
+        *_, head, tail = max((bool(t), sum(p.isdigit() for p in t.split(".")), not h[0].isdigit(), len(t), len(h),
+                              h, t) for h in heads for t in [_whole_parts(rest, room - len(h) - 1)])
+        if tail == rest:  # only the start was left out
+            return "…" + head + rest
+        if tail:
+            return head + "…" + tail
     half = (room - 1) // 2
     return core[:half] + "…" + core[-(room - 1 - half):]
 
