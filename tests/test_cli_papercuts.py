@@ -123,3 +123,33 @@ def test_the_convert_bar_at_80_columns_names_the_layer(monkeypatch):
     bar = ConvertBar(plan, Console(file=io.StringIO(), width=80), show_bar=False, verbose=False)
     text = bar._describe("shard 1/4", "model.layers.12.self_attn.o_proj.weight")
     assert "12." in text and "o_proj" in text and len(text) <= 80 - bar.bar_width - 48, text
+
+
+# ---------------------------------------------------------------- -V and the examples in --help
+
+
+@pytest.mark.parametrize("flag", ["-V", "--version"])
+def test_version_has_a_short_flag(run_cli, flag):
+    from quantcli import __version__
+
+    assert run_cli(flag) == (0, f"quantcli {__version__}\n", "")
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify", "recipes", "layouts", "push"])
+def test_each_help_ends_with_examples_that_parse(run_cli, command):
+    import shlex
+
+    import typer
+
+    from quantcli.cli.app import app
+    from quantcli.cli.usage import EXAMPLES
+
+    code, out, err = run_cli(command, "--help")
+    assert code == 0 and "Examples:" in out
+    group = typer.main.get_command(app)
+    for example in EXAMPLES[command]:
+        args = shlex.split(example.replace("\\\n", " "))
+        assert args[:2] == ["quantcli", command] and example.split("\n")[0] in out
+        sub = group.get_command(None, command)
+        sub.make_context(command, args[2:])  # every option and value is one the command takes
+        assert max(len(line) for line in example.split("\n")) <= 76, example  # fits 80 columns, indented

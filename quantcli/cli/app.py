@@ -66,7 +66,7 @@ from quantcli.cli.options import (
     Token,
 )
 from quantcli.cli.push_command import Private, PushRevision, PushToHub, push_command
-from quantcli.cli.usage import Command, Commands
+from quantcli.cli.usage import Command, Commands, examples
 
 __all__ = ["BACKEND_NAMES", "LAYOUT_NAMES", "RECIPE_NAMES", "SCALE_RULE_NAMES", "app", "main"]
 
@@ -84,12 +84,12 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+def _root(version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                 help="Print the version and exit.")] = False) -> None:
     """quantcli: convert, inspect and verify quantized checkpoints."""
 
 
-@app.command(cls=Command)
+@app.command(cls=Command, epilog=examples("convert"))
 def convert(
     ctx: typer.Context,
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source: checkpoint folder, .safetensors file or Hub repo id.")],
@@ -141,7 +141,7 @@ def convert(
     raise typer.Exit(code)
 
 
-@app.command(cls=Command)
+@app.command(cls=Command, epilog=examples("inspect"))
 def inspect(
     path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint folder, .safetensors file or Hub repo id.")],
     revision: Revision = None,
@@ -166,7 +166,7 @@ def inspect(
     raise typer.Exit(code)
 
 
-@app.command(cls=Command)
+@app.command(cls=Command, epilog=examples("verify"))
 def verify(
     quant: Annotated[str, typer.Argument(metavar="QUANT", help="The quantized checkpoint.")],
     reference: Annotated[Optional[str], typer.Option(metavar="SRC", help="The source checkpoint to compare against.")] = None,
@@ -195,7 +195,7 @@ def verify(
     raise typer.Exit(code)
 
 
-@app.command(cls=Command)
+@app.command(cls=Command, epilog=examples("recipes"))
 def recipes(json_out: JsonOut = False) -> None:
     """List the recipes and their formats.
 
@@ -205,7 +205,7 @@ def recipes(json_out: JsonOut = False) -> None:
     raise typer.Exit(run_recipes(json_out))
 
 
-@app.command(cls=Command)
+@app.command(cls=Command, epilog=examples("layouts"))
 def layouts(json_out: JsonOut = False) -> None:
     """List the layouts and the engines that load them.
 
@@ -215,7 +215,7 @@ def layouts(json_out: JsonOut = False) -> None:
     raise typer.Exit(run_layouts(json_out))
 
 
-app.command(name="push", cls=Command)(push_command)  # quantcli/cli/push_command.py
+app.command(name="push", cls=Command, epilog=examples("push"))(push_command)  # quantcli/cli/push_command.py
 
 
 def main(argv: Sequence[str] | None = None, started: float | None = None) -> NoReturn:

@@ -8,6 +8,31 @@ import typer.core
 
 from quantcli.errors import UsageError, did_you_mean
 
+# Each command's --help ends with these (tests/test_cli_papercuts.py parses every one).
+EXAMPLES = {  # a long one goes on in a second line after ' \\'
+    "convert": ["quantcli convert meta-llama/Llama-3.2-1B out/nvfp4 --recipe nvfp4",
+                "quantcli convert ./llama out/fp8 --recipe fp8-block --dry-run",
+                "quantcli convert ./llama out/w4a4 --recipe nvfp4 --activations static \\\n"
+                "    --calibration data.jsonl",
+                "quantcli convert out/nvfp4 out/nvfp4-ct --layout compressed-tensors"],
+    "inspect": ["quantcli inspect out/nvfp4",
+                "quantcli inspect out/nvfp4 --stats --tensors model.layers.0",
+                "quantcli inspect ./llama --kv-cache --kv-budget 40GiB"],
+    "verify": ["quantcli verify out/nvfp4",
+               "quantcli verify out/nvfp4 --reference meta-llama/Llama-3.2-1B --top 5",
+               "quantcli verify out/nvfp4 --reference ./llama --exact -q"],
+    "recipes": ["quantcli recipes", "quantcli recipes --json"],
+    "layouts": ["quantcli layouts", "quantcli layouts --json"],
+    "push": ["quantcli push out/nvfp4 my-org/llama-nvfp4",
+             "quantcli push out/nvfp4 my-org/llama-nvfp4 --create-pr \\\n    --commit-message 'NVFP4 weights'"],
+}
+
+
+def examples(command: str) -> str:
+    """The --help epilog: the command's examples, one per line (\\b keeps click from rewrapping them)."""
+    lines = [line for example in EXAMPLES[command] for line in example.split("\n")]
+    return "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
+
 
 class Commands(typer.core.TyperGroup):
     """The top-level group, with one-line messages for a missing or misspelled command."""
