@@ -173,7 +173,8 @@ def _hub_samples(cal: Calibration, where: str) -> list:
     _reachable(repo, where)
     try:
         with hub.quiet_retries():  # the rows stream from the Hub too
-            rows = datasets.load_dataset(repo, config, split=split, streaming=True, token=hub.current().token)
+            token = {"token": hub.current().token} if hub.current().token else {}  # --token, else datasets' own
+            rows = datasets.load_dataset(repo, config, split=split, streaming=True, **token)
             samples = []
             for i, row in enumerate(rows):
                 sample = _row_sample(row, f"{where}: row {i}")
