@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from faults import tree_state
 
 from quantcli.testing import make_llama
-
-from faults import tree_state
 
 SIGPIPE_EXIT = 128 + signal.SIGPIPE
 

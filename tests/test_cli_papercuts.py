@@ -5,7 +5,6 @@ for a value of the wrong type, combinations that would be ignored refused, JSON 
 from __future__ import annotations
 
 import pytest
-
 from faults import assert_one_line_error
 
 

@@ -9,10 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from faults import assert_nothing_left, assert_one_line_error
 
 from quantcli.testing import make_llama
-
-from faults import assert_nothing_left, assert_one_line_error
 
 
 @pytest.fixture(scope="module")

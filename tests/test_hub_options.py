@@ -12,7 +12,6 @@ import types
 from pathlib import Path
 
 import pytest
-
 from faults import assert_one_line_error
 from test_hub_cache import COMMIT, folder_files, put_in_cache
 

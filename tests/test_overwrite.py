@@ -8,10 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from faults import assert_one_line_error, tree_state
 
 from quantcli.testing import make_llama
-
-from faults import assert_one_line_error, tree_state
 
 
 @pytest.fixture(scope="module")

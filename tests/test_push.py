@@ -228,7 +228,7 @@ def test_make_checkpoint_writes_exactly_the_shards_asked_also_over_an_earlier_ru
         assert sorted(set(index["weight_map"].values())) == files
 
 
-# ---------------------------------------------------------------- push options as `hf upload` has them (issue 21 item 16)
+# ---------------------------------------------------------------- push options as `hf upload` has them (item 16)
 
 
 def test_push_takes_token_commit_message_pull_request_and_repo_type(nvfp4, hub, run_cli, monkeypatch):

@@ -186,7 +186,8 @@ def test_inexact_reciprocal_is_noted_with_the_value_written(tmp_path, run_cli):
         "lm_head.weight": torch.zeros(4, 64, dtype=torch.bfloat16)})
     lay = get_layout("modelopt")
     (src / "hf_quant_config.json").write_text(json.dumps(lay.extra_files({"nvfp4": ["x"]}, ["lm_head"])["hf_quant_config.json"]))
-    (src / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": lay.quantization_config({"nvfp4": ["x"]}, ["lm_head"])}))
+    qc = lay.quantization_config({"nvfp4": ["x"]}, ["lm_head"])
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
     s = convert(run_cli, src, tmp_path / "ct", "--recipe", "nvfp4", "--layout", "compressed-tensors")
     assert s["lossless"] and len(s["notes"]) == 1 and "no exact FP32 reciprocal" in s["notes"][0]
     written = float(tensors_of_tensor(tmp_path / "ct", "model.layers.0.mlp.up_proj.weight_global_scale"))

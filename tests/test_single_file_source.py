@@ -10,10 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from faults import assert_one_line_error, tree_state
 
 from quantcli.testing import make_llama
-
-from faults import assert_one_line_error, tree_state
 
 COMPANIONS = {"tokenizer.json": "{}", "special_tokens_map.json": "{}", "chat_template.jinja": "{{ x }}"}
 

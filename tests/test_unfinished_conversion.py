@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from faults import assert_one_line_error
 
 import quantcli.convert.job as job_mod
 from quantcli.testing import make_llama
-
-from faults import assert_one_line_error
 
 
 @pytest.fixture(scope="module")

@@ -5,5 +5,6 @@ tensors a calibrated run writes to the plan; `data.py` reads the calibration sam
 `engine.py` runs the source model one decoder layer at a time (transformers, built on the meta
 device, weights read through quantcli's reader) and records max |input| per Linear and max
 |key| (after rotary) / max |value| per attention layer; `scales.py` turns them into ModuleFacts
-(convert/passes.py runs it as a pass). transformers is the optional extra `calibrate` (its packages: see model/samples.py extra_hint).
+(convert/passes.py runs it as a pass). transformers is the optional extra `calibrate` (its packages:
+model/samples.py extra_hint).
 """

@@ -20,17 +20,6 @@ import typer
 
 from quantcli import __version__
 from quantcli.checkpoint.hub import hub_access
-from quantcli.cli.exits import (
-    ARGV,
-    DESTINATION,
-    EXIT_CODES,
-    INTERRUPT_LINE,
-    RESUME_LINE,
-    STARTED,
-    process_started,
-    run,
-    sigterm_raises_terminated,
-)
 from quantcli.cli.convert_options import (
     Activations,
     Backend,
@@ -52,6 +41,17 @@ from quantcli.cli.convert_options import (
     ScaleSearch,
     Verbose,
     Workers,
+)
+from quantcli.cli.exits import (
+    ARGV,
+    DESTINATION,
+    EXIT_CODES,
+    INTERRUPT_LINE,
+    RESUME_LINE,
+    STARTED,
+    process_started,
+    run,
+    sigterm_raises_terminated,
 )
 from quantcli.cli.options import (
     BACKEND_NAMES,
@@ -133,11 +133,12 @@ def convert(
                            scale_rule=scale_rule, scale_search=scale_search, calibrate=dict(
                                activations=activations, kv_cache=kv_cache, calibration=calibration,
                                calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
-                               calibration_batch=calibration_batch), revision=revision, device=device, backend=backend,
-                           dry_run=dry_run, resume=resume, overwrite=overwrite, quiet=quiet, json_out=json_out,
-                           per_tensor=per_tensor or verbose, verbose=verbose, workers=workers, argv=ctx.meta.get(ARGV), entry=main,
-                           started=ctx.meta.get(STARTED),
-                           push_to_hub=push_to_hub and dict(repo_id=push_to_hub, private=private, revision=push_revision))
+                               calibration_batch=calibration_batch), revision=revision, device=device,
+                           backend=backend, dry_run=dry_run, resume=resume, overwrite=overwrite, quiet=quiet,
+                           json_out=json_out, per_tensor=per_tensor or verbose, verbose=verbose, workers=workers,
+                           argv=ctx.meta.get(ARGV), entry=main, started=ctx.meta.get(STARTED),
+                           push_to_hub=push_to_hub and dict(repo_id=push_to_hub, private=private,
+                                                            revision=push_revision))
     raise typer.Exit(code)
 
 

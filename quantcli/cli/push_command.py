@@ -23,8 +23,10 @@ def push_command(
     repo: Annotated[str, typer.Argument(metavar="REPO", help="Hub repo id OWNER/NAME (created if missing).")],
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
     revision: Annotated[Optional[str], typer.Option(metavar="BRANCH", help="Upload to BRANCH (created if missing).")] = None,
-    commit_message: Annotated[Optional[str], typer.Option(metavar="TEXT", help="The commit's message.  [default: quantcli: upload DST]")] = None,
-    create_pr: Annotated[bool, typer.Option("--create-pr", help="Open a pull request with the upload instead of committing to the branch.")] = False,
+    commit_message: Annotated[Optional[str], typer.Option(
+        metavar="TEXT", help="The commit's message.  [default: quantcli: upload DST]")] = None,
+    create_pr: Annotated[bool, typer.Option(
+        "--create-pr", help="Open a pull request with the upload instead of committing to the branch.")] = False,
     repo_type: Annotated[str, typer.Option(metavar="TYPE", help="model or dataset.")] = "model",
     token: Token = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON document.")] = False,

@@ -11,9 +11,10 @@ by the first of these rules that applies:
 | `glob`        | `*`, `?` or `[...]` in it         | `fnmatchcase(name, pattern)`; `*` crosses dots    |
 | `parent`      | `a.b` (exact or glob)             | every name below a module the pattern names: `model.layers.*.self_attn` covers `model.layers.0.self_attn.q_proj` |
 | `segment`     | `a.b` (no wildcard)               | a run of whole dot-separated parts anywhere in the name: `self_attn`, `mlp.gate`, `lm_head` |
-| `fused`       | `<parent>.qkv_proj`, `qkv_proj`   | the shards engines fuse into it: `<parent>.q_proj`, `.k_proj`, `.v_proj` (the fused name matched by the rules above: exact, glob, parent or segment) |
+| `fused`       | `<parent>.qkv_proj`, `qkv_proj`   | the shards fused into it: `<parent>.q_proj`, `.k_proj`, `.v_proj` |
 
-Matching is always on whole dot-separated parts except for `regex` and `glob`, so
+The fused name (`<parent>.qkv_proj`) is matched by the rules above, so a bare `qkv_proj` covers
+every layer's q/k/v. Matching is always on whole dot-separated parts except for `regex` and `glob`, so
 `model.layers.1` never covers `model.layers.10`, and `mlp.gate` never covers `mlp.gate_up_proj`.
 
 Which consumer honours which rule (read from their sources; see FORMATS.md A.4, B 6.5, B 10):
