@@ -211,6 +211,7 @@ def test_hub_dataset_id_reads_rows_like_jsonl(src, tmp_path, run_cli, monkeypatc
     samples = [_words(i) for i in range(5)]
     fake = _FakeDatasets([{"text": s, "id": i} for i, s in enumerate(samples)] + [{"text": "w9"}] * 50)
     monkeypatch.setitem(sys.modules, "datasets", fake)
+    monkeypatch.setattr("huggingface_hub.HfApi.dataset_info", lambda self, *a, **kw: None)  # the Hub is there
     local = tmp_path / "local.jsonl"
     local.write_text("".join(json.dumps({"text": s}) + "\n" for s in samples))
     _convert(run_cli, src, tmp_path / "hub", "org/calib:main:validation", "--calibration-samples", "5")
@@ -229,6 +230,7 @@ def test_hub_dataset_refusals_one_line(src, tmp_path, run_cli, monkeypatch, case
     import sys
 
     monkeypatch.setitem(sys.modules, "datasets", None if case == "missing-package" else _FakeDatasets([]))
+    monkeypatch.setattr("huggingface_hub.HfApi.dataset_info", lambda self, *a, **kw: None)  # the Hub is there
     code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "fp8", "--kv-cache", "fp8",
                            "--layout", "compressed-tensors", "--calibration", "org/nope:train")
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err

@@ -143,8 +143,8 @@ def test_refusals_write_nothing(tiny_llama, tmp_path, run_cli):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
     cases = [
-        (["convert", tiny_llama, tmp_path / "full", "--recipe", "nvfp4"], "exists and is not empty"),
-        (["convert", tiny_llama, tiny_llama / "sub", "--recipe", "nvfp4"], "inside it"),
+        (["convert", tiny_llama, tmp_path / "full", "--recipe", "nvfp4"], "quantcli did not write"),
+        (["convert", tiny_llama, tiny_llama / "sub", "--recipe", "nvfp4"], "inside the source folder"),
         (["convert", tiny_llama, tmp_path / "a", "--recipe", "nvfp5"], "unknown recipe 'nvfp5'"),
         (["convert", tiny_llama, tmp_path / "a", "--recipe", "mxfp4", "--layout", "modelopt"], "layouts that do"),
         (["convert", tiny_llama, tmp_path / "a", "--recipe", "nvfp4", "--ignore", "re:(("], "not a valid regex"),

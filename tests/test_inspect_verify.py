@@ -135,7 +135,7 @@ def test_inspect_reads_compressed_tensors_package_output(tmp_path):
     d.mkdir()
     write_file(d / "model.safetensors", tensors)
     qc = get_layout("compressed-tensors").quantization_config({"nvfp4": ["x"]}, ["lm_head"])
-    (d / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
     r = inspect_checkpoint(str(d))
     assert r["layout"] == "compressed-tensors"
     m = r["modules"][0]

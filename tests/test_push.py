@@ -247,3 +247,36 @@ def test_make_checkpoint_writes_exactly_the_shards_asked_also_over_an_earlier_ru
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert files == [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
         assert sorted(set(index["weight_map"].values())) == files
+
+
+# ---------------------------------------------------------------- push options as `hf upload` has them (item 16)
+
+
+def test_push_takes_token_commit_message_pull_request_and_repo_type(nvfp4, hub, run_cli, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")  # the --token is the only one
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    tokens = []
+    real_init = HfApi.__init__
+    monkeypatch.setattr(HfApi, "__init__", lambda self, *a, **kw: (tokens.append(kw.get("token")),
+                                                                     real_init(self, *a, **kw))[1])
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: (hub.append(("upload_folder", kw)), SimpleNamespace(
+        oid="c0ffee", pr_url=f"https://huggingface.co/datasets/{REPO}/discussions/1"))[1])
+    monkeypatch.setattr("quantcli.cli.push.LARGE_FOLDER_BYTES", 0)  # a PR or a message: one commit all the same
+    code, out, err = run_cli("push", nvfp4, REPO, "--token", "hf_given", "--commit-message", "NVFP4 weights",
+                             "--create-pr", "--repo-type", "dataset")
+    assert code == 0, err
+    assert tokens == ["hf_given"] and names(hub) == ["whoami", "create_repo", "upload_folder"]
+    create, upload = hub[1][1], hub[2][1]
+    assert create["repo_type"] == "dataset" and upload["repo_type"] == "dataset"
+    assert upload["commit_message"] == "NVFP4 weights" and upload["create_pr"] is True
+    assert out.strip() == f"https://huggingface.co/datasets/{REPO}/discussions/1"
+
+
+def test_push_refuses_a_space_repo_type(nvfp4, hub, run_cli):
+    assert_one_line_error(*run_cli("push", nvfp4, REPO, "--repo-type", "space"), "--repo-type space", "model")
+
+
+def test_push_given_in_hf_upload_order_reads_it_the_push_way(nvfp4, hub, run_cli):
+    code, out, err = run_cli("push", REPO, nvfp4)
+    assert code == 0 and "warning: push takes DST first" in err, err
+    assert hub[-1][1]["repo_id"] == REPO and Path(hub[-1][1]["folder_path"]) == nvfp4

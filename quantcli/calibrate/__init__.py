@@ -6,5 +6,5 @@ adds the tensors a calibrated run writes to the plan; quantcli/model/samples.py 
 device, weights read through quantcli's reader) and records max |input| per Linear and max
 |key| (after rotary) / max |value| per attention layer; `scales.py` turns them into ModuleFacts
 (convert/passes/fact_passes.py runs it as a fact pass). transformers is the optional extra
-`calibrate` (`pip install -e '.[calibrate]'`).
+`calibrate` (its packages: model/samples.py extra_hint).
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,7 +40,8 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
                 dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool,
                 calibrate: dict | None = None, per_tensor: bool = False, verbose: bool = False,
                 workers: int = 1, argv: list[str] | None = None, push_to_hub: dict | None = None,
-                entry: Callable[[list[str]], Any] | None = None) -> int:  # entry: what --workers ranks run
+                entry: Callable[[list[str]], Any] | None = None,  # entry: what --workers ranks run
+                started: float | None = None) -> int:  # when the process started: the summary's wall time
     from quantcli.checkpoint.source import open_source
     from quantcli.cli.launch import launched, rank_world
     from quantcli.convert import RunOptions, check_destination, check_run_options, convert
@@ -61,10 +63,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     if workers > 1 and not launched():  # refusals before any rank is spawned
         check_destination(local_src, dst, run)
         plan = plan_conversion(open_source(src, revision), opts)
-        shards = len(plan.source.shards)
-        if workers > shards:  # a rank per shard at most: more would only start idle processes
-            raise QuantcliError(f"--workers {workers}: {plan.source.label} has {shards} shard(s), and a worker "
-                                f"converts whole shards; use --workers {shards}")
+        workers = _workers_for(plan, workers)
     # One process or the ranks torchrun/--workers started: rank 0 checks DST, all plan alike, rank 0 prints.
     with rank_world(device, workers, argv, entry) as world:
         run.device = world.rank_device(device)
@@ -80,6 +79,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
             result = convert(plan, dst, run, None, world)
     if not world.lead:
         return 0
+    result.wall_seconds = time.time() - (started or time.time() - result.seconds)  # before any upload
     for w in result.warnings[len(plan.all_warnings):]:  # found while finishing (the plan's were printed above)
         _console(stderr=True).print(f"warning: {w}")
     pushed = _push(result.dst, push_to_hub, hub_api, quiet or json_out) if push_to_hub else None
@@ -91,8 +91,18 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
             _console(stderr=True).print(f"{result.dst}: already complete; nothing written")
         _console().print(str(result.dst))
         return 0
-    _print_convert_result(plan, result, src)
+    _print_convert_result(plan, result, src, overwrite)
     return 0
+
+
+def _workers_for(plan, workers: int) -> int:
+    """A rank per shard at most (a worker converts whole shards): more would only start idle
+    processes, so run fewer and say so."""
+    shards = len(plan.source.shards)
+    if workers > shards:
+        _console(stderr=True).print(f"warning: --workers {workers}: {plan.source.label} has {shards} shard(s), and a "
+                                    f"worker converts whole shards; converting on {shards}")
+    return min(workers, shards)
 
 
 def _convert_summary(plan, result) -> dict:
@@ -101,6 +111,7 @@ def _convert_summary(plan, result) -> dict:
         "layout": plan.target, "recipes": sorted(plan.recipes),
         "tensors_quantized": result.quantized, "tensors_total": len(plan.tensors),
         "bytes_in": result.bytes_in, "bytes_out": result.bytes_out, "seconds": round(result.seconds, 3),
+        "seconds_total": round(max(result.wall_seconds or 0.0, result.seconds), 3),
         "shards_written": result.shards_written, "shards_resumed": result.shards_resumed,
         "excluded": excluded_entries(plan.exclusions),
         "exclusion_key": plan.layout.exclusion_key if plan.layout else None,
@@ -111,11 +122,12 @@ def _convert_summary(plan, result) -> dict:
     }, source=plan.source.label, destination=result.dst)
 
 
-def _print_convert_result(plan, result, src: str) -> None:
+def _print_convert_result(plan, result, src: str, overwrite: bool = False) -> None:
     con = _console()
-    if result.already_complete:
+    if result.already_complete:  # --resume keeps a finished output of the same plan, with --overwrite too
+        again = "drop --resume (keep --overwrite) to convert again" if overwrite else "use --overwrite to convert again"
         con.print(f"{result.dst}: already complete (a finished quantcli output of the same source headers, recipe "
-                  f"and options); nothing to resume, nothing written. Use --overwrite to convert again")
+                  f"and options); nothing to resume, nothing written: {again}")
         return
     if plan.lossless:
         con.print("lossless re-layout: every code and block-scale value carried over unchanged")
@@ -161,12 +173,15 @@ def _what_was_done(plan, result) -> str:
 
 
 def _timing(result) -> str:
-    """' in 2.1 s (25.80 MiB/s)'; a resumed run shows no rate (its bytes are those of every shard)."""
+    """' in 5.3 s (start-up 3.2 s, converting 2.1 s at 25.80 MiB/s)': the wall time since the
+    process started, then the conversion's own; a resumed run shows no rate (its bytes are those
+    of every shard)."""
+    wall = max(result.wall_seconds or 0.0, result.seconds)
+    head = f" in {_seconds(wall)} (start-up {_seconds(wall - result.seconds)}, converting {_seconds(result.seconds)}"
     if result.shards_resumed:  # bytes_in counts every shard, so a rate here would count the resumed ones
-        return (f" in {_seconds(result.seconds)}; {result.shards_written} shard(s) written, "
-                f"{result.shards_resumed} resumed")
+        return f"{head}); {result.shards_written} shard(s) written, {result.shards_resumed} resumed"
     rate = result.bytes_in / max(result.seconds, 1e-9)  # binary units, as the progress bar shows it
-    return f" in {_seconds(result.seconds)} ({human_bytes(rate)}/s)"
+    return f"{head} at {human_bytes(rate)}/s)"
 
 
 def _seconds(s: float) -> str:

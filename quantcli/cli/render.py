@@ -44,9 +44,22 @@ def console(stderr: bool = False) -> Console:
     return _Console(stderr=stderr, highlight=False, soft_wrap=True, width=160 if piped else None)
 
 
+_json_written: list[bool] = [False]  # whether this process has started a --json document on stdout
+
+
+def start_json() -> None:
+    """A new command: no document written yet."""
+    _json_written[0] = False
+
+
+def json_was_written() -> bool:
+    return _json_written[0]
+
+
 def emit_json(obj: object) -> None:
     """A report (dataclass) or a plain document as indented JSON on stdout."""
     text = json.dumps(to_json(obj), indent=2, default=str) + "\n"
+    _json_written[0] = True
     # In pieces, each flushed: a reader that stopped early (`| head -1`) surfaces here as a
     # BrokenPipeError (main exits 141). One large write can lose it: Python's buffered writer
     # drops the EPIPE that follows the kernel's partial write of a big block, and reports success.

@@ -84,7 +84,7 @@ class ConversionJob:
             if step["kind"] == "finished":
                 return self._finish_installed(stage, lock) if world.lead else self._result(0, 0, [], [])
             return self._convert(stage, fp, step, lock)
-        except FilesystemError:
+        except (FilesystemError, BrokenPipeError):  # kept for --resume (a closed pipe is an interruption)
             raise
         except QuantcliError:
             if fresh[0]:

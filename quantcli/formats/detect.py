@@ -173,6 +173,11 @@ def _scale_dtype_fits(recipe, dtype: str) -> bool:
     return (dtype == "U8") == (recipe.scale_codec.nbytes == 1 and not recipe.has_global_scale)
 
 
+def codes_suffixes() -> tuple[str, ...]:
+    """Every layout's suffixes of a module's codes tensor (`.weight`, `.weight_packed`, `_blocks`)."""
+    return tuple(r.suffix for r in _rows_of(Role.CODES))
+
+
 def _rows_of(role: str) -> list:
     """Every layout's rows of `role`, one per suffix (the union over all layout tables)."""
     rows = {}

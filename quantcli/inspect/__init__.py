@@ -27,6 +27,7 @@ from quantcli.formats.analysis import (
     module_stats,
     unservable_problems,
 )
+from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config
 from quantcli.formats.detect import Detected, all_names, config_with_extras, detect, global_scale_fault
 from quantcli.formats.engine_checks import EngineLoad, Facts, judge_checkpoint, loads_in_line
 from quantcli.formats.module_kinds import is_encoder
@@ -219,12 +220,13 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
     total_bytes = sum(f.bytes for f in by_format.values())
     return InspectReport(
         source=source.label, layout=det.layout.name if det else "unquantized",
-        consumers=loads_in_line(engines) if det else "any", has_manifest=bool(det and det.manifest),
+        consumers=_consumers(source, det, contradictions(source, det), engines), has_manifest=bool(det and det.manifest),
         modules=modules, dense=dense, by_format=by_format, params=total_params, bytes=total_bytes,
         bits_per_param=round(8 * total_bytes / total_params, 4) if total_params else None,
         size_vs_bf16=round(total_bytes / (2 * total_params), 4) if total_params else None,
         exclusion_list=excluded, unlisted_linears=unlisted, fused_mismatches=fused_mismatches(modules),
-        problems=[f"{m.module}: {p}" for m in modules for p in m.problems] + unservable_problems(det, modules),
+        problems=_config_problems(source, det) + [f"{m.module}: {p}" for m in modules for p in m.problems]
+        + unservable_problems(det, modules),
         warnings=list(source.warnings) + _kv_warnings(scales), config=config, calibrated=scales,
         engines=engines if det else OMITTED)
 
@@ -243,6 +245,21 @@ def _engine_loads(det: Detected | None, tensors: CheckpointTensors, config: dict
     static = (scales is not OMITTED and scales.activation_scheme == "static" and bool(scales.inputs)
               and not scales.missing_inputs)
     return judge_checkpoint(det.layout.name, Facts(modules, config, static))
+
+
+def _consumers(source: Source, det: Detected | None, disagree: list[str], engines) -> str:
+    if missing_config(source) is not None:
+        return f"none: no usable {CONFIG_NAME}"
+    if disagree:
+        return "none: the config and the tensors disagree"
+    return loads_in_line(engines) if det else "any"
+
+
+def _config_problems(source: Source, det: Detected | None) -> list[str]:
+    """config.json missing, or contradicted by the tensors (formats/consistency.py)."""
+    missing = missing_config(source)
+    problems = [] if missing is None else [f"{CONFIG_NAME}: {missing}; {config_fix(source)}"]
+    return problems + [f"{CONFIG_NAME}: {p}" for p in contradictions(source, det)]
 
 
 def _calibrated(det: Detected | None, config: dict, modules: list[ModuleDescription], names,
@@ -281,8 +298,10 @@ def _config_int(text: dict, key: str, default: int | None = None, minimum: int =
     value = text.get(key)
     if value is None:
         value = default
+    if value is None:
+        raise QuantcliError(f"--kv-cache: {CONFIG_NAME} has no {key}; cannot size the KV cache")
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise QuantcliError(f"--kv-cache: config.json {key} is {value!r}, not an integer >= {minimum}; cannot size "
+        raise QuantcliError(f"--kv-cache: {CONFIG_NAME} {key} is {value!r}, not an integer >= {minimum}; cannot size "
                             f"the KV cache")
     return value
 
@@ -313,6 +332,9 @@ def account_kv_cache(report: InspectReport, budget: int) -> None:
 
 
 def kv_cache_account(config: dict, budget: int) -> KvCacheAccount:
+    if not any(k != "hf_quant_config" for k in config):
+        raise QuantcliError(f"--kv-cache: there is no {CONFIG_NAME} (or it is empty); the KV-cache account reads the "
+                            f"layers and attention heads from it")
     text = config.get("text_config") or config
     if not isinstance(text, dict):
         raise QuantcliError("--kv-cache: config.json text_config is not an object; cannot size the KV cache")

@@ -14,11 +14,30 @@ import os
 import re
 from pathlib import Path
 
+from quantcli.checkpoint import hub
 from quantcli.errors import QuantcliError
 from quantcli.formats.facts import Calibration
 
-# The name `quantcli` on PyPI is another project: the extra is installed from this source tree.
-EXTRA = "install the calibrate extra: pip install -e '.[calibrate]' in the quantcli source folder"
+# The name `quantcli` on PyPI is another project, so the hint names the extra's own packages,
+# which install alike under an editable and a regular install.
+CALIBRATE_PACKAGES = ("transformers>=4.56", "tokenizers", "datasets>=2.16")  # pyproject.toml's calibrate extra
+
+
+def extra_hint(extra: str = "calibrate") -> str:
+    """How to install an extra's packages, read from the installed quantcli's metadata."""
+    import shlex
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        reqs = [r.split(";")[0].strip() for r in requires("quantcli") or [] if f'extra == "{extra}"' in r]
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        reqs = []
+    packages = " ".join(shlex.quote(r.replace(" ", "")) for r in reqs or CALIBRATE_PACKAGES)
+    return (f"install the {extra} extra's packages: pip install {packages} (from a quantcli source checkout, "
+            f"pip install -e '.[{extra}]' does the same)")
+
+
+EXTRA = extra_hint()
 HUB_DATASET = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+){0,2}$")
 KEYS = ("input_ids", "messages", "text")
 KIND_OK = {"input_ids": lambda v: isinstance(v, list) and all(is_token_id(t) for t in v),
@@ -120,6 +139,28 @@ def _row_sample(obj, where: str):
     raise QuantcliError(f"{where} has none of 'text', 'messages', 'input_ids'")
 
 
+def _reachable(repo: str, where: str) -> None:
+    """One request for the dataset's page, without huggingface_hub's retries: a Hub that cannot be
+    reached (or a dataset it does not have) is said now, not after half a minute of retries.
+    Offline (HF_HUB_OFFLINE), datasets reads its cache and nothing is asked."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    if hub.offline():
+        return
+    try:
+        HfApi().dataset_info(repo, token=hub.current().token, timeout=10)
+    except RepositoryNotFoundError:
+        raise QuantcliError(f"{where}: no such dataset on the Hub (or it is private or gated: log in with "
+                            f"`hf auth login`, or pass --token)") from None
+    except hub.network_errors() as exc:
+        raise QuantcliError(f"{where}: cannot reach the Hugging Face Hub ({type(exc).__name__}); check the network "
+                            f"(or HF_ENDPOINT), set HF_HUB_OFFLINE=1 to read the dataset from the datasets cache, or "
+                            f"pass a local .txt or .jsonl") from None
+    except HfHubHTTPError:  # anything else the Hub says, load_dataset says again in full
+        pass
+
+
 def _hub_samples(cal: Calibration, where: str) -> list:
     try:
         import datasets
@@ -129,15 +170,18 @@ def _hub_samples(cal: Calibration, where: str) -> list:
     repo, *rest = cal.data.split(":")
     config, split = (None, rest[0]) if len(rest) == 1 else (rest[0], rest[1]) if rest else (None, "train")
     not_found = getattr(getattr(datasets, "exceptions", None), "DatasetNotFoundError", OSError)
+    _reachable(repo, where)
     try:
-        rows = datasets.load_dataset(repo, config, split=split, streaming=True)
-        samples = []
-        for i, row in enumerate(rows):
-            sample = _row_sample(row, f"{where}: row {i}")
-            if sample:
-                samples.append(sample)
-            if len(samples) == cal.samples:
-                break
+        with hub.quiet_retries():  # the rows stream from the Hub too
+            token = {"token": hub.current().token} if hub.current().token else {}  # --token, else datasets' own
+            rows = datasets.load_dataset(repo, config, split=split, streaming=True, **token)
+            samples = []
+            for i, row in enumerate(rows):
+                sample = _row_sample(row, f"{where}: row {i}")
+                if sample:
+                    samples.append(sample)
+                if len(samples) == cal.samples:
+                    break
     except (not_found, OSError, ValueError, ConnectionError) as exc:
         first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
         raise QuantcliError(f"{where}: cannot read the Hub dataset {repo} (config {config}, split {split}): {first}; "

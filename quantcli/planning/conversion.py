@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from quantcli.checkpoint.source import Source
-from quantcli.errors import QuantcliError
+from quantcli.errors import CheckpointError, QuantcliError
+from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config, undeclared_codes_in
 from quantcli.formats.detect import Detected, detect
 from quantcli.planning.calibration import checked_plan
 from quantcli.planning.from_quantized import make_reformat_plan
@@ -19,7 +20,11 @@ from quantcli.recipes import DENSE_RECIPES, RECIPES
 
 def plan_conversion(source: Source, opts: Options) -> Plan:
     """The plan for converting `source` with `opts`, from headers (and a quantized source's scales)."""
+    missing = missing_config(source)
+    if missing is not None:  # the output would load nowhere: refused before any work
+        raise CheckpointError(f"{source.label}: {CONFIG_NAME} {missing}; nothing converted: {config_fix(source)}")
     found = detect(source)
+    stale = _config_against_tensors(source, found)
     detected = found if found is not None and found.modules else None
     if not opts.recipe:
         opts = replace(opts, recipe=default_recipe(source, detected))
@@ -29,7 +34,18 @@ def plan_conversion(source: Source, opts: Options) -> Plan:
         raise QuantcliError(f"--recipe {opts.recipe}: the source {source.label} is not quantized; nothing to dequantize")
     else:
         plan = make_plan(source, opts)
-    return checked_plan(plan)
+    plan = checked_plan(plan)
+    return replace(plan, warnings=[*stale, *plan.warnings]) if stale else plan
+
+
+def _config_against_tensors(source: Source, det: Detected | None) -> list[str]:
+    """Refuse codes that no config declares (they would be read as weights); a quantization
+    config over dense weights is a warning: the output's config replaces it."""
+    found = contradictions(source, det)
+    if found and (det is None or undeclared_codes_in(source)):
+        raise CheckpointError(f"{source.label}: {found[0]}; nothing converted")
+    return [f"{CONFIG_NAME}: {w}; converting the tensors as the dense weights they are, and the output's "
+            f"{CONFIG_NAME} replaces that quantization config" for w in found]
 
 
 def default_recipe(source: Source, detected: Detected | None) -> str:

@@ -201,7 +201,7 @@ def make_plan(source: Source, opts: Options) -> Plan:
     for shard, name, info in _owned_tensors(source):
         _plan_tensor(found, source, opts, layout, recipes, shard, name, info)
     one_precision_per_fused_group(found.tensors, lambda m, why: found.exclusions.append(Exclusion(m, why)),
-                                  found.warnings)
+                                  found.warnings, {e.module: e.reason for e in found.exclusions})
     tensors = drop_single_member_groups(found.tensors)
     errors: list[str] = []
     _check_collisions(tensors, errors)
