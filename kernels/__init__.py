@@ -67,7 +67,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None 
     """`channel_weight` [K]: per input channel weights of a scale search's error (mean squared
     activation); ignored unless `spec.scale_search` is set."""
     impl = _impl(backend, x.device)
-    if spec.scale_search == "none":
+    if not spec.scale_search.active:
         return impl.quantize(x, spec, global_amax)
     if impl in (cpu, reference):
         from quantcli.kernels import search

@@ -40,6 +40,7 @@ class Yardstick:
     global_amax: torch.Tensor | None = None
     channel_weight: torch.Tensor | None = None
     result: QuantResult | None = None
+    dtype: torch.dtype | None = None  # quantize the source cast to this (a weight-dtype scale's)
 
 
 @dataclass
@@ -101,7 +102,7 @@ def _ones(n: int, device: torch.device) -> torch.Tensor:
 
 # element -> (smallest, largest) FP32 exponent field whose binade sets the grid step, and how many
 # binades below the value the half step lies: E2M1 steps 0.5 / 1 / 2 below 2 / 4 / beyond, E4M3
-# 2^(e-3) with subnormals below 2^-6; INT8 a step of 1 everywhere.
+# 2^(e-3) with subnormals below 2^-6; integers (INT8, INT4) a step of 1 everywhere.
 _HALF_STEP = {"e2m1": (127, 129, 2), "e4m3": (121, 135, 4)}
 QUOTIENT_SLACK = 2.0**-8  # a quotient rounded to BF16 (8 bits) before the element cast
 
@@ -164,7 +165,7 @@ def _yard_error(y: Yardstick, x: torch.Tensor, f: torch.Tensor, band: Band, shap
         yb = band_of(y.result, y.spec, shape, band.matrix, band.start, band.stop)
         g = y.result.global_scale
     else:
-        r = quantize(x, y.spec, y.global_amax, channel_weight=y.channel_weight)
+        r = quantize(x if y.dtype is None else x.to(y.dtype), y.spec, y.global_amax, channel_weight=y.channel_weight)
         yb, g = Band(band.matrix, 0, x.shape[0], r.codes, r.scale), r.global_scale
     o = decode_band(yb, g, y.spec, _buffer("vo", f.numel(), f.device).view(f.shape))
     o.sub_(f)

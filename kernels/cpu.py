@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 from quantcli.kernels import reference as R
 from quantcli.kernels.chunks import _map, band_rows
+from quantcli.kernels.elements import encode_e2m1_into
+from quantcli.kernels.spec import BLOCK, FP8_BLOCK, GROUP, TENSOR, ElementCodec, QuantResult, QuantSpec
 from quantcli.kernels.decode import bands, decode_band
-from quantcli.kernels.spec import BLOCK, FP8_BLOCK, GROUP, TENSOR, QuantResult, QuantSpec
 
 # Elements per chunk. Smaller chunks stay in cache but cost more per element: every op of a chunk
 # is a Python call that takes the GIL, which two chunk threads then pass back and forth, and the
@@ -56,43 +57,15 @@ _WS = _Workspace()
 
 
 def _encode_e2m1(mag: torch.Tensor, signed: torch.Tensor, codes: torch.Tensor) -> None:
-    """reference.encode_e2m1 + pack_nibbles into `codes`, from the scaled magnitudes `mag` and
-    any FP32 tensor `signed` with their signs (both overwritten).
-
-    The reference encodes v = x / d with d > 0, taking the magnitude from |v|'s bits and bit 3
-    from v's sign; here `mag` = |x| / d, which is |v| exactly (IEEE division is sign-symmetric),
-    and `signed` = x, whose sign is v's (also when v underflows to -0). The reference's
-    `k -= magic; k += twice; k -= 254` is one `k += (twice - magic - 254)`: int32 arithmetic is
-    modular, and no step overflows either way (|k|, magic < 2^31). Packing reads each pair of
-    int32 codes as one little-endian int64 `p = c0 | c1 << 32`: since c0 < 16, the low byte of
-    `p | p >> 28` is `c0 | c1 << 4`, which the narrowing copy to uint8 keeps (a cast to an
-    unsigned type is modulo 256)."""
-    n = mag.numel()
-    bits = mag.view(-1).view(torch.int32)
-    sign = signed.view(-1).view(torch.int32).bitwise_right_shift_(28).bitwise_and_(0x8)
-    magic, offset = _WS.get("t", n, torch.int32), _WS.get("s", n, torch.int32)
-    torch.bitwise_and(bits, 0x7F800000, out=magic).clamp_(127 << 23, 130 << 23)  # the binade
-    torch.bitwise_right_shift(magic, 22, out=offset)  # twice
-    magic.add_(22 << 23)
-    offset.sub_(magic).sub_(2 * 127)
-    mag.view(-1).add_(magic.view(torch.float32))  # the one FPU rounding (RNE) of the reference
-    bits.add_(offset).clamp_(max=7).bitwise_or_(sign)
-    pairs = bits.view(torch.int64)
-    packed = torch.bitwise_right_shift(pairs, 28, out=magic.view(torch.int64)[:n // 2]).bitwise_or_(pairs)
-    codes.view(-1).copy_(packed)
+    """The E2M1 codec's in-place encoder on this thread's workspace (tests call it directly)."""
+    encode_e2m1_into(mag, signed, codes, _WS.get)
 
 
-def _encode(f: torch.Tensor, element: str, codes: torch.Tensor) -> None:
-    """reference.encode_elements of `f` (overwritten) into the uint8 `codes` (8-bit elements;
-    E2M1 groups take _encode_e2m1's shorter way)."""
-    if element == "e2m1":
-        _encode_e2m1(f.abs(), f, codes)
-    elif element == "int8":
-        torch.round(f, out=f).clamp_(-128, 127)
-        codes.view(torch.int8).copy_(f)
-    else:
-        f.clamp_(-R.E4M3_MAX, R.E4M3_MAX)
-        codes.view(torch.float8_e4m3fn).copy_(f)
+def _encode(f: torch.Tensor, element: ElementCodec, codes: torch.Tensor) -> None:
+    """element.encode(f) into the uint8 `codes`, in place (`f` overwritten). A sign-magnitude
+    codec (E2M1) encodes |f| with f's signs; group chunks hand it the magnitudes they already
+    have (see _group_chunk)."""
+    element.encode_into(f.abs() if element.sign_magnitude else f, f, codes, _WS.get)
 
 
 def _load(x: torch.Tensor) -> torch.Tensor:
@@ -114,30 +87,29 @@ def _group_chunk(x, spec: QuantSpec, s2, codes, scale) -> None:
     f = _load(x)
     mag = _abs(f)
     amax = R._check_finite(F.max_pool1d(mag.unsqueeze(1), spec.group).squeeze(1))
-    stored, denom = R.encode_scale(amax, spec, s2)
+    stored, denom = R.encode_scale(amax, spec, s2, x.dtype)
     scale.copy_(stored)
-    e2m1 = spec.element.name == "e2m1"  # E2M1 scales |x| (already here for the amax), keeps x's signs
-    groups = (mag if e2m1 else f).view(rows, k // spec.group, spec.group)
+    element = spec.element
+    scaled = mag if element.sign_magnitude else f  # E2M1 scales |x| (here for the amax), keeps x's signs
+    groups = scaled.view(rows, k // spec.group, spec.group)
     torch.div(groups, denom.unsqueeze(-1), out=groups)
-    if e2m1:
-        _encode_e2m1(mag, f, codes)
-    else:
-        _encode(f, spec.element.name, codes)
+    spec.scale.round_quotient_(scaled, x.dtype)
+    element.encode_into(scaled, f, codes, _WS.get)
 
 
 def _row_chunk(x, spec: QuantSpec, s2, codes, scale) -> None:
     f = _load(x)
     amax = R._check_finite(torch.amax(_abs(f), dim=-1))
-    stored, denom = R.encode_scale(amax, spec, s2)
+    stored, denom = R.encode_scale(amax, spec, s2, x.dtype)
     scale.copy_(stored)
     f.div_(denom.unsqueeze(-1))
-    _encode(f, spec.element.name, codes)
+    _encode(spec.scale.round_quotient_(f, x.dtype), spec.element, codes)
 
 
 def _tensor_chunk(x, spec: QuantSpec, denom, codes) -> None:
     f = _load(x)
     f.div_(denom)
-    _encode(f, spec.element.name, codes)
+    _encode(spec.scale.round_quotient_(f, x.dtype), spec.element, codes)
 
 
 def _block_chunk(x, spec: QuantSpec, s2, codes, scale) -> None:
@@ -145,17 +117,17 @@ def _block_chunk(x, spec: QuantSpec, s2, codes, scale) -> None:
     reference's padded path: rare, and padding is what makes its edge amaxes right."""
     n, k = x.shape
     if n % FP8_BLOCK or k % FP8_BLOCK:
-        r = R._block_chunk(x.to(torch.float32), spec, s2)
+        r = R._block_chunk(x.to(torch.float32), spec, s2, x.dtype)
         codes.copy_(r.codes)
         scale.copy_(r.scale)
         return
     nb, kb = n // FP8_BLOCK, k // FP8_BLOCK
     f = _load(x)
     amax = R._check_finite(_abs(f).view(nb, FP8_BLOCK, kb, FP8_BLOCK).amax(dim=(-3, -1)))
-    stored, denom = R.encode_scale(amax, spec, s2)
+    stored, denom = R.encode_scale(amax, spec, s2, x.dtype)
     scale.copy_(stored)
     f.view(nb, FP8_BLOCK, kb, FP8_BLOCK).div_(denom.view(nb, 1, kb, 1))
-    _encode(f, spec.element.name, codes)
+    _encode(spec.scale.round_quotient_(f, x.dtype), spec.element, codes)
 
 
 # ---------------------------------------------------------------- entry points
@@ -188,14 +160,14 @@ def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None 
         return R.quantize(x, spec, global_amax)
     s2 = None
     if spec.scale.has_global:
-        s2 = R.nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax)
+        s2 = spec.scale.global_scale(tensor_amax(x) if global_amax is None else global_amax)
     codes = torch.empty(spec.codes_shape(tuple(x.shape)), dtype=torch.uint8)
     k = x.shape[-1]
     if spec.geometry == TENSOR:
-        stored, denom = R.encode_scale(tensor_amax(x), spec, s2)
+        stored, denom = R.encode_scale(tensor_amax(x), spec, s2, x.dtype)
         _run(lambda r, c, _: _tensor_chunk(r, spec, denom, c), x.reshape(-1, k), codes.reshape(-1, codes.shape[-1]))
         return QuantResult(codes, stored, s2)
-    scale = torch.empty(spec.scale_shape(tuple(x.shape)), dtype=spec.scale.raw_dtype)
+    scale = torch.empty(spec.scale_shape(tuple(x.shape)), dtype=spec.scale.raw_dtype_for(x.dtype))
     if spec.geometry == BLOCK:  # one expert matrix at a time: tiles never cross two
         n = x.shape[-2]
         for xe, ce, se in zip(x.reshape(-1, n, k), codes.reshape(-1, n, codes.shape[-1]),

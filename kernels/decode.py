@@ -1,13 +1,13 @@
 """Decoding a band of rows into an FP32 buffer: reference.dequantize's values, bit for bit, at a
 fraction of its cost on the CPU.
 
-reference.dequantize reads E2M1 codes through a long-index gather and E4M3 codes through
+The element codecs decode E2M1 codes through a long-index gather and E4M3 codes through
 PyTorch's FP8 cast, both slow on the CPU (tens of ns per element: most of what verify spent
-decoding). Here one 256-entry table per byte does it: E2M1 bytes index a table of int64 words,
-each the two FP32 values of the byte's nibbles (low nibble first, as a little-endian int64 reads
-them), E4M3 bytes a table of FP32 values (NaN for 0x7F / 0xFF, as the cast gives). Then the
-same multiply by the same FP32 scale as the reference, so the values are the reference's bits
-(tests/test_cpu_kernels.py). `band` yields the rows of a quantized tensor that whole blocks
+decoding). Here one 256-entry table per byte does it, built from the codec's own decode: a byte
+of two 4-bit codes (E2M1, INT4) indexes a table of int64 words, each the two FP32 values of its
+nibbles (low nibble first, as a little-endian int64 reads them), an 8-bit code a table of FP32
+values (E4M3 NaN for 0x7F / 0xFF, as the cast gives). Then the same multiply by the same FP32
+scale as the reference, so the values are the reference's bits (tests/test_cpu_kernels.py). `band` yields the rows of a quantized tensor that whole blocks
 cover, so a caller can decode a tensor a band at a time on the chunk pool.
 """
 
@@ -23,43 +23,41 @@ import torch
 
 from quantcli.kernels import reference as R
 from quantcli.kernels.chunks import band_rows
-from quantcli.kernels.spec import BLOCK, FP8_BLOCK, GROUP, ROW, TENSOR, QuantResult, QuantSpec
+from quantcli.kernels.spec import BLOCK, E4M3, FP8_BLOCK, GROUP, ROW, TENSOR, ElementCodec, QuantResult, QuantSpec
 
 CHUNK = 1 << 20  # elements per band, as the quantizer's (kernels/cpu.py)
 
 
 @functools.cache
-def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E2M1 byte -> int64 holding its two FP32 values, E4M3 byte -> FP32 value)."""
+def _table(element: ElementCodec, device: torch.device) -> torch.Tensor:
+    """Byte -> its value(s): FP32 for an 8-bit code, an int64 holding two FP32 for two 4-bit codes."""
     byte = torch.arange(256, dtype=torch.uint8)
-    pairs = R.decode_e2m1(R.unpack_nibbles(byte.view(256, 1))).contiguous()  # [256, 2] FP32
-    return pairs.view(torch.int64).reshape(256).to(device), R.decode_e4m3(byte).to(device)
+    if not element.packed:
+        return element.decode(byte).to(device)
+    pairs = element.decode(byte.view(256, 1)).contiguous()  # [256, 2] FP32
+    return pairs.view(torch.int64).reshape(256).to(device)
 
 
-def decode_values(codes: torch.Tensor, element: str, out: torch.Tensor, index: torch.Tensor | None = None) -> None:
+def decode_values(codes: torch.Tensor, element: ElementCodec, out: torch.Tensor,
+                  index: torch.Tensor | None = None) -> None:
     """Element values of `codes` (uint8, [rows, packed cols]) into the FP32 `out` [rows, K].
     `index`: an int32 scratch of codes.numel() elements (allocated when None)."""
-    if element == "int8":
-        out.copy_(codes.view(torch.int8))
-        return
     flat = codes.reshape(-1)
+    if element.packed and sys.byteorder != "little":
+        out.view(-1).copy_(element.decode(flat))
+        return
     idx = torch.empty(flat.numel(), dtype=torch.int32, device=codes.device) if index is None else index
     idx.copy_(flat)
-    pairs, e4m3 = _tables(codes.device)
-    if element == "e2m1" and sys.byteorder == "little":
-        torch.index_select(pairs, 0, idx, out=out.view(-1).view(torch.int64))
-    elif element == "e2m1":
-        out.view(-1).copy_(R.decode_e2m1(R.unpack_nibbles(flat)))
-    else:
-        torch.index_select(e4m3, 0, idx, out=out.view(-1))
+    target = out.view(-1).view(torch.int64) if element.packed else out.view(-1)
+    torch.index_select(_table(element, codes.device), 0, idx, out=target)
 
 
 def scale_values(scale: torch.Tensor, global_scale: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
-    """reference.decode_scale, E4M3 block scales through the table (the same FP32 values)."""
+    """The scale codec's decode, E4M3 block scales through the table (the same FP32 values)."""
     if spec.scale.encoding == "e4m3fn":
-        values = torch.index_select(_tables(scale.device)[1], 0, scale.reshape(-1).to(torch.int32))
+        values = torch.index_select(_table(E4M3, scale.device), 0, scale.reshape(-1).to(torch.int32))
         return values.view(scale.shape) * global_scale.to(torch.float32)
-    return R.decode_scale(scale, global_scale, spec)
+    return spec.scale.decode(scale, global_scale)
 
 
 def apply_scale(out: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> None:
@@ -131,6 +129,6 @@ def _band_scale(scale: torch.Tensor, spec: QuantSpec, i: int, j: int) -> torch.T
 
 def decode_band(band: Band, global_scale, spec: QuantSpec, out: torch.Tensor, index=None) -> torch.Tensor:
     """The band's FP32 values into `out` [rows, K]; returns `out`."""
-    decode_values(band.codes, spec.element.name, out, index)
+    decode_values(band.codes, spec.element, out, index)
     apply_scale(out, scale_values(band.scale, global_scale, spec), spec)
     return out

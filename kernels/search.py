@@ -22,9 +22,10 @@ candidate. An all-zero block errs 0 everywhere and keeps the absmax code.
 How this file computes it on a CPU (tests/test_scale_search.py keeps the definition written
 out as its oracle and checks the two agree): all candidates of a few rows are one batch laid out
 [position in block, candidate, row, block], so every op is contiguous, the halves sum adds
-contiguous slabs and the batch stays in cache; `r` comes from a few float and integer ops
-(e2m1_grid_x2_, e4m3_grid_) instead of comparisons, selects, casts or lookups, equal to the
-definition for every non-negative FP32 value (checked exhaustively when they were written).
+contiguous slabs and the batch stays in cache; `r` comes from a few float and integer ops (the
+element codec's `on_grid_`: e2m1_grid_x2_, e4m3_grid_ in kernels/elements.py) instead of
+comparisons, selects, casts or lookups, equal to the definition for every non-negative FP32
+value (checked exhaustively when they were written).
 """
 
 from __future__ import annotations
@@ -32,19 +33,19 @@ from __future__ import annotations
 import torch
 
 from quantcli.kernels import reference as R
-from quantcli.kernels.spec import E8M0_MAX_FINITE_BYTE, QuantResult, QuantSpec
+from quantcli.kernels.elements import ElementCodec, e2m1_grid_x2_, e4m3_grid_  # noqa: F401 (the grids, importable from here)
+from quantcli.kernels.spec import E4M3_GLOBAL_SCALE, E8M0_SCALE, QuantResult, QuantSpec
 
-# Tried after the absmax code, in this order (the window a full 126-code sweep never left).
-NVFP4_WINDOW = (-3, -2, -1, 1, 2, 3, 4, 5, 6, 7)
-MX_WINDOW = (1, -1)
-# Steps below the absmax scale clip the block's largest element; they are evaluated only on the
-# blocks where that element's error does not already exceed absmax's (clipped_errors), which
-# skips most blocks (Laplace weights: NVFP4 -3 / -2 ~90 % / ~55 %, MXFP4 -1 ~80 %, MXFP8 -1
-# 93-100 %); NVFP4 -1 skips ~10 %, too few to pay for the gather.
-NVFP4_PRUNED = ()
-MX_PRUNED = (-1,)
-E4M3_MAX_CODE = 0x7E  # 448; 0x7F is NaN
-E4M3_MIN_CODE = 1  # 2^-9; code 0 would be a zero scale
+# Each scale codec's window (kernels/scales.py), tried after the absmax code, in this order: the
+# window a full 126-code sweep never left.
+NVFP4_WINDOW = E4M3_GLOBAL_SCALE.search_window
+MX_WINDOW = E8M0_SCALE.search_window
+# Steps below the absmax scale clip the block's largest element; the codecs' `search_pruned`
+# steps are evaluated only on the blocks where that element's error does not already exceed
+# absmax's (clipped_errors), which skips most blocks (Laplace weights: NVFP4 -3 / -2 ~90 % /
+# ~55 %, MXFP4 -1 ~80 %, MXFP8 -1 93-100 %); NVFP4 -1 skips ~10 %, too few to pay for the gather.
+NVFP4_PRUNED = E4M3_GLOBAL_SCALE.search_pruned
+MX_PRUNED = E8M0_SCALE.search_pruned
 # (element, candidate) pairs evaluated per batch: big enough that torch's per-op overhead is
 # small, small enough to stay in cache (2^19 was fastest of 2^15..2^20 on a 2-core CPU).
 BATCH_ELEMENTS = 1 << 19
@@ -53,63 +54,34 @@ EXACT_HALF_S2 = 2.0**-116
 
 
 def window(spec: QuantSpec) -> tuple[int, ...]:
-    return NVFP4_WINDOW if spec.scale.has_global else MX_WINDOW
+    return spec.scale.search_window
 
 
 def code_range(spec: QuantSpec) -> tuple[int, int]:
     """The scale codes a candidate may take: E4M3 1..126, E8M0 0..the last finite byte."""
-    if spec.scale.has_global:
-        return E4M3_MIN_CODE, E4M3_MAX_CODE
-    return 0, E8M0_MAX_FINITE_BYTE[spec.element.name]
+    return spec.scale.code_range(spec.element)
 
 
 def decode_code(code: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None) -> torch.Tensor:
-    """The FP32 divisor of an int32 scale code, the value reference.encode_scale forms. E4M3 by
-    bits: code << 20 is an FP32 with the code's exponent and mantissa fields (a subnormal for
-    exponent 0), and 2^120 rebiases it exactly (decode_e4m3 casts, several times slower)."""
-    if spec.scale.has_global:
-        raw = (code << 20).view(torch.float32)
-        rebias = float(s2) * 2.0**120  # exact (a power of two times an FP32) unless it overflows
-        if rebias < 2.0**127:
-            return raw.mul_(rebias)  # one rounding of the same real product as decode_e4m3 * s2
-        return raw.mul_(2.0**120).mul_(s2)
-    return R.e8m0_to_float(code)
+    """The FP32 divisor of an int32 scale code, the value reference.encode_scale forms."""
+    return spec.scale.decode_code(code, s2)
 
 
-def e2m1_grid_x2_(t: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """2 * (the definition's E2M1 rounding of y) from t = 2 * y >= 0, in place (`scratch`: an
-    int32 tensor of t's shape). Below y = 2 it is the definition's own floor(2y + 0.5), at most 4;
-    from y = 2 up the grid 2, 3, 4, 6 is FP32 rounded to one mantissa bit, ties up (add half of the
-    dropped bits, mask them), which equals floor(y + 0.5) and 2 * floor(y / 2 + 0.5) there; the
-    two parts add as low + high - 4 (in the doubled units)."""
-    high = torch.add(t.view(torch.int32), 0x200000, out=scratch).bitwise_and_(-0x400000)
-    high = high.view(torch.float32).clamp_(4.0, 12.0)
-    return t.add_(0.5).floor_().clamp_max_(4.0).add_(high).sub_(4.0)
-
-
-def e4m3_grid_(y: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """decode_e4m3(encode_e4m3(y)) for y >= 0, in place: saturate at 448, then round to nearest
-    even at the E4M3 spacing s = max(2^-9, 2^(exponent - 3)) by adding and subtracting s * 2^23
-    (their FP32 sum has ulp s); s * 2^23 is y's exponent bits times 2^20, at least 2^14."""
-    y = y.clamp_max_(448.0)
-    magic = torch.bitwise_and(y.view(torch.int32), 0x7F800000, out=scratch).view(torch.float32)
-    magic = magic.mul_(2.0**20).clamp_min_(2.0**14)
-    return y.add_(magic).sub_(magic)
-
-
-def rounded_products(ax: torch.Tensor, den: torch.Tensor, half: torch.Tensor | None, element: str,
+def rounded_products(ax: torch.Tensor, den: torch.Tensor, half: torch.Tensor | None, element: ElementCodec,
                      buf: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """fl(r * den) for every element and candidate, in `buf`. E2M1 works on t = 2y = ax / (den / 2)
-    and r2 = 2r, so fl(r2 * den / 2) = fl(r * den): the same numbers, two ops fewer; `half` is
-    den / 2 when that is exact, else None (then t = 2 * (ax / den), r = r2 / 2)."""
-    if element == "e4m3":
-        return e4m3_grid_(torch.div(ax, den, out=buf), scratch).mul_(den)
+    """fl(r * den) for every element and candidate, in `buf`. The codec's grid works on
+    t = grid_scale * y (E2M1: t = 2y = ax / (den / 2), r2 = 2r, so fl(r2 * den / 2) = fl(r * den):
+    the same numbers, two ops fewer); `half` is den / grid_scale when that is exact, else None
+    (then t = grid_scale * (ax / den), r = r_t / grid_scale)."""
     if half is not None:
-        return e2m1_grid_x2_(torch.div(ax, half, out=buf), scratch).mul_(half)
-    return e2m1_grid_x2_(torch.div(ax, den, out=buf).mul_(2.0), scratch).mul_(0.5).mul_(den)
+        return element.on_grid_(torch.div(ax, half, out=buf), scratch).mul_(half)
+    t = torch.div(ax, den, out=buf)
+    if element.grid_scale == 1.0:
+        return element.on_grid_(t, scratch).mul_(den)
+    return element.on_grid_(t.mul_(element.grid_scale), scratch).mul_(1.0 / element.grid_scale).mul_(den)
 
 
-def candidate_errors(ax: torch.Tensor, den: torch.Tensor, half: torch.Tensor | None, element: str,
+def candidate_errors(ax: torch.Tensor, den: torch.Tensor, half: torch.Tensor | None, element: ElementCodec,
                      weight: torch.Tensor | None, buf: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """Squared error [n, C, B] of the blocks `ax` [n, G, B] (magnitudes, each row's blocks
     transposed: position in block, then block) under each candidate divisor `den` [n, C, B];
@@ -161,10 +133,10 @@ def first_smallest(err: torch.Tensor, valid: torch.Tensor | None, weighted: bool
 
 def pruned_steps(spec: QuantSpec) -> tuple[int, ...]:
     """Window steps evaluated only on the blocks they might win (see clipped_errors)."""
-    return NVFP4_PRUNED if spec.scale.has_global else MX_PRUNED
+    return spec.scale.search_pruned
 
 
-def batched_errors(ax: torch.Tensor, den: torch.Tensor, half: torch.Tensor | None, element: str,
+def batched_errors(ax: torch.Tensor, den: torch.Tensor, half: torch.Tensor | None, element: ElementCodec,
                    weight: torch.Tensor | None) -> torch.Tensor:
     """candidate_errors [n, C, B] of `ax` [n, G, B] under `den` [n, C, B], a few rows at a time."""
     n, g, nb = ax.shape
@@ -183,7 +155,7 @@ def batched_errors(ax: torch.Tensor, den: torch.Tensor, half: torch.Tensor | Non
 
 
 def clipped_errors(ax: torch.Tensor, amax: torch.Tensor, err0: torch.Tensor, den: torch.Tensor,
-                   half: torch.Tensor | None, element: str, weight: torch.Tensor | None) -> torch.Tensor:
+                   half: torch.Tensor | None, element: ElementCodec, weight: torch.Tensor | None) -> torch.Tensor:
     """candidate_errors [n, B] of a scale below the absmax one (`den` [n, B]), inf where it cannot
     win. Such a scale clips the block's largest element; the block sum is at least that one
     element's term (FP32 sums of non-negative terms never decrease; with weights, at least its
@@ -216,19 +188,20 @@ def search_codes(ax: torch.Tensor, amax: torch.Tensor, code0: torch.Tensor, den0
     n, g, nb = ax.shape
     steps = (0, *window(spec))
     den, valid = candidates(code0, den0, spec, s2)
-    halving = spec.element.name == "e2m1" and (s2 is None or float(s2) >= EXACT_HALF_S2)
-    half = den * 0.5 if halving else None
+    grid = spec.element.grid_scale
+    halving = grid != 1.0 and (s2 is None or float(s2) >= EXACT_HALF_S2)
+    half = den * (1.0 / grid) if halving else None
     w = None if weight is None else weight.t().reshape(g, 1, nb)
     pruned = [i for i, step in enumerate(steps) if step in pruned_steps(spec)]
     full = [i for i in range(len(steps)) if i not in pruned]
     if not pruned:
-        err = batched_errors(ax, den, half, spec.element.name, w)
+        err = batched_errors(ax, den, half, spec.element, w)
     else:
         err = torch.empty((n, len(steps), nb), dtype=torch.float32, device=ax.device)
-        err[:, full] = batched_errors(ax, den[:, full], None if half is None else half[:, full], spec.element.name, w)
+        err[:, full] = batched_errors(ax, den[:, full], None if half is None else half[:, full], spec.element, w)
     for i in pruned:
         err[:, i] = clipped_errors(ax, amax, err[:, 0], den[:, i], None if half is None else half[:, i],
-                                   spec.element.name, weight)
+                                   spec.element, weight)
     offsets = torch.tensor(steps, dtype=torch.int32, device=ax.device)
     code = code0.to(torch.int32) + offsets[first_smallest(err, valid, weight is not None)]
     return code.to(torch.uint8), decode_code(code, spec, s2)
@@ -241,7 +214,7 @@ def _group_chunk(x: torch.Tensor, spec: QuantSpec, s2, weight: torch.Tensor | No
     amax = R._check_finite(ax.amax(dim=1))
     code0, den0 = R.encode_scale(amax, spec, s2)
     stored, den = search_codes(ax, amax, code0, den0, spec, s2, weight)
-    return QuantResult(R.encode_elements((g / den.unsqueeze(-1)).reshape(x.shape), spec.element), stored)
+    return QuantResult(spec.element.encode((g / den.unsqueeze(-1)).reshape(x.shape)), stored)
 
 
 def channel_weight_groups(weight: torch.Tensor | None, k: int, group: int, device) -> torch.Tensor | None:

@@ -1,20 +1,21 @@
 """Triton device functions: the element and scale codecs the kernels in triton_quant.py take as
-parameters. Each is the bit-exact twin of a function in kernels/reference.py (see the rules in
-triton_quant.py's docstring: `div_rn` for every division, integer bit math for every encoding).
+parameters. Each is the bit-exact twin of a codec's torch arithmetic (kernels/elements.py,
+kernels/scales.py; see the rules in triton_quant.py's docstring: `div_rn` for every division,
+integer bit math for every encoding).
 
-Codec ids (constexpr kernel parameters): ELEM 0 = E4M3, 1 = E2M1 (two per byte), 2 = INT8;
-SCALE 0 = F32, 1 = E8M0 byte, 2 = E4M3 byte times the FP32 global.
+Triton kernels cannot take the codec objects, so each role has one function with one signature
+(`_encode`, `_decode`, `_encode_scale`, `_scaled`, `_decode_scale`, `_searched_scale`) and the
+codec's `triton_id`, a constexpr, selects its twin inside it: ELEM 0 = E4M3, 1 = E2M1, 2 = INT8,
+3 = INT4 (4-bit codes come back one per byte and are packed by the kernel); SCALE 0 = F32,
+1 = E8M0 byte, 2 = E4M3 byte times the FP32 global, 3 = the weight's dtype; RULE is the
+ScaleRule's `triton_id`. The weight's float format enters as MANT (mantissa bits), TINY (its
+smallest normal), MAGIC (TINY * 2^(23 - MANT)) and EPS (triton_quant._source_format).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-ELEM_IDS = {"e4m3": 0, "e2m1": 1, "int8": 2}
-SCALE_IDS = {"f32": 0, "e8m0_bias127": 1, "e4m3fn": 2}
-RULE_IDS = {"floor": 0, "even": 1, "rceil": 2}
-
 
 
 @triton.jit
@@ -85,11 +86,13 @@ def _decode_e2m1(c):
 
 
 @triton.jit
-def _e8m0_byte(amax, EMAX: tl.constexpr, MAXV: tl.constexpr, RULE: tl.constexpr):
+def _e8m0_byte(amax, EMAX: tl.constexpr, MAXV: tl.constexpr, rule):
+    """`rule` (RULE_IDS) is a runtime scalar, not a constexpr: one compiled kernel serves all
+    three rules (a uniform branch per tile), a third of the variants to JIT-compile and check."""
     bits = amax.to(tl.int32, bitcast=True)
-    if RULE == 0:
+    if rule == 0:
         biased = (bits >> 23) - EMAX
-    elif RULE == 1:
+    elif rule == 1:
         biased = ((bits + (1 << 21)) >> 23) - EMAX
     else:
         q = tl.math.div_rn(amax, tl.full(amax.shape, MAXV, tl.float32)).to(tl.int32, bitcast=True)
@@ -103,40 +106,59 @@ def _e8m0_to_float(byte):
 
 
 @triton.jit
-def _encode_int8(v):
-    """FP32 -> INT8 byte: clamp to [-128, 127], round half to even (reference.encode_int8).
-    The FP32 -> int32 cast truncates toward zero; the remainder is exact below 2^23."""
-    c = tl.minimum(tl.maximum(v, -128.0), 127.0)
+def _round_int(v, LO: tl.constexpr, HI: tl.constexpr):
+    """FP32 -> int32: clamp to [LO, HI], round half to even (elements.encode_int). The FP32 ->
+    int32 cast truncates toward zero; the remainder is exact below 2^23."""
+    c = tl.minimum(tl.maximum(v, LO), HI)
     t = c.to(tl.int32)
     frac = tl.abs(c - t.to(tl.float32))
     up = (frac > 0.5) | ((frac == 0.5) & ((t & 1) != 0))
-    r = t + tl.where(up, tl.where(c < 0.0, -1, 1), 0)
-    return (r & 0xFF).to(tl.uint8)
-
-
-@triton.jit
-def _decode_int8(c):
-    c = c.to(tl.int32)
-    return tl.where(c >= 128, c - 256, c).to(tl.float32)
+    return t + tl.where(up, tl.where(c < 0.0, -1, 1), 0)
 
 
 @triton.jit
 def _encode(y, ELEM: tl.constexpr):
-    """Scaled FP32 -> one code byte per element (ELEM 0 E4M3, 2 INT8; E2M1 is packed apart)."""
-    if ELEM == 2:
-        return _encode_int8(y)
+    """Scaled FP32 -> one code byte per element (4-bit codes as nibbles, packed by the caller)."""
+    if ELEM == 1:
+        return _encode_e2m1(y)
+    elif ELEM == 2:
+        return (_round_int(y, -128.0, 127.0) & 0xFF).to(tl.uint8)
+    elif ELEM == 3:
+        return (_round_int(y, -8.0, 7.0) + 8).to(tl.uint8)  # offset binary
     else:
         return _encode_e4m3(y)
 
 
 @triton.jit
 def _decode(c, ELEM: tl.constexpr):
+    """One code byte (a nibble for 4-bit codes) -> FP32."""
     if ELEM == 1:
         return _decode_e2m1(c)
     elif ELEM == 2:
-        return _decode_int8(c)
+        c = c.to(tl.int32)
+        return tl.where(c >= 128, c - 256, c).to(tl.float32)
+    elif ELEM == 3:
+        return (c.to(tl.int32) - 8).to(tl.float32)
     else:
         return _decode_e4m3(c)
+
+
+@triton.jit
+def _round_to_src(v, MANT: tl.constexpr, TINY: tl.constexpr, MAGIC: tl.constexpr):
+    """scales.round_to_dtype: FP32 rounded (RNE) to the weight's float format, kept in FP32. At
+    or above TINY by bits: add half an ulp less one plus the kept LSB, drop the low bits (a carry
+    moves into the exponent); below it the format's step is TINY * 2^-MANT, and adding and
+    subtracting MAGIC (whose FP32 ulp is that step) rounds to it."""
+    if MANT >= 23:
+        return v
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        kept = (bits >> (23 - MANT)) & 1
+        normal = ((bits + ((1 << (22 - MANT)) - 1) + kept) & -(1 << (23 - MANT))).to(tl.float32, bitcast=True)
+        a = tl.abs(v)
+        sub = (a + MAGIC) - MAGIC
+        sub = tl.where(bits < 0, -sub, sub)  # the sign bit: -0.0 stays -0.0
+        return tl.where(a < TINY, sub, normal)
 
 
 @triton.jit
@@ -145,6 +167,51 @@ def _f32_scale(amax, DIVISOR: tl.constexpr, MIN_SCALE: tl.constexpr, CAP: tl.con
     CAP (FP32 max where no cap applies: a no-op for a finite scale), 1.0 for 0."""
     scale = tl.math.div_rn(amax, tl.full(amax.shape, DIVISOR, tl.float32))
     return tl.where(amax == 0.0, 1.0, tl.minimum(tl.maximum(scale, MIN_SCALE), CAP))
+
+
+@triton.jit
+def _encode_scale(amax, s2_ptr, SCALE: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr,
+                  RULE: tl.constexpr, MAXBYTE: tl.constexpr, DIVISOR: tl.constexpr, MIN_SCALE: tl.constexpr,
+                  CAP: tl.constexpr, MANT: tl.constexpr, TINY: tl.constexpr, MAGIC: tl.constexpr,
+                  EPS: tl.constexpr):
+    """The scale codec's encode: block amax -> (the stored scale, the FP32 divisor)."""
+    if SCALE == 2:  # ModelOpt's order: 6 * s2 first, then the division
+        s2 = tl.load(s2_ptr)
+        block = tl.math.div_rn(amax, tl.full(amax.shape, MAXV, tl.float32) * s2)
+        block = tl.where(block == 0.0, 1.0, block)
+        code = _encode_e4m3(tl.minimum(tl.maximum(block, 0.001953125), 448.0))
+        return code, _decode_e4m3(code) * s2
+    elif SCALE == 1:  # saturate at the largest byte whose codes all decode finitely
+        byte = tl.minimum(_e8m0_byte(amax, EMAX, MAXV, RULE), MAXBYTE)
+        return byte.to(tl.uint8), _e8m0_to_float(byte)
+    elif SCALE == 3:  # compressed-tensors: amax / 7.5 in the weight's dtype, 0 -> its eps
+        scale = tl.minimum(tl.math.div_rn(amax, tl.full(amax.shape, DIVISOR, tl.float32)), CAP)
+        scale = _round_to_src(scale, MANT, TINY, MAGIC)
+        scale = tl.where(scale == 0.0, EPS, scale)
+        return scale, scale
+    else:
+        scale = _f32_scale(amax, DIVISOR, MIN_SCALE, CAP)
+        return scale, scale
+
+
+@triton.jit
+def _scaled(x, denom, SCALE: tl.constexpr, MANT: tl.constexpr, TINY: tl.constexpr, MAGIC: tl.constexpr):
+    """The scale codec's scaled: x / denom, rounded to the weight's dtype for SCALE 3."""
+    y = tl.math.div_rn(x, denom)
+    if SCALE == 3:
+        y = _round_to_src(y, MANT, TINY, MAGIC)
+    return y
+
+
+@triton.jit
+def _decode_scale(raw, s2_ptr, SCALE: tl.constexpr):
+    """The scale codec's decode: stored scales -> FP32 multipliers."""
+    if SCALE == 1:
+        return _e8m0_to_float(raw.to(tl.int32))
+    elif SCALE == 2:
+        return _decode_e4m3(raw) * tl.load(s2_ptr)
+    else:
+        return raw.to(tl.float32)
 
 
 @triton.jit
@@ -198,3 +265,38 @@ def _block_error(ax, den, w, ELEM: tl.constexpr, WEIGHTED: tl.constexpr, TM: tl.
     if WEIGHTED:
         e = e * tl.broadcast_to(w[None, :, :], e.shape)
     return _halves_sum(e, TM, NG, G)
+
+
+@triton.jit
+def _searched_scale(g, code0, den0, s2_ptr, w_ptr, cols, K, TM: tl.constexpr, TK: tl.constexpr, G: tl.constexpr,
+                    ELEM: tl.constexpr, SCALE: tl.constexpr, MAXBYTE: tl.constexpr, WEIGHTED: tl.constexpr):
+    """search.search_codes: the absmax code, then each step of the scale codec's window in order
+    (scales.py `search_window`, `code_range`, `decode_code`); strictly smaller wins."""
+    ax = tl.abs(g)
+    w = 0.0
+    if WEIGHTED:
+        w = tl.reshape(tl.load(w_ptr + cols, mask=cols < K, other=0.0), [TK // G, G])
+    best = code0.to(tl.int32)
+    base = best
+    best_den = den0
+    best_err = _block_error(ax, den0, w, ELEM, WEIGHTED, TM, TK // G, G)
+    NCAND: tl.constexpr = 10 if SCALE == 2 else 2
+    for i in tl.static_range(NCAND):
+        if SCALE == 2:  # E4M3: -3, -2, -1, 1, ..., 7
+            cand = base + (i - 3 if i < 3 else i - 2)
+            lo, hi = 1, 126
+        else:  # E8M0: +1, -1
+            cand = base + (1 if i == 0 else -1)
+            lo, hi = 0, MAXBYTE
+        valid = (cand >= lo) & (cand <= hi)
+        cand = tl.minimum(tl.maximum(cand, lo), hi)
+        if SCALE == 2:
+            den = _decode_e4m3(cand) * tl.load(s2_ptr)
+        else:
+            den = _e8m0_to_float(cand)
+        err = _block_error(ax, den, w, ELEM, WEIGHTED, TM, TK // G, G)
+        better = valid & (err < best_err)
+        best_err = tl.where(better, err, best_err)
+        best = tl.where(better, cand, best)
+        best_den = tl.where(better, den, best_den)
+    return best.to(tl.uint8), best_den

@@ -9,42 +9,62 @@ Bit-exactness rules (why the code looks the way it does):
   an approximate division on the GPU;
 - E4M3 and E2M1 encodings are integer bit math, not `.to(tl.float8e4nv)`: the cast's rounding
   differs between the interpreter and hardware, the bit math is RNE everywhere;
-- E8M0 exponents come from the FP32 bit pattern exactly as in the reference.
+- E8M0 exponents come from the FP32 bit pattern exactly as in the reference;
+- every launch compiles without FP contraction or flush-to-zero (triton_launch.EXACT_OPTIONS),
+  so a*b+c rounds twice and subnormals survive, as in torch; the PTX of every variant the
+  recipes launch is checked for this on sm_90 and sm_100 (kernels/ptx_rules.py,
+  tests/test_kernels_compile.py).
 Every kernel also counts non-finite inputs per program, so NaN/Inf are rejected without a
 separate pass over the data.
 
 One kernel per geometry (tensor, row, 128 x 128 block, 1 x G group); the element and scale
-codecs (kernels/triton_codecs.py) are constexpr parameters, as `QuantSpec` makes them.
+codecs (kernels/triton_codecs.py) are constexpr parameters, each codec object's `triton_id`.
+The tensor, row and block kernels take the F32 scale codec and one-byte elements; the group
+kernel takes every scale codec and packs 4-bit elements.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from quantcli.kernels import reference
-from quantcli.kernels.spec import BLOCK, FP8_BLOCK, FP32_MAX, FP32_MIN_NORMAL, GROUP, ROW, TENSOR, NonFiniteInput, QuantResult, QuantSpec
+from quantcli.kernels.spec import (
+    BLOCK,
+    F32_SCALE,
+    FP8_BLOCK,
+    FP32_MAX,
+    FP32_MIN_NORMAL,
+    GROUP,
+    ROW,
+    TENSOR,
+    NonFiniteInput,
+    QuantResult,
+    QuantSpec,
+)
 from quantcli.kernels.triton_codecs import (
-    ELEM_IDS,
-    RULE_IDS,
-    SCALE_IDS,
     _decode,
-    _decode_e4m3,
-    _e8m0_byte,
-    _e8m0_to_float,
+    _decode_scale,
     _encode,
-    _encode_e2m1,
-    _encode_e4m3,
+    _encode_scale,
     _f32_scale,
     _load_tile,
-    _block_error,
     _nonfinite,
     _pack_pairs,
+    _scaled,
+    _searched_scale,
 )
+from quantcli.kernels.triton_launch import Launch, recording, run
 
 MIN_SCALE = tl.constexpr(FP32_MIN_NORMAL)  # reference.f32_scale's floor
 BM, BK = 32, 256  # row tile for the grouped kernels (BK is a multiple of every group size)
+# The scale search evaluates up to 11 candidate scales per element: at 32 rows it needed 255
+# registers and spilled (ptxas -v, sm_90, NVFP4) and took ~15 s to compile per variant; 4 rows
+# per program need 78 registers, no spills, and compile in ~1 s.
+BM_SEARCH = 4
 
 # ---------------------------------------------------------------- kernels, one per geometry
 
@@ -118,13 +138,15 @@ def _block_kernel(x_ptr, codes_ptr, scale_ptr, flag_ptr, N, K, NB, KB, sxb, sxn,
 
 @triton.jit
 def _group_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, w_ptr, M, K, sxm, sxk,
-                  TM: tl.constexpr, TK: tl.constexpr, G: tl.constexpr, ELEM: tl.constexpr,
+                  TM: tl.constexpr, TK: tl.constexpr, G: tl.constexpr, ELEM: tl.constexpr, BITS: tl.constexpr,
                   SCALE: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr, RULE: tl.constexpr,
-                  MAXBYTE: tl.constexpr, SEARCH: tl.constexpr, WEIGHTED: tl.constexpr):
-    """1 x G groups along K: an E8M0 scale per group (SCALE 1, MX) or an E4M3 scale per group
-    times the FP32 global (SCALE 2, NVFP4); E2M1 elements (ELEM 1) are packed two per byte.
-    SEARCH 1: the scale code of each group is searched around the absmax one (kernels/search.py),
-    with per-column error weights from w_ptr when WEIGHTED."""
+                  MAXBYTE: tl.constexpr, DIVISOR: tl.constexpr, CAP: tl.constexpr, MANT: tl.constexpr,
+                  TINY: tl.constexpr, MAGIC: tl.constexpr, EPS: tl.constexpr, SEARCH: tl.constexpr,
+                  WEIGHTED: tl.constexpr):
+    """1 x G groups along K, one scale per group by the scale codec (E8M0 for MX, E4M3 times the
+    FP32 global for NVFP4, the weight's dtype for INT4); 4-bit elements (BITS 4) are packed two
+    per byte. SEARCH 1: the scale code of each group is searched around the absmax one
+    (kernels/search.py), with per-column error weights from w_ptr when WEIGHTED."""
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     rows = pm * TM + tl.arange(0, TM)
@@ -133,27 +155,17 @@ def _group_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, w_ptr, M, K, sx
     tl.store(flag_ptr + pm * tl.num_programs(1) + pk, _nonfinite(x))
     g = tl.reshape(x, [TM, TK // G, G])
     amax = tl.max(tl.abs(g), axis=2)
-    if SCALE == 2:
-        s2 = tl.load(s2_ptr)
-        six_s2 = tl.full(amax.shape, MAXV, tl.float32) * s2
-        block = tl.math.div_rn(amax, six_s2)
-        block = tl.where(block == 0.0, 1.0, block)
-        scale_code = _encode_e4m3(tl.minimum(tl.maximum(block, 0.001953125), 448.0))
-        denom = _decode_e4m3(scale_code) * s2
-    else:
-        # Saturate at the largest byte whose codes all decode finitely (reference.encode_scale).
-        byte = tl.minimum(_e8m0_byte(amax, EMAX, MAXV, RULE), MAXBYTE)
-        scale_code = byte.to(tl.uint8)
-        denom = _e8m0_to_float(byte)
+    scale_code, denom = _encode_scale(amax, s2_ptr, SCALE, EMAX, MAXV, RULE, MAXBYTE, DIVISOR, MIN_SCALE, CAP,
+                                      MANT, TINY, MAGIC, EPS)
     if SEARCH:
         scale_code, denom = _searched_scale(g, scale_code, denom, s2_ptr, w_ptr, cols, K, TM, TK, G, ELEM, SCALE,
                                             MAXBYTE, WEIGHTED)
-    y = tl.reshape(tl.math.div_rn(g, tl.broadcast_to(denom[:, :, None], g.shape)), [TM, TK])
+    y = tl.reshape(_scaled(g, tl.broadcast_to(denom[:, :, None], g.shape), SCALE, MANT, TINY, MAGIC), [TM, TK])
     srows = rows[:, None]
     scols = pk * (TK // G) + tl.arange(0, TK // G)[None, :]
     tl.store(scale_ptr + srows * (K // G) + scols, scale_code, mask=(srows < M) & (scols < K // G))
-    if ELEM == 1:
-        packed = _pack_pairs(_encode_e2m1(y), TM, TK)
+    if BITS == 4:
+        packed = _pack_pairs(_encode(y, ELEM), TM, TK)
         pcols = pk * (TK // 2) + tl.arange(0, TK // 2)[None, :]
         tl.store(codes_ptr + srows * (K // 2) + pcols, packed, mask=(srows < M) & (pcols < K // 2))
     else:
@@ -161,48 +173,15 @@ def _group_kernel(x_ptr, codes_ptr, scale_ptr, s2_ptr, flag_ptr, w_ptr, M, K, sx
 
 
 @triton.jit
-def _searched_scale(g, code0, den0, s2_ptr, w_ptr, cols, K, TM: tl.constexpr, TK: tl.constexpr, G: tl.constexpr,
-                    ELEM: tl.constexpr, SCALE: tl.constexpr, MAXBYTE: tl.constexpr, WEIGHTED: tl.constexpr):
-    """search.search_codes: the absmax code, then each window step in order; strictly smaller wins."""
-    ax = tl.abs(g)
-    w = 0.0
-    if WEIGHTED:
-        w = tl.reshape(tl.load(w_ptr + cols, mask=cols < K, other=0.0), [TK // G, G])
-    best = code0.to(tl.int32)
-    base = best
-    best_den = den0
-    best_err = _block_error(ax, den0, w, ELEM, WEIGHTED, TM, TK // G, G)
-    NCAND: tl.constexpr = 10 if SCALE == 2 else 2
-    for i in tl.static_range(NCAND):
-        if SCALE == 2:  # NVFP4_WINDOW: -3, -2, -1, 1, ..., 7
-            cand = base + (i - 3 if i < 3 else i - 2)
-            lo, hi = 1, 126
-        else:  # MX_WINDOW: +1, -1
-            cand = base + (1 if i == 0 else -1)
-            lo, hi = 0, MAXBYTE
-        valid = (cand >= lo) & (cand <= hi)
-        cand = tl.minimum(tl.maximum(cand, lo), hi)
-        if SCALE == 2:
-            den = _decode_e4m3(cand) * tl.load(s2_ptr)
-        else:
-            den = _e8m0_to_float(cand)
-        err = _block_error(ax, den, w, ELEM, WEIGHTED, TM, TK // G, G)
-        better = valid & (err < best_err)
-        best_err = tl.where(better, err, best_err)
-        best = tl.where(better, cand, best)
-        best_den = tl.where(better, den, best_den)
-    return best.to(tl.uint8), best_den
-
-
-@triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, s2_ptr, out_ptr, N, K, SN, SK, BR, BC,
-                    TM: tl.constexpr, TK: tl.constexpr, ELEM: tl.constexpr, SCALE: tl.constexpr):
+                    TM: tl.constexpr, TK: tl.constexpr, ELEM: tl.constexpr, BITS: tl.constexpr,
+                    SCALE: tl.constexpr):
     """out[b, r, c] = elem(codes) * scale[b, r // BR, c // BC], codecs by id (triton_codecs)."""
     b = tl.program_id(2)
     rows = tl.program_id(0) * TM + tl.arange(0, TM)
     cols = tl.program_id(1) * TK + tl.arange(0, TK)
     mask = (rows[:, None] < N) & (cols[None, :] < K)
-    if ELEM == 1:
+    if BITS == 4:
         byte = tl.load(codes_ptr + b * N * (K // 2) + rows[:, None] * (K // 2) + cols[None, :] // 2,
                        mask=mask, other=0)
         values = _decode(tl.where((cols[None, :] % 2) == 0, byte & 0xF, byte >> 4), ELEM)
@@ -210,13 +189,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, s2_ptr, out_ptr, N, K, SN, SK, BR, BC,
         values = _decode(tl.load(codes_ptr + b * N * K + rows[:, None] * K + cols[None, :], mask=mask, other=0),
                          ELEM)
     sidx = b * SN * SK + (rows[:, None] // BR) * SK + cols[None, :] // BC
-    raw = tl.load(scale_ptr + sidx, mask=mask, other=0)
-    if SCALE == 0:
-        scale = raw
-    elif SCALE == 1:
-        scale = _e8m0_to_float(raw.to(tl.int32))
-    else:
-        scale = _decode_e4m3(raw) * tl.load(s2_ptr)
+    scale = _decode_scale(tl.load(scale_ptr + sidx, mask=mask, other=0), s2_ptr, SCALE)
     tl.store(out_ptr + b * N * K + rows[:, None] * K + cols[None, :], values * scale, mask=mask)
 
 
@@ -242,15 +215,16 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(m, tm), triton.cdiv(k, tk))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
     flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
-    _amax_kernel[grid](x2, partial, flags, m, k, x2.stride(0), x2.stride(1), TM=tm, TK=tk)
+    run(Launch(_amax_kernel, grid, (x2, partial, flags, m, k, x2.stride(0), x2.stride(1)), dict(TM=tm, TK=tk)))
     _check_flags(flags)
     return partial.amax()
 
 
 def _single_level_f32(spec: QuantSpec) -> None:
-    if spec.scale.encoding != "f32":
-        raise NotImplementedError(f"Triton: the {spec.geometry} geometry takes the F32 scale codec only, "
-                                  f"got {spec.scale.encoding}; use backend torch")
+    """What the tensor, row and block kernels implement: F32 scales, one code byte per element."""
+    if spec.scale.triton_id != F32_SCALE.triton_id or spec.element.packed:
+        raise NotImplementedError(f"Triton: the {spec.geometry} geometry takes the F32 scale codec and 8-bit "
+                                  f"elements only, got {spec.scale.encoding} / {spec.element.name}; use backend torch")
 
 
 def _cap(spec: QuantSpec) -> float:
@@ -264,8 +238,8 @@ def _tensor(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
     m, k = x2.shape
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(m, 64), triton.cdiv(k, 256))
-    _tensor_kernel[grid](x2, scale, codes, m, k, x2.stride(0), x2.stride(1), TM=64, TK=256,
-                         ELEM=ELEM_IDS[spec.element.name])
+    run(Launch(_tensor_kernel, grid, (x2, scale, codes, m, k, x2.stride(0), x2.stride(1)),
+               dict(TM=64, TK=256, ELEM=spec.element.triton_id)))
     return QuantResult(codes.reshape(x.shape), scale)
 
 
@@ -277,9 +251,9 @@ def _row(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     flags = torch.empty(triton.cdiv(m, tm), dtype=torch.int32, device=x.device)
-    _row_kernel[(triton.cdiv(m, tm),)](x2, codes, scale, flags, m, k, x2.stride(0), x2.stride(1), TM=tm, TK=256,
-                                       ELEM=ELEM_IDS[spec.element.name], DIVISOR=spec.element.scale_divisor,
-                                       CAP=_cap(spec))
+    run(Launch(_row_kernel, (triton.cdiv(m, tm),), (x2, codes, scale, flags, m, k, x2.stride(0), x2.stride(1)),
+               dict(TM=tm, TK=256, ELEM=spec.element.triton_id, DIVISOR=spec.element.scale_divisor,
+                    CAP=_cap(spec))))
     _check_flags(flags)
     return QuantResult(codes.reshape(x.shape), scale.reshape(x.shape[:-1]))
 
@@ -293,11 +267,28 @@ def _block(x: torch.Tensor, spec: QuantSpec, s2) -> QuantResult:
     codes = torch.empty((nmat, n, k), dtype=torch.uint8, device=x.device)
     scale = torch.empty((nmat, nb, kb), dtype=torch.float32, device=x.device)
     flags = torch.empty(nmat * nb * kb, dtype=torch.int32, device=x.device)
-    _block_kernel[(nmat * nb, kb)](x3, codes, scale, flags, n, k, nb, kb, x3.stride(0), x3.stride(1),
-                                   x3.stride(2), B=FP8_BLOCK, ELEM=ELEM_IDS[spec.element.name],
-                                   DIVISOR=spec.element.scale_divisor, CAP=_cap(spec))
+    run(Launch(_block_kernel, (nmat * nb, kb),
+               (x3, codes, scale, flags, n, k, nb, kb, x3.stride(0), x3.stride(1), x3.stride(2)),
+               dict(B=FP8_BLOCK, ELEM=spec.element.triton_id, DIVISOR=spec.element.scale_divisor,
+                    CAP=_cap(spec))))
     _check_flags(flags)
     return QuantResult(codes.reshape(x.shape), scale.reshape(*lead, nb, kb))
+
+
+def _source_format(dtype: torch.dtype) -> dict:
+    """The weight's float format, for the weight-dtype scale codec (triton_codecs._round_to_src):
+    mantissa bits, smallest normal, the constant that rounds below it, and eps."""
+    info = torch.finfo(dtype)
+    mant = round(-math.log2(info.eps))  # BF16 7, FP16 10, FP32 23
+    return dict(MANT=mant, TINY=info.tiny, MAGIC=info.tiny * 2.0 ** (23 - mant), EPS=info.eps)
+
+
+def _codec_args(spec: QuantSpec, dtype: torch.dtype) -> dict:
+    """The constexprs that select and parametrize the codecs' Triton twins in _group_kernel."""
+    element = spec.element
+    return dict(ELEM=element.triton_id, BITS=element.bits, SCALE=spec.scale.triton_id, EMAX=element.emax,
+                MAXV=element.max, RULE=spec.scale_rule.triton_id if spec.scale_rule else 0,
+                MAXBYTE=254 - element.emax, DIVISOR=element.scale_divisor, CAP=_cap(spec), **_source_format(dtype))
 
 
 def _group(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None,
@@ -305,22 +296,23 @@ def _group(x: torch.Tensor, spec: QuantSpec, s2: torch.Tensor | None,
     x2 = _rows(x)
     m, k = x2.shape
     g, element = spec.group, spec.element
+    search = spec.scale_search == "mse"
+    tm = BM_SEARCH if search else BM
     codes = torch.empty((m, element.codes_cols(k)), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((m, k // g), dtype=torch.uint8, device=x.device)
-    grid = (triton.cdiv(m, BM), triton.cdiv(k, BK))
+    # Scales of the weight's dtype are written as FP32 and cast here (exact: the kernel rounds
+    # them to that dtype): the interpreter's narrowing store flushes BF16 subnormals to zero.
+    scale = torch.empty((m, k // g), dtype=spec.scale.raw_dtype_for(torch.float32), device=x.device)
+    grid = (triton.cdiv(m, tm), triton.cdiv(k, BK))
     flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
     dummy = torch.zeros(1, dtype=torch.float32, device=x.device)
     weight = None if channel_weight is None else channel_weight.reshape(-1).to(x.device, torch.float32).contiguous()
-    # No FMA contraction: the search's error (r * den - |x|, e * w) must round as the reference's.
-    _group_kernel[grid](
-        x2, codes, scale, dummy if s2 is None else s2, flags, dummy if weight is None else weight, m, k,
-        x2.stride(0), x2.stride(1),
-        TM=BM, TK=BK, G=g, ELEM=ELEM_IDS[element.name], SCALE=SCALE_IDS[spec.scale.encoding],
-        EMAX=element.emax, MAXV=element.max, RULE=RULE_IDS.get(spec.scale_rule, 0), MAXBYTE=254 - element.emax,
-        SEARCH=spec.scale_search == "mse", WEIGHTED=weight is not None, enable_fp_fusion=False,
-    )
+    args = (x2, codes, scale, dummy if s2 is None else s2, flags, dummy if weight is None else weight, m, k,
+            x2.stride(0), x2.stride(1))
+    run(Launch(_group_kernel, grid, args, dict(
+        TM=tm, TK=BK, G=g, **_codec_args(spec, x.dtype), SEARCH=search, WEIGHTED=weight is not None)))
     _check_flags(flags)
     lead = x.shape[:-1]
+    scale = scale.to(spec.scale.raw_dtype_for(x.dtype))
     return QuantResult(codes.reshape(*lead, codes.shape[-1]), scale.reshape(*lead, k // g), s2)
 
 
@@ -334,8 +326,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None 
     s2 = None
     if spec.scale.has_global:
         amax = tensor_amax(x) if global_amax is None else global_amax.to(x.device)
-        s2 = reference.nvfp4_global_scale(amax).reshape(())
-    if spec.scale_search != "none":
+        s2 = spec.scale.global_scale(amax).reshape(())
+    if spec.scale_search.active:
         return _group(x, spec, s2, channel_weight)
     return LAUNCHERS[spec.geometry](x, spec, s2)
 
@@ -362,7 +354,19 @@ def dequantize(q: QuantResult, spec: QuantSpec, shape: tuple[int, ...]) -> torch
     out = torch.empty((nmat, rows, k), dtype=torch.float32, device=q.codes.device)
     s2 = q.global_scale if q.global_scale is not None else torch.zeros((), device=q.codes.device)
     grid = (triton.cdiv(rows, 32), triton.cdiv(k, 128), nmat)
-    _dequant_kernel[grid](q.codes.contiguous(), q.scale.contiguous(), s2.to(torch.float32), out, rows, k, sn, sk,
-                          br, bc, TM=32, TK=128, ELEM=ELEM_IDS[spec.element.name],
-                          SCALE=SCALE_IDS[spec.scale.encoding])
+    scale = q.scale.to(spec.scale.raw_dtype_for(torch.float32)).contiguous()  # BF16 / FP16 scales as FP32 (exact)
+    run(Launch(_dequant_kernel, grid, (q.codes.contiguous(), scale, s2.to(torch.float32), out, rows, k, sn, sk, br, bc),
+               dict(TM=32, TK=128, ELEM=spec.element.triton_id, BITS=spec.element.bits,
+                    SCALE=spec.scale.triton_id)))
     return out.reshape(shape)
+
+
+def launches(x: torch.Tensor, spec: QuantSpec, global_amax: torch.Tensor | None = None,
+             channel_weight: torch.Tensor | None = None) -> list[Launch]:
+    """The kernel launches `quantize(x, spec, global_amax, channel_weight)` and the dequantize of
+    its result make, recorded rather than run (x: a small CPU tensor of the dtype and layout
+    to check). tests/test_kernels_compile.py compiles these for GPU targets."""
+    with recording() as made:
+        q = quantize(x, spec, global_amax, channel_weight)
+        dequantize(q, spec, tuple(x.shape))
+    return made

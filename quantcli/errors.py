@@ -2,7 +2,7 @@
 constraint and the fix; `main()` prints it on one line (QUANTCLI_DEBUG=1 shows the traceback).
 
 Exit codes (cli.main): 0 done / verify passed, 1 verify found a problem, 2 bad input or usage,
-3 internal error (a bug), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM), 141 stdout closed early.
+3 internal error (a bug), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM), 141 stdout or stderr closed early.
 """
 
 from __future__ import annotations

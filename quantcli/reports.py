@@ -1,5 +1,5 @@
 """Reports are typed data: the dataclasses that inspect and verify return serialize to the
-`--json` documents with `to_json`; only the command layer (commands.py, render.py) prints them.
+`--json` documents with `to_json`; only the command layer (quantcli/cli/commands.py, render.py) prints them.
 
 Every command's document starts with the same envelope (`envelope`): quantcli_version,
 schema_version, command, and source / destination where they apply; the JSON Schema of each

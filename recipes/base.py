@@ -12,8 +12,7 @@ from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.kernels import NonFiniteInput, QuantResult, QuantSpec
 from quantcli.kernels import dequantize as kernel_dequantize
 from quantcli.kernels import quantize as kernel_quantize
-from quantcli.kernels.reference import e8m0_to_float, unpack_nibbles
-from quantcli.kernels.spec import GROUP, NVFP4_GLOBAL_DIVISOR, SCALE_SEARCHES, ElementCodec, ScaleCodec
+from quantcli.kernels.spec import SCALE_SEARCHES, ElementCodec, ScaleCodec, ScaleRule, ScaleSearch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -50,7 +49,8 @@ class Recipe:
 
     name: str
     spec: QuantSpec
-    # FORMATS.md A.1: the layout this recipe is written in unless --layout says otherwise
+    # the layout this recipe is written in unless --layout says otherwise (docs/formats.md,
+    # "Layouts: how it is named on disk")
     default_layout: str = "compressed-tensors"
 
     # --- facts derived from the scheme (stated once, in the spec)
@@ -86,7 +86,7 @@ class Recipe:
         return self.spec.scale.has_global
 
     @property
-    def scale_rules(self) -> tuple[str, ...]:
+    def scale_rules(self) -> tuple[ScaleRule, ...]:
         return self.spec.scale.rules
 
     @property
@@ -99,7 +99,7 @@ class Recipe:
         return self.spec.element.max
 
     @property
-    def scale_rule(self) -> str | None:
+    def scale_rule(self) -> ScaleRule | None:
         return self.spec.scale_rule
 
     def with_scale_rule(self, rule: str | None) -> "Recipe":
@@ -111,7 +111,7 @@ class Recipe:
         return replace(self, spec=replace(self.spec, scale_rule=rule))
 
     @property
-    def scale_search(self) -> str:
+    def scale_search(self) -> ScaleSearch:
         return self.spec.scale_search
 
     @property
@@ -120,8 +120,9 @@ class Recipe:
         FP8/INT8 F32 scales do not search (the refusal of --scale-search mse with only them): a
         shrink grid scale * (1 - i/100), i = 0..20, lowered the weight error by only 0-0.15 % (per
         tensor), 2-3 % (per channel) and 0.7-0.8 % (128 blocks) on Laplace, Student-t and
-        all-MiniLM-L6-v2 weights (scripts/measure_fp8_shrink.py, docs/formats.md)."""
-        return self.spec.geometry == GROUP
+        all-MiniLM-L6-v2 weights (scripts/measure_fp8_shrink.py, docs/formats.md). INT4's
+        weight-dtype scales do not search either: they are compressed-tensors' absmax arithmetic."""
+        return self.spec.searchable
 
     def with_scale_search(self, search: str | None) -> "Recipe":
         """This recipe with `search` (none | mse); recipes that cannot search stay as they are."""
@@ -162,7 +163,7 @@ class Recipe:
                  facts: ModuleFacts = NO_FACTS) -> QuantizedTensor:
         global_amax = facts.group_amax if self.has_global_scale else None
         self.check(name, tuple(w.shape), w.dtype)
-        weight = facts.input_channel_ms if self.spec.scale_search != "none" else None
+        weight = facts.input_channel_ms if self.spec.scale_search.active else None
         try:
             r = kernel_quantize(w, self.spec, global_amax=global_amax, backend=backend, channel_weight=weight)
         except NonFiniteInput:
@@ -176,29 +177,24 @@ class Recipe:
     # --- what the manifest, inspect and verify say about a module of this recipe
 
     def manifest_fields(self) -> dict:
-        """The scheme's part of a manifest ModuleEntry (FORMATS.md A.5)."""
+        """The scheme's part of a manifest ModuleEntry (docs/formats.md, "The manifest")."""
         e, s = self.spec.element, self.spec.scale
-        divisor = NVFP4_GLOBAL_DIVISOR if s.has_global else e.scale_divisor
-        rule = self.scale_rule or f"amax/{divisor:g}"
+        rule = s.describe_rule(e, self.scale_rule)
         fields = {"block": self.block, "axis": -1, "element": e.manifest_name, "packing": e.packing,
                   "nibble_order": "low_first" if e.packed else None, "scale_rule": rule,
                   "element_rounding": "rne_sat", "zero_block_policy": s.zero_block_policy, "scale_layout": "linear"}
-        if self.scale_search != "none":  # absent for absmax, so those manifests keep their bytes
-            fields["scale_search"] = self.scale_search
+        if self.scale_search.active:  # absent for absmax, so those manifests keep their bytes
+            fields["scale_search"] = str(self.scale_search)
         return fields
 
     def scale_values(self, q: QuantizedTensor) -> torch.Tensor:
         """The block scales of `q` as FP32 values (before any global scale)."""
-        encoding = self.scale_encoding
-        if encoding == "e8m0_bias127":
-            return e8m0_to_float(q.scale.view(torch.uint8))
-        if encoding == "e4m3fn":
-            return q.scale.view(torch.float8_e4m3fn).to(torch.float32)
-        return q.scale.to(torch.float32)
+        return self.spec.scale.values(q.scale)
 
     def scale_stats(self, q: QuantizedTensor) -> dict:
-        """inspect --stats: min/max of the scales, or the E8M0 exponent histogram."""
-        if self.scale_encoding == "e8m0_bias127":
+        """inspect --stats: min/max of the scales, or the exponent histogram of power-of-two
+        (E8M0) scales."""
+        if self.spec.scale.power_of_two:
             hist = torch.bincount(q.scale.reshape(-1).long(), minlength=256)
             return {"e8m0_histogram": {str(int(i) - 127): int(hist[i]) for i in torch.nonzero(hist).flatten()},
                     "e8m0_255_count": int(hist[255])}
@@ -216,13 +212,7 @@ class Recipe:
         return self.element_max * float(scales.max()) * g if scales.numel() else 0.0
 
     def saturated_fraction(self, q: QuantizedTensor) -> float:
-        """Share of codes at the element's largest magnitude (E2M1 6, E4M3 448, INT8 127/-128)."""
-        name = self.element.name
-        if name == "e2m1":
-            hit = (unpack_nibbles(q.codes) & 7) == 7
-        elif name == "int8":
-            c = q.codes.view(torch.int8)
-            hit = (c == 127) | (c == -128)
-        else:
-            hit = (q.codes.view(torch.uint8) & 0x7F) == 0x7E
+        """Share of codes at the element's largest magnitude (E2M1 6, E4M3 448, INT8 127/-128,
+        INT4 7/-8)."""
+        hit = self.element.saturated(q.codes)
         return float(hit.float().mean()) if hit.numel() else 0.0

@@ -13,7 +13,6 @@ Format card
 """
 
 from quantcli.kernels.spec import E4M3, F32_SCALE, TENSOR, QuantSpec
-
 from quantcli.recipes.base import Recipe
 
 RECIPE = Recipe(name="fp8", spec=QuantSpec(TENSOR, E4M3, F32_SCALE), default_layout="fp8")

@@ -11,11 +11,11 @@ Format card
     decode      x ~ float(q) * scale_block
     bits/param  8 + 32/16384
     layouts     fp8 (default; `weight_scale_inv`), compressed-tensors (`weight_scale`),
-                modelopt (`FP8_PB_WO`, 4-D `weight_scale`, vLLM only, N and K multiples of 128)
+                modelopt (`fp8_pb_wo`, 4-D `weight_scale`, N and K multiples of 128); which engine
+                loads which: quantcli/formats/engines.py
 """
 
 from quantcli.kernels.spec import BLOCK, E4M3, F32_SCALE, QuantSpec
-
 from quantcli.recipes.base import Recipe
 
 RECIPE = Recipe(name="fp8-block", spec=QuantSpec(BLOCK, E4M3, F32_SCALE), default_layout="fp8")

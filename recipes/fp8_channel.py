@@ -10,11 +10,10 @@ Format card
     decode      x ~ float(q) * scale_row
     bits/param  8 + 32/K
     layouts     compressed-tensors (default; `weight_scale` [N, 1]), modelopt
-                (`FP8_PER_CHANNEL_PER_TOKEN`, `weight_scale` [N], vLLM only)
+                (`FP8_PER_CHANNEL_PER_TOKEN`, `weight_scale` [N]); engines: quantcli/formats/engines.py
 """
 
 from quantcli.kernels.spec import E4M3, F32_SCALE, ROW, QuantSpec
-
 from quantcli.recipes.base import Recipe
 
 RECIPE = Recipe(name="fp8-channel", spec=QuantSpec(ROW, E4M3, F32_SCALE))

@@ -19,7 +19,6 @@ Format card (compressed-tensors' own integer arithmetic, in FP32)
 """
 
 from quantcli.kernels.spec import F32_SCALE, INT8, ROW, QuantSpec
-
 from quantcli.recipes.base import Recipe
 
 RECIPE = Recipe(name="int8-channel", spec=QuantSpec(ROW, INT8, F32_SCALE))

@@ -24,7 +24,6 @@ Format card
 """
 
 from quantcli.kernels.spec import E2M1, E8M0_SCALE, GROUP, QuantSpec
-
 from quantcli.recipes.base import Recipe
 
 RECIPE = Recipe(name="mxfp4", spec=QuantSpec(GROUP, E2M1, E8M0_SCALE, group=32, scale_rule="even"))

@@ -18,12 +18,12 @@ Format card
     bits/param  8.25
     search      --scale-search mse: per block byte, byte + 1 or byte - 1 by squared error (on
                 all-MiniLM-L6-v2 it never moved: E4M3 elements leave nothing to gain)
-    layouts     compressed-tensors (default, rule even), modelopt (`MXFP8`, rule rceil, vLLM),
-                fp8 (SGLang `quant_method: mxfp8`, `weight_scale_inv` U8, rule rceil)
+    layouts     compressed-tensors (default, rule even), modelopt (`MXFP8`, rule rceil),
+                fp8 (`quant_method: mxfp8`, `weight_scale_inv` U8, rule rceil); engines per
+                layout: quantcli/formats/engines.py
 """
 
 from quantcli.kernels.spec import E4M3, E8M0_SCALE, GROUP, QuantSpec
-
 from quantcli.recipes.base import Recipe
 
 RECIPE = Recipe(name="mxfp8", spec=QuantSpec(GROUP, E4M3, E8M0_SCALE, group=32, scale_rule="even"))

@@ -23,7 +23,6 @@ Format card (ModelOpt's arithmetic, FP32 throughout)
 """
 
 from quantcli.kernels.spec import E2M1, E4M3_GLOBAL_SCALE, GROUP, QuantSpec
-
 from quantcli.recipes.base import Recipe
 
 RECIPE = Recipe(name="nvfp4", spec=QuantSpec(GROUP, E2M1, E4M3_GLOBAL_SCALE, group=16), default_layout="modelopt")

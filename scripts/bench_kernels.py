@@ -1,4 +1,5 @@
-"""Kernel throughput: every recipe on BF16 8192x28672, 28672x8192 and 4096x4096.
+"""Kernel throughput: every recipe (and each searching one with --scale-search mse) on BF16
+8192x28672, 28672x8192 and 4096x4096.
 
     python scripts/bench_kernels.py            # CUDA: Triton vs copy bandwidth vs torch reference
     python scripts/bench_kernels.py --cpu      # CPU: the in-place path vs the torch reference
@@ -6,7 +7,8 @@
 
 On CUDA, for each shape and recipe: the median time (triton.testing.do_bench), GB/s counting bytes
 read plus written, the percentage of a device-to-device copy of the same bytes measured in the
-same run, and the speedup over the torch reference on the same GPU.
+same run, and the speedup over the torch reference on the same GPU. The first call of each
+recipe compiles its kernels (Triton's JIT) and is not timed: do_bench calls once before timing.
 """
 
 from __future__ import annotations
@@ -17,13 +19,20 @@ import time
 import torch
 
 from quantcli.kernels import quantize
-from quantcli.recipes import RECIPES, get_recipe
+from quantcli.recipes import RECIPES, Recipe, get_recipe
 
 SHAPES = [(8192, 28672), (28672, 8192), (4096, 4096)]
 
 
 def out_bytes(recipe, shape) -> int:
     return recipe.storage_bytes(shape)
+
+
+def cuda_recipes() -> list[tuple[str, Recipe]]:
+    """Every recipe as convert runs it by default, then each searching one with the scale search
+    (its Triton kernel runs BM_SEARCH rows per program, triton_quant.py)."""
+    plain = [(name, get_recipe(name)) for name in RECIPES]
+    return plain + [(f"{name}+mse", r.with_scale_search("mse")) for name, r in plain if r.searches]
 
 
 def bench_cuda() -> None:
@@ -33,8 +42,7 @@ def bench_cuda() -> None:
     print(f"{'shape':>14} {'recipe':<12}{'ms':>8}{'GB/s':>9}{'% copy':>8}{'vs torch':>10}")
     for shape in SHAPES:
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        for name in RECIPES:
-            recipe = get_recipe(name)
+        for name, recipe in cuda_recipes():
             moved = x.numel() * 2 + out_bytes(recipe, shape)
             src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
             dst = torch.empty_like(src)

@@ -16,7 +16,7 @@ python3 -m venv "$work/venv"
 q="$work/venv/bin/quantcli"
 cd "$work"  # away from the source tree, so `import quantcli` can only find the installed package
 for src in llama moe; do
-  for recipe in fp8 fp8-channel fp8-block mxfp8 mxfp4 nvfp4 int8-channel; do
+  for recipe in fp8 fp8-channel fp8-block mxfp8 mxfp4 nvfp4 int8-channel int4; do
     "venv/bin/quantcli" convert "$src" "out-$src-$recipe" --recipe "$recipe" --quiet
     "venv/bin/quantcli" inspect "out-$src-$recipe" > /dev/null
     "venv/bin/quantcli" verify "out-$src-$recipe" --reference "$src" --exact --top 1 > /dev/null

@@ -1,10 +1,19 @@
 import os
+import sys
 
-# The Triton kernels run on the CPU through the interpreter; this must be set before triton loads.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Without a CUDA device the Triton kernels run on the CPU through the interpreter; with one they
+# are compiled and run on the GPU (tests/test_kernels.py then holds the compiled kernels to the
+# torch reference). triton.jit reads TRITON_INTERPRET when it decorates a kernel, i.e. when
+# kernels/triton_quant.py is imported, so it is settled here before any test imports that.
+# Importing torch first is safe: triton's knobs read the variable lazily, and torch loads no
+# kernel module (the assert). An explicit TRITON_INTERPRET in the environment wins.
+assert "quantcli.kernels.triton_quant" not in sys.modules, "the kernels were decorated before conftest ran"
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -20,6 +29,12 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory) -> Path:
     return make_moe(tmp_path_factory.mktemp("src") / "moe", hidden=64, layers=2, shards=2)
+
+
+@pytest.fixture(scope="session")
+def one_shard_moe(tmp_path_factory) -> Path:
+    """One MoE layer in one shard, in a folder named `moe`."""
+    return make_moe(tmp_path_factory.mktemp("nc") / "moe", hidden=64, layers=1, shards=1)
 
 
 @pytest.fixture

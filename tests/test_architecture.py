@@ -15,7 +15,7 @@ PACKAGES = {ROOT / "quantcli": "quantcli", ROOT / "recipes": "quantcli.recipes",
 # Layer of each package, top (the face) to bottom; a module may import its own layer or lower ones.
 LAYERS = [
     ("face", ["quantcli.cli", "quantcli.__main__", "quantcli.testing"]),
-    ("jobs", ["quantcli.convert", "quantcli.calibrate", "quantcli.inspect", "quantcli.verify"]),
+    ("jobs", ["quantcli.convert", "quantcli.calibrate", "quantcli.evaluate", "quantcli.inspect", "quantcli.verify"]),
     ("planning", ["quantcli.planning"]),
     ("model", ["quantcli.model"]),
     ("formats", ["quantcli.formats", "quantcli.recipes"]),

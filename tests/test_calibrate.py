@@ -80,7 +80,7 @@ def _close(a: float, b: float) -> bool:
 
 
 @pytest.mark.parametrize("recipe,layout", [("nvfp4", "modelopt"), ("nvfp4", "compressed-tensors"),
-                                           ("fp8", "compressed-tensors"), ("fp8", "modelopt")])
+                                           ("fp8", "compressed-tensors"), ("fp8", "modelopt"), ("fp8", "fp8")])
 def test_scales_equal_hooked_amax(src, data, tmp_path, run_cli, recipe, layout):
     out = tmp_path / "out"
     code, _, err = run_cli("convert", str(src), str(out), "--recipe", recipe, "--layout", layout,
@@ -103,6 +103,9 @@ def test_scales_equal_hooked_amax(src, data, tmp_path, run_cli, recipe, layout):
         if layout == "modelopt":
             k, v = t[f"{attn}.k_proj.k_scale"], t[f"{attn}.v_proj.v_scale"]
             assert k.shape == () and k.dtype == torch.float32
+        elif layout == "fp8":  # what vLLM's and SGLang's Fp8KVCacheMethod read, as `self_attn.attn.k_scale`
+            k, v = t[f"{attn}.k_scale"], t[f"{attn}.v_scale"]
+            assert k.shape == () and v.shape == () and k.dtype == torch.float32
         else:
             k, v = t[f"{attn}.k_scale"], t[f"{attn}.v_scale"]
             assert k.shape == (1,) and k.dtype == torch.float32
@@ -111,9 +114,13 @@ def test_scales_equal_hooked_amax(src, data, tmp_path, run_cli, recipe, layout):
     if layout == "modelopt":
         hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
         assert hq["quant_algo"] == {"nvfp4": "NVFP4", "fp8": "FP8"}[recipe] and hq["kv_cache_quant_algo"] == "FP8"
-        if recipe == "fp8":  # FORMATS B 3.1: 0-d F32 weight and input scales
+        if recipe == "fp8":  # 0-d F32 weight and input scales (docs/formats.md, "ModelOpt FP8 and NVFP4 scales")
             assert t["model.layers.0.mlp.down_proj.weight_scale"].shape == ()
             assert t["model.layers.0.mlp.down_proj.input_scale"].shape == ()
+    elif layout == "fp8":  # SGLang turns its cache to FP8 from this key; the card tells vLLM's flag
+        assert qc["kv_cache_quant_algo"] == "FP8" and qc["activation_scheme"] == "static"
+        assert t["model.layers.0.mlp.down_proj.input_scale"].shape == ()
+        assert "vllm serve MODEL --kv-cache-dtype fp8\n" in (out / "README.md").read_text()
     else:
         assert qc["kv_cache_scheme"]["num_bits"] == 8
         assert qc["config_groups"]["group_0"]["input_activations"]["dynamic"] in (False, "local")
@@ -144,7 +151,6 @@ def test_text_data_with_tokenizer_free_ids_txt_refused(src, tmp_path, run_cli):
     (["--recipe", "nvfp4", "--activations", "static"], "--activations static needs --calibration"),
     (["--recipe", "nvfp4", "--kv-cache", "fp8"], "--kv-cache fp8 needs --calibration"),
     (["--recipe", "mxfp4", "--activations", "static", "--calibration", "DATA"], "recipe mxfp4"),
-    (["--recipe", "fp8-block", "--kv-cache", "fp8", "--calibration", "DATA"], "no KV-cache scale tensors"),
     (["--recipe", "fp8", "--layout", "modelopt"], "only with static activation scales"),
     (["--recipe", "fp8", "--layout", "modelopt", "--kv-cache", "fp8", "--calibration", "DATA"],
      "only with static activation scales"),

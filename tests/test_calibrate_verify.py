@@ -211,6 +211,7 @@ def test_hub_dataset_id_reads_rows_like_jsonl(src, tmp_path, run_cli, monkeypatc
     samples = [_words(i) for i in range(5)]
     fake = _FakeDatasets([{"text": s, "id": i} for i, s in enumerate(samples)] + [{"text": "w9"}] * 50)
     monkeypatch.setitem(sys.modules, "datasets", fake)
+    monkeypatch.setattr("huggingface_hub.HfApi.dataset_info", lambda self, *a, **kw: None)  # the Hub is there
     local = tmp_path / "local.jsonl"
     local.write_text("".join(json.dumps({"text": s}) + "\n" for s in samples))
     _convert(run_cli, src, tmp_path / "hub", "org/calib:main:validation", "--calibration-samples", "5")
@@ -229,6 +230,7 @@ def test_hub_dataset_refusals_one_line(src, tmp_path, run_cli, monkeypatch, case
     import sys
 
     monkeypatch.setitem(sys.modules, "datasets", None if case == "missing-package" else _FakeDatasets([]))
+    monkeypatch.setattr("huggingface_hub.HfApi.dataset_info", lambda self, *a, **kw: None)  # the Hub is there
     code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "fp8", "--kv-cache", "fp8",
                            "--layout", "compressed-tensors", "--calibration", "org/nope:train")
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
@@ -247,15 +249,22 @@ def test_fewer_samples_than_asked_warns_and_the_manifest_records_both(src, tmp_p
     assert run["samples"] == 4 and run["samples_used"] == 2
 
 
-def test_kv_cache_advice_names_only_layouts_that_hold_the_recipe(src, tmp_path, run_cli):
+def test_kv_cache_in_the_fp8_layout_without_static_activations(src, tmp_path, run_cli):
+    """--kv-cache fp8 --layout fp8 (once refused): dynamic activations, the KV scales alone, the
+    config key SGLang reads, and the vLLM flag the card's serving command adds."""
     data = tmp_path / "d.txt"
-    data.write_text("w1 w2\n")
-    code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "fp8", "--layout", "fp8",
-                           "--kv-cache", "fp8", "--calibration", str(data))
-    assert code == 2 and "use --layout compressed-tensors" in err and "modelopt" not in err, err
-    code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "fp8", "--layout", "fp8",
-                           "--activations", "static", "--kv-cache", "fp8", "--calibration", str(data))
-    assert code == 2 and "use --layout modelopt or compressed-tensors" in err, err  # static: modelopt FP8 too
+    data.write_text("w1 w2 w3 w4\nw5 w6 w7\n")
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", str(src), str(out), "--recipe", "fp8", "--layout", "fp8",
+                           "--kv-cache", "fp8", "--calibration", str(data), "--quiet")
+    assert code == 0, err
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_quant_algo"] == "FP8" and qc["activation_scheme"] == "dynamic"
+    written = json.loads((out / "quantcli_manifest.json").read_text())
+    names = {t["name"] for m in written["modules"] for t in m["tensors"]}
+    assert "model.layers.0.self_attn.k_scale" in names and not any(n.endswith("input_scale") for n in names)
+    assert "vllm serve MODEL --kv-cache-dtype fp8" in (out / "README.md").read_text()
+    assert run_cli("verify", str(out))[0] == 0
 
 
 def test_messages_without_chat_template_refused_up_front(src, tmp_path, run_cli):

@@ -20,7 +20,7 @@ from test_grouping import expand
 
 SNAPSHOTS = Path(__file__).parent / "data" / "snapshots"
 REPRS = ("{'", "[(", "<list", "<str>", "<path>", "<int>", "OMITTED")
-COMMANDS = ([], ["convert"], ["inspect"], ["verify"], ["recipes"], ["layouts"], ["push"])
+COMMANDS = ([], ["convert"], ["inspect"], ["verify"], ["eval"], ["recipes"], ["layouts"], ["push"])
 
 
 def check_snapshot(name: str, text: str) -> None:
@@ -111,7 +111,7 @@ def test_dry_run_is_grouped_and_convert_summary_names_dense_reasons(run_cli, mon
     out = run_cli("convert", "moe", "s", "--recipe", "fp8")[1]
     assert "left dense: 2 MoE router/gate, 1 output head" in out
     assert "next: quantcli verify s --reference moe" in out
-    assert re.search(r"\(\d+\.\d\d (B|KiB|MiB|GiB)/s\)", out)  # binary units, as the progress bar
+    assert re.search(r" at \d+\.\d\d (B|KiB|MiB|GiB)/s\)", out)  # binary units, as the progress bar
 
 
 def test_recipes_and_layouts_list_the_registries(run_cli):
@@ -212,23 +212,22 @@ def test_verify_quiet_sends_faults_to_stderr(run_cli, monkeypatch, checkpoints, 
 
 
 def test_layouts_engines_come_from_one_table(run_cli, monkeypatch):
-    """`quantcli layouts` (text and JSON) and the model card's serving commands read the same
-    table, quantcli/formats/engines.py LOADS_IN; the layouts' prose (inspect's `loads in`) names them all."""
-    from quantcli.formats.engines import LOADS_IN
-    from quantcli.formats.layouts import LAYOUTS
+    """`quantcli layouts` (text and JSON) reads quantcli/formats/engines.py's table (as inspect,
+    the model card and the docs do: tests/test_engines.py); lower case marks a condition."""
+    from quantcli.formats.engines import TABLE, loads_in
 
     doc = json.loads(run_cli("layouts", "--json")[1])
     pairs = {(r, layout["name"]): tuple(engines) for layout in doc["layouts"] for r, engines in layout["loads_in"].items()}
-    assert pairs == LOADS_IN
+    assert pairs == {pair: loads_in(*pair) for pair in TABLE}
     for layout in doc["layouts"]:
-        assert set(layout["engines"]) == {e for (_, name), es in LOADS_IN.items() if name == layout["name"] for e in es}
-        assert all(e in LAYOUTS[layout["name"]].consumers for e in layout["engines"])
+        assert set(layout["engines"]) == {e for (_, name) in TABLE if name == layout["name"] for e in loads_in(_, name)}
         for recipe, cell in doc["loadability"][layout["name"]].items():
-            assert (cell == "loads") == ((recipe, layout["name"]) in LOADS_IN)
+            assert (cell == "loads") == ((recipe, layout["name"]) in TABLE)
     monkeypatch.setenv("COLUMNS", "80")
     text = run_cli("layouts")[1]
     assert max(map(len, text.splitlines())) <= 80 and "compressed-tensors " in text  # whole, at 80 columns
-    assert re.search(r"│ nvfp4\s+│\s+V S T\s+│\s+V S H\s+│", text)
+    assert re.search(r"│ nvfp4\s+│\s+V S t\s+│\s+V S H\s+│", text)
+    assert "  nvfp4 in modelopt: vLLM, SGLang; TensorRT-LLM if static input scales" in text
 
 
 def test_dry_run_quiet_prints_only_the_total_line_with_the_real_peak(run_cli, monkeypatch, checkpoints):

@@ -143,8 +143,8 @@ def test_refusals_write_nothing(tiny_llama, tmp_path, run_cli):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
     cases = [
-        (["convert", tiny_llama, tmp_path / "full", "--recipe", "nvfp4"], "exists and is not empty"),
-        (["convert", tiny_llama, tiny_llama / "sub", "--recipe", "nvfp4"], "inside it"),
+        (["convert", tiny_llama, tmp_path / "full", "--recipe", "nvfp4"], "quantcli did not write"),
+        (["convert", tiny_llama, tiny_llama / "sub", "--recipe", "nvfp4"], "inside the source folder"),
         (["convert", tiny_llama, tmp_path / "a", "--recipe", "nvfp5"], "unknown recipe 'nvfp5'"),
         (["convert", tiny_llama, tmp_path / "a", "--recipe", "mxfp4", "--layout", "modelopt"], "layouts that do"),
         (["convert", tiny_llama, tmp_path / "a", "--recipe", "nvfp4", "--ignore", "re:(("], "not a valid regex"),
@@ -330,3 +330,15 @@ def test_an_moe_layer_is_quantized_whole_or_left_dense_whole(tmp_path, run_cli):
     (out / "config.json").write_text(json.dumps(cfg))
     code, o, _ = run_cli("verify", out, "--json")
     assert code == 1 and "is in the exclusion list" in o, o
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "recipes" / "examples" / "nvfp4-experts-fp8-attention.toml"
+
+
+def test_example_recipe_plans_the_moe_without_warnings(one_shard_moe, tmp_path, run_cli):
+    code, out, err = run_cli("convert", str(one_shard_moe), str(tmp_path / "o"), "--config", str(EXAMPLE), "--dry-run",
+                             "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["warnings"] == [] and "warning" not in err
+    assert {"nvfp4", "fp8-block"} <= set(doc["recipes"])

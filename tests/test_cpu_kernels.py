@@ -57,6 +57,8 @@ def test_cpu_path_matches_the_reference(name, dtype):
 def test_cpu_path_matches_on_values_over_the_whole_fp32_range(name):
     spec = get_recipe(name).spec
     for seed, shape in enumerate([(128, 256), (2, 128, 128), (200, 160)]):
+        if shape[-1] % spec.k_multiple:  # K = 160 is for fp8-block's ragged edge; int4 takes K % 128 == 0 only
+            continue
         x = _wide_range(shape, seed)
         _same(ref.quantize(x, spec), cpu.quantize(x, spec))
 

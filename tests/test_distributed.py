@@ -28,7 +28,7 @@ from quantcli.testing import make_llama, make_moe
 
 CALIBRATE = importlib.util.find_spec("transformers") is not None
 GROUP_A = [("nvfp4", "llama"), ("fp8-block", "llama"), ("mxfp4", "moe"), ("int8-channel", "llama")]
-GROUP_B = [("fp8", "llama"), ("fp8-channel", "moe"), ("mxfp8", "llama"), ("nvfp4", "moe")]
+GROUP_B = [("fp8", "llama"), ("fp8-channel", "moe"), ("mxfp8", "llama"), ("nvfp4", "moe"), ("int4", "llama128")]
 
 
 def _rank_worker(rank: int, size: int, port: int, jobs: list[dict], log: str) -> None:
@@ -113,7 +113,9 @@ def runs(tmp_path_factory):
     """Sources, the one-process references, and both spawned groups' outputs and logs."""
     tmp = tmp_path_factory.mktemp("dist")
     src = {"moe": make_moe(tmp / "moe", hidden=64, layers=1, shards=3),
-           "llama": _reshard(make_llama(tmp / "llama1", hidden=64, layers=2, shards=1), tmp / "llama", 4)}
+           "llama": _reshard(make_llama(tmp / "llama1", hidden=64, layers=2, shards=1), tmp / "llama", 4),
+           # int4 takes K % 128 == 0 only
+           "llama128": _reshard(make_llama(tmp / "llama128-1", hidden=128, layers=1, shards=1), tmp / "llama128", 3)}
     ref, a, b = tmp / "ref", tmp / "a", tmp / "b"
 
     def cases(out: Path, table) -> list[dict]:
@@ -248,7 +250,7 @@ def test_lpt_split_is_balanced_and_stable():
 
 def test_merged_calibration_stats_are_the_max_and_leave_unreached_experts_absent():
     """Two ranks in threads, meeting through a barrier: each max is the larger one, a module one
-    rank reached is there for both, and an expert no rank reached stays absent (so scales.py
+    rank reached is there for both, and an expert no rank reached stays absent (so quantcli/calibrate/scales.py
     fills it from its block, as in one process)."""
     import threading
 
@@ -287,3 +289,9 @@ def test_merged_calibration_stats_are_the_max_and_leave_unreached_experts_absent
         assert merged.inputs == {"a": 4.0, "e0": 2.0, "e1": 0.25}
         assert merged.keys == {"attn": 0.75} and merged.values == {"attn": 3.0}
         assert merged.expert_roles["e2"] == "x:down"
+
+
+def test_more_workers_than_shards_refused_before_any_rank_starts(one_shard_moe, tmp_path, run_cli):
+    code, _, err = run_cli("convert", str(one_shard_moe), str(tmp_path / "o"), "--recipe", "nvfp4", "--workers", "3")
+    assert code == 2 and "--workers 3" in err and "has 1 shard(s)" in err and "use --workers 1" in err
+    assert len(err.strip().splitlines()) == 1 and not list(tmp_path.glob("o*"))

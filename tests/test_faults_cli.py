@@ -227,6 +227,25 @@ def test_interrupt_outside_convert_says_interrupted(interrupt, exit_code, small_
     assert signal.getsignal(signal.SIGTERM) == handler_before  # main() put the old handler back
 
 
+# ---------------------------------------------------------------- --threshold ranges (read before QUANT is opened)
+
+@pytest.mark.parametrize("item,needle", [
+    ("margin=-0.5", "margin must be 0 or more"), ("rel_err=0", "rel_err must be more than 0"),
+    ("cosine=1.5", "cosine must be in (0, 1]"), ("cosine=0", "cosine must be in (0, 1]"),
+    ("sqnr_db=inf", "finite"), ("rel_err=nan", "finite"), ("margin=inf", "finite"),
+    ("relerr=0.1", "did you mean 'rel_err'?")])
+def test_threshold_out_of_range(item, needle, small_src, run_cli):
+    code, out, err = run_cli("verify", small_src, "--threshold", item)
+    assert_one_line_error(code, out, err, "--threshold", needle)
+
+
+def test_threshold_in_range_accepted():
+    from quantcli.verify.limits import parse_thresholds
+
+    limits = parse_thresholds(["margin=0", "cosine=1", "rel_err=0.2", "sqnr_db=-3"])
+    assert (limits.margin, limits.cosine, limits.rel_err, limits.sqnr_db) == (0, 1, 0.2, -3)
+
+
 # ---------------------------------------------------------------- real processes: signals, closed pipes
 
 
@@ -242,6 +261,36 @@ def test_stdout_closed_early_ends_quietly(small_src):
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 128 + signal.SIGPIPE
     assert err == "", err
+
+
+def _many_modules(folder: Path) -> Path:
+    """2000 FP8 per-tensor modules: `inspect --json` lists each one (about 2 MB of JSON)."""
+    from quantcli.checkpoint.safetensors_io import write_file
+
+    folder.mkdir()
+    tensors = {}
+    for i in range(2000):
+        tensors[f"model.layers.{i}.mlp.down_proj.weight"] = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+        tensors[f"model.layers.{i}.mlp.down_proj.weight_scale"] = torch.ones(1)
+    write_file(folder / "model.safetensors", tensors)
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}
+    (folder / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group}}}))
+    return folder
+
+
+def test_inspect_json_into_closed_pipe_exits_141(tmp_path, run_cli):
+    big = _many_modules(tmp_path / "big")
+    code, out, _ = run_cli("inspect", big, "--json")
+    assert code == 0 and len(out) > 64 * 1024
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "quantcli", "inspect", str(big), "--json"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"{"
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert not err.strip(), err
 
 
 def test_ctrl_c_during_convert_then_resume_is_byte_identical(tmp_path, run_cli):

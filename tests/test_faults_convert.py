@@ -84,7 +84,7 @@ def test_resume_into_unrelated_nonempty_dst_refused(llama, tmp_path, run_cli):
     (dst / "notes.txt").write_text("my files")
     before = tree_state(dst)
     code, out, err = convert(run_cli, llama, dst, "--resume")
-    assert_one_line_error(code, out, err, str(dst), "--overwrite", "no interrupted run")
+    assert_one_line_error(code, out, err, str(dst), "no interrupted run", "delete it yourself")
     assert tree_state(dst) == before and not stage_of(dst).exists()
     assert tree_state(llama) == src_before
 
@@ -102,14 +102,15 @@ def test_resume_on_finished_dst_says_done_and_touches_nothing(llama, tmp_path, r
     assert code == 0 and json.loads((dst / "quantcli_manifest.json").read_text())["recipe"] == "fp8", err
 
 
-def test_resume_with_partial_into_nonempty_dst_needs_overwrite(llama, tmp_path, run_cli, monkeypatch):
+def test_resume_with_partial_into_a_folder_quantcli_did_not_write_is_refused(llama, tmp_path, run_cli, monkeypatch):
     dst = tmp_path / "out"
     interrupt_after_shards(run_cli, monkeypatch, llama, dst)
     dst.mkdir()
     (dst / "keep.txt").write_text("x")
     stage = tree_state(stage_of(dst))
-    code, out, err = convert(run_cli, llama, dst, "--resume")
-    assert_one_line_error(code, out, err, str(dst), "--overwrite")
+    for flags in (["--resume"], ["--resume", "--overwrite"]):
+        code, out, err = convert(run_cli, llama, dst, *flags)
+        assert_one_line_error(code, out, err, str(dst), "quantcli did not write", "keep.txt")
     assert tree_state(dst) == {"keep.txt": tree_state(dst)["keep.txt"]} and tree_state(stage_of(dst)) == stage
 
 
@@ -196,9 +197,11 @@ def test_stage_without_progress_file_is_not_resumed(llama, tmp_path, run_cli):
     dst = tmp_path / "out"
     stage_of(dst).mkdir()
     (stage_of(dst) / "someones.txt").write_text("x")
-    code, out, err = convert(run_cli, llama, dst, "--resume")
-    assert_one_line_error(code, out, err, str(stage_of(dst)), "no progress file", "--overwrite")
-    assert (stage_of(dst) / "someones.txt").read_text() == "x" and not dst.exists()
+    for flags in (["--resume"], ["--overwrite"], ["--resume", "--overwrite"]):  # not quantcli's: never emptied
+        code, out, err = convert(run_cli, llama, dst, *flags)
+        assert_one_line_error(code, out, err, str(stage_of(dst)), "quantcli did not write", "someones.txt",
+                              "delete it yourself")
+        assert (stage_of(dst) / "someones.txt").read_text() == "x" and not dst.exists()
 
 
 # ------------------------------------------------------------------ one run at a time
@@ -298,8 +301,7 @@ def test_destination_refusals_write_nothing(llama, tmp_path, run_cli, monkeypatc
 def test_overwrite_replaces_dst_and_missing_parents_are_created(llama, tmp_path, run_cli):
     clean = clean_output(run_cli, llama, tmp_path / "clean")
     dst = tmp_path / "old"
-    dst.mkdir()
-    (dst / "old.txt").write_text("old")
+    assert convert(run_cli, llama, dst, recipe="fp8")[0] == 0  # an earlier quantcli output: --overwrite replaces it
     (tmp_path / "neighbour.txt").write_text("n")
     code, _, err = convert(run_cli, llama, dst, "--overwrite")
     assert code == 0, err
@@ -312,8 +314,8 @@ def test_overwrite_replaces_dst_and_missing_parents_are_created(llama, tmp_path,
 def test_crash_inside_the_final_swap_leaves_both_and_resume_finishes(llama, tmp_path, run_cli, monkeypatch):
     clean = clean_output(run_cli, llama, tmp_path / "clean")
     dst = tmp_path / "out"
-    dst.mkdir()
-    (dst / "old.txt").write_text("old")
+    assert convert(run_cli, llama, dst, recipe="fp8")[0] == 0  # an earlier quantcli output: --overwrite replaces it
+    old = tree_state(dst)
     real_rename = os.rename
     calls = []
 
@@ -328,7 +330,7 @@ def test_crash_inside_the_final_swap_leaves_both_and_resume_finishes(llama, tmp_
         code, _, err = convert(run_cli, llama, dst, "--overwrite")
     assert code == 130
     aside = tmp_path / "out.quantcli-replaced"
-    assert not dst.exists() and (aside / "old.txt").read_text() == "old"  # nothing lost
+    assert not dst.exists() and tree_state(aside) == old  # nothing lost
     assert tree_state(stage_of(dst)) == clean
     code, out, err = convert(run_cli, llama, dst)
     assert_one_line_error(code, out, err, str(aside), "--resume")
@@ -491,3 +493,13 @@ def test_fused_group_given_two_recipes_is_refused(llama, tmp_path, run_cli):
     assert_one_line_error(code, out, err, "q_proj,k_proj,v_proj", "one precision", "fp8-block, nvfp4")
     assert tree_state(llama) == before
     assert_nothing_left(tmp_path / "o")
+
+
+def test_regex_pattern_that_matches_nothing_gets_no_name_hint(one_shard_moe, tmp_path, run_cli):
+    code, out, err = run_cli("convert", str(one_shard_moe), str(tmp_path / "o"), "--recipe", "nvfp4", "--ignore",
+                             "re:.*nothing$", "--dry-run", "--json")
+    warnings = " ".join(json.loads(out)["warnings"])
+    assert code == 0 and "matches no Linear" in warnings and "closest module name" not in warnings
+    code, out, err = run_cli("convert", str(one_shard_moe), str(tmp_path / "o"), "--recipe", "nvfp4", "--ignore",
+                             "q_prj", "--dry-run", "--json")
+    assert code == 0 and "closest module name" in " ".join(json.loads(out)["warnings"])

@@ -3,7 +3,8 @@
 Injected: patterns of every rule and near misses, a gpt-oss config whose exclusion list names
 parent modules by glob, `--ignore` with a parent glob, `--tensors` that selects nothing or is an
 invalid regex, bad `--kv-budget` values and config keys, exclusion lists of the wrong type, and
-inputs that are not checkpoints (empty folder, pickle, text file, missing path, unknown Hub id).
+inputs that are not checkpoints (empty folder, pickle, text file, missing path, unknown Hub id,
+a missing path under a local folder, which is never sent to the Hub).
 """
 
 from __future__ import annotations
@@ -307,6 +308,25 @@ def test_inspect_unknown_hub_id_offline(tmp_path, run_cli, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     code, out, err = run_cli("inspect", "acme/no-such-model")
     assert_one_line_error(code, out, err, "acme/no-such-model", "--revision")
+
+
+def test_missing_path_under_a_local_folder_is_not_a_hub_id(one_shard_moe, run_cli, monkeypatch):
+    monkeypatch.chdir(one_shard_moe.parent)
+
+    def no_hub(*a, **k):
+        raise AssertionError("went to the Hub")
+
+    monkeypatch.setattr("quantcli.checkpoint.source.open_hub", no_hub)
+    code, _, err = run_cli("inspect", "moe/nonexistent-folder-xyz")
+    assert code == 2 and "no such file or folder in moe/" in err and len(err.strip().splitlines()) == 1
+
+
+def test_hub_offline_miss_reads_in_our_words(tmp_path, run_cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    code, _, err = run_cli("inspect", "someorg/somemodel")
+    assert code == 2 and "not in the local Hugging Face cache" in err and len(err.strip().splitlines()) == 1
 
 
 def test_kv_budget_without_kv_cache_is_refused(small_llama, run_cli):

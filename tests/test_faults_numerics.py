@@ -3,8 +3,9 @@ tensors, NaN/Inf, K not a multiple of the block, and the dense dtypes' extremes.
 
 Every written block must decode to finite values, decoded here from the written bytes in plain
 FP32 exactly as the consumers do (code * 2^(byte - 127) for MX; e2m1 * e4m3 scale * global for
-NVFP4; e4m3 * scale for FP8), independently of kernels.reference. The Triton kernels (run on the
-CPU by the interpreter, tests/conftest.py) must write the same bytes as the torch reference.
+NVFP4; e4m3 * scale for FP8), independently of kernels.reference. The Triton kernels (compiled on
+the GPU when there is one, else run on the CPU by the interpreter, tests/conftest.py) must write
+the same bytes as the torch reference on the CPU.
 """
 
 from __future__ import annotations
@@ -47,8 +48,13 @@ def _fp4(packed: torch.Tensor) -> torch.Tensor:
 
 def fp32_decode(recipe, q, nvfp4_left_to_right: bool = False) -> torch.Tensor:
     """What a consumer computes from the bytes on disk, in FP32. NVFP4: e2m1 * (sb * s2) as
-    quantcli's dequantize (ModelOpt's order), or left to right (e2m1 * sb) * s2."""
+    quantcli's dequantize (ModelOpt's order), or left to right (e2m1 * sb) * s2. INT4: offset
+    binary nibbles minus 8, times the group's scale (weight dtype, exact in FP32)."""
     shape = q.shape
+    if recipe.scale_encoding == "weight_dtype":
+        nibbles = torch.stack((q.codes & 0xF, q.codes >> 4), dim=-1).reshape(shape)
+        g = (nibbles.to(torch.float32) - 8).reshape(*shape[:-1], shape[-1] // recipe.block[1], recipe.block[1])
+        return (g * q.scale.to(torch.float32).unsqueeze(-1)).reshape(shape)
     if recipe.scale_encoding == "f32":
         values = q.codes.view(torch.int8).to(torch.float32) if recipe.codes_dtype == torch.int8 else _e4m3(q.codes)
         scale = q.scale
@@ -68,13 +74,21 @@ def fp32_decode(recipe, q, nvfp4_left_to_right: bool = False) -> torch.Tensor:
     return (g * (sb * q.global_scale)).reshape(shape)
 
 
+def on_device(w: torch.Tensor, backend: str) -> torch.Tensor:
+    """`w` where `backend` runs it: compiled Triton kernels take CUDA tensors (the interpreter,
+    used without CUDA, takes CPU ones); the torch backend is checked on the CPU."""
+    return w.to("cuda") if backend == "triton" and torch.cuda.is_available() else w
+
+
 def quantize_checked(recipe, w: torch.Tensor, backend: str, **kw):
     """Quantize, decode the bytes in FP32, and check what every case must hold: finite decode,
     equal to the library's own dequantize, and the same bytes from both backends."""
-    q = recipe.quantize(NAME, w, backend=backend, **kw)
+    q = recipe.quantize(NAME, on_device(w, backend), backend=backend, **kw)
+    dequantized = recipe.dequantize(q, backend=backend).cpu()
+    q = q.to("cpu")
     decoded = fp32_decode(recipe, q)
     assert torch.isfinite(decoded).all(), f"{recipe.name}: non-finite decode at {(~torch.isfinite(decoded)).nonzero()}"
-    assert torch.equal(decoded, recipe.dequantize(q, backend=backend)), "dequantize != FP32 decode of the bytes"
+    assert torch.equal(decoded, dequantized), "dequantize != FP32 decode of the bytes"
     assert torch.isfinite(fp32_decode(recipe, q, nvfp4_left_to_right=True)).all()
     if backend == "triton":
         t = recipe.quantize(NAME, w, backend="torch", **kw)
@@ -85,7 +99,7 @@ def quantize_checked(recipe, w: torch.Tensor, backend: str, **kw):
     return q, decoded
 
 
-def small(shape=(4, 64), seed=0) -> torch.Tensor:
+def small(shape=(4, 128), seed=0) -> torch.Tensor:  # K = 128: a whole block of every recipe (int4's groups)
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g) * 0.02
 
@@ -153,15 +167,15 @@ def edge_tensors() -> dict[str, torch.Tensor]:
     sub = torch.finfo(torch.float32).smallest_normal
     w_sub = small() * 1e-40  # every value FP32-subnormal (or zero)
     w_sub[0, 0] = 1e-45  # the smallest subnormal
-    lone = torch.zeros(4, 64)
+    lone = torch.zeros(4, 128)
     lone[1, 33] = 1e-45  # one subnormal in an all-zero tensor
-    negzero = torch.full((4, 64), -0.0)
+    negzero = torch.full((4, 128), -0.0)
     negzero[2, :32] = 0.0
     outlier = small() * 1e-30  # tiny values next to one huge outlier, in one block
     outlier[0, 5] = 3.0e38
-    mixed = small()
-    mixed[:, :32] = 0.0  # all-zero blocks next to ordinary ones
-    mixed[1, 40] = sub / 2
+    mixed = small((4, 256))
+    mixed[:, :128] = 0.0  # all-zero blocks (of every recipe's width, int4's 128 too) next to ordinary ones
+    mixed[1, 140] = sub / 2
     return {"subnormal": w_sub, "lone_subnormal": lone, "negative_zero": negzero, "outlier": outlier,
             "zero_blocks": mixed}
 
@@ -174,7 +188,7 @@ def test_edge_values_decode_finite_and_twins_agree(recipe, rule, backend):
         q, decoded = quantize_checked(r, w, backend)
         if case == "negative_zero":
             assert (decoded == 0).all()
-            if r.codes_dtype != torch.int8:  # integers have no -0; float codes keep the sign
+            if r.codes_dtype not in (torch.int8, torch.int32):  # integers have no -0; float codes keep the sign
                 assert torch.signbit(decoded[0]).all()
             if r.scale_encoding == "f32":
                 assert float(q.scale.reshape(-1)[0]) == 1.0  # the all-zero rule, never a zero scale
@@ -205,8 +219,8 @@ def test_dense_dtype_extremes(recipe, dtype, backend):
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_zero_size_tensors(recipe, backend):
     r = get_recipe(recipe)
-    for shape in [(0, 64), (8, 0), (0, 0), (2, 0, 64), (0, 8, 64), (2, 8, 0)]:
-        w = torch.empty(shape, dtype=torch.bfloat16)
+    for shape in [(0, 128), (8, 0), (0, 0), (2, 0, 128), (0, 8, 128), (2, 8, 0)]:
+        w = on_device(torch.empty(shape, dtype=torch.bfloat16), backend)
         q = r.quantize(NAME, w, backend=backend)
         assert tuple(q.codes.shape) == r.codes_shape(shape) and q.codes.dtype == torch.uint8, shape
         assert tuple(q.scale.shape) == r.scale_shape(shape), shape
@@ -214,7 +228,7 @@ def test_zero_size_tensors(recipe, backend):
         d = r.dequantize(q, backend=backend)
         assert d.shape == shape and d.dtype == torch.float32
         assert torch.isfinite(q.scale.float()).all()
-    assert float(tensor_amax(torch.empty(0, 64), backend=backend, name=NAME)) == 0.0
+    assert float(tensor_amax(on_device(torch.empty(0, 64), backend), backend=backend, name=NAME)) == 0.0
 
 
 # ---------------------------------------------------------------- NaN / Inf name the tensor
@@ -228,7 +242,7 @@ def test_nonfinite_names_the_tensor(recipe, backend):
         w = small()
         w[2, 50] = bad
         with pytest.raises(RecipeError, match=rf"^{NAME}: holds NaN or Inf values; .*--ignore$"):
-            r.quantize(NAME, w, backend=backend)
+            r.quantize(NAME, on_device(w, backend), backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -237,6 +251,7 @@ def test_tensor_amax_and_fused_global_name_the_tensor(backend):
     with name= the error names the tensor; without, it is still a one-line RecipeError."""
     w = small()
     w[0, 1] = float("nan")
+    w = on_device(w, backend)
     with pytest.raises(RecipeError, match=rf"^{NAME}: holds NaN or Inf"):
         tensor_amax(w, backend=backend, name=NAME)
     with pytest.raises(NonFiniteInput) as exc:
@@ -244,7 +259,7 @@ def test_tensor_amax_and_fused_global_name_the_tensor(backend):
     assert isinstance(exc.value, RecipeError) and "\n" not in str(exc.value)
     # a NaN group amax handed to a member (never from tensor_amax, but the kernel checks it too)
     with pytest.raises(RecipeError, match=rf"^{NAME}: holds NaN or Inf"):
-        get_recipe("nvfp4").quantize(NAME, small(), backend=backend,
+        get_recipe("nvfp4").quantize(NAME, on_device(small(), backend), backend=backend,
                                          facts=ModuleFacts(group_amax=torch.tensor(float("nan"))))
 
 

@@ -1,11 +1,13 @@
 """Fault injection: corrupt or hostile sources (safetensors headers, index and config files, special
-files, truncation, duplicate and unindexed tensors). Each must end in one line, exit 2, with the
-source unchanged and nothing written, for `convert`, `inspect` and `verify --reference` alike."""
+files, truncation, duplicate and unindexed tensors, one shard of a sharded checkpoint given as the
+whole model). Each must end in one line, exit 2, with the source unchanged and nothing written, for
+`convert`, `inspect` and `verify --reference` alike."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -22,6 +24,7 @@ from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
 
 W = "model.layers.0.mlp.down_proj.weight"  # a Linear weight every recipe quantizes
+CONFIG = {"model_type": "llama"}  # the least config.json an engine needs (convert refuses a source without)
 N = "model.norm.weight"
 
 
@@ -105,6 +108,7 @@ def quant(tmp_path_factory) -> Path:
     src = root / "src"
     src.mkdir()
     write_file(src / "model.safetensors", good_tensors())
+    (src / "config.json").write_text(json.dumps(CONFIG))  # convert refuses a source no engine can load
     dst = root / "fp8"
     with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as exc:
         mp.setattr(sys, "argv", ["quantcli", "convert", str(src), str(dst), "--recipe", "fp8", "--quiet"])
@@ -165,8 +169,8 @@ def sharded(root: Path, index: object | None = None, shards: dict[str, dict[str,
     if index is not None:
         text = index if isinstance(index, (str, bytes)) else json.dumps(index)
         (root / "model.safetensors.index.json").write_bytes(text.encode() if isinstance(text, str) else text)
-    if config is not None:
-        (root / "config.json").write_bytes(config if isinstance(config, bytes) else json.dumps(config).encode())
+    config = CONFIG if config is None else config  # convert refuses a source without one
+    (root / "config.json").write_bytes(config if isinstance(config, bytes) else json.dumps(config).encode())
     return root
 
 
@@ -289,6 +293,7 @@ def test_special_file_given_as_source_refused(quant, tmp_path, run_cli):
 
 def test_config_fifo_refused(quant, tmp_path, run_cli):
     src = sharded(tmp_path / "src", {"weight_map": GOOD_MAP})
+    (src / "config.json").unlink()
     os.mkfifo(src / "config.json")
     assert_refused_everywhere(run_cli, src, quant, tmp_path, "config.json", "FIFO")
 
@@ -327,3 +332,72 @@ def test_truncated_shard_refused_by_verify_before_reading(quant, tmp_path, run_c
     code, out, err = run_cli("verify", cut)
     assert_one_line_error(code, out, err, shard.name, "truncated")
     assert tree_state(cut) == before
+
+
+# ---------------------------------------------------------------- one shard of a sharded checkpoint
+
+
+@pytest.fixture(scope="module")
+def two_shard_llama(tmp_path_factory) -> Path:
+    from quantcli.testing import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("src") / "llama", hidden=64, layers=1, shards=2)
+
+
+@pytest.fixture(scope="module")
+def two_shard_nvfp4(two_shard_llama, tmp_path_factory) -> Path:
+    from quantcli.cli.app import main
+
+    out = tmp_path_factory.mktemp("q") / "nvfp4"
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", str(two_shard_llama), str(out), "--recipe", "nvfp4", "--layout", "compressed-tensors",
+              "--quiet"])
+    assert not exc.value.code
+    return out
+
+
+def _shard(folder: Path) -> Path:
+    return sorted(folder.glob("model-*.safetensors"))[0]
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify"])
+def test_one_shard_is_refused(command, two_shard_llama, two_shard_nvfp4, tmp_path, run_cli):
+    shard = _shard(two_shard_llama)
+    before = tree_state(two_shard_llama)
+    dst = tmp_path / "out"
+    args = {"convert": ("convert", shard, dst, "--recipe", "nvfp4"), "inspect": ("inspect", shard),
+            "verify": ("verify", two_shard_nvfp4, "--reference", shard)}[command]
+    code, out, err = run_cli(*args)
+    assert_one_line_error(code, out, err, f"{shard}: is one shard of the sharded checkpoint in {two_shard_llama}",
+                          "the index lists 2 shards", f"pass the folder {two_shard_llama}")
+    assert tree_state(two_shard_llama) == before
+    assert_nothing_left(dst)
+
+
+def test_lone_file_without_index_or_unlisted_still_opens(two_shard_llama, tmp_path, run_cli):
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copy(_shard(two_shard_llama), lone / "model.safetensors")
+    assert run_cli("inspect", lone / "model.safetensors")[0] == 0
+    (lone / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "x-1.safetensors",
+                                                                                  "b": "x-2.safetensors"}}))
+    assert run_cli("inspect", lone / "model.safetensors")[0] == 0
+
+
+def test_two_tensors_on_the_same_bytes_are_both_named(tmp_path):
+    """A copied data_offsets (k_proj given v_proj's bytes) also leaves k_proj's own bytes to no
+    tensor; the overlap is the fault to name, with both tensors, as safetensors does."""
+    g = torch.Generator().manual_seed(0)
+    names = [f"model.layers.0.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")]
+    tensors = {n: torch.randn(8, 8, generator=g).bfloat16() for n in names}
+    header, data, start = {}, b"", 0
+    for n in names:
+        raw = tensors[n].view(torch.uint8).numpy().tobytes()
+        header[n] = {"dtype": "BF16", "shape": [8, 8], "data_offsets": [start, start + len(raw)]}
+        data, start = data + raw, start + len(raw)
+    header[names[1]]["data_offsets"] = header[names[2]]["data_offsets"]
+    with pytest.raises(CheckpointError) as exc:
+        read_header(raw_file(tmp_path / "model.safetensors", header, data))
+    message = str(exc.value)
+    assert names[1] in message and names[2] in message and "same data_offsets" in message
+    assert "belong to no tensor" not in message

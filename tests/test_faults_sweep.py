@@ -8,8 +8,11 @@ source.
 2. A quantized source whose scales hold values no producer writes (a global scale NaN, Inf, 0
    or negative; an E4M3 block scale NaN or negative; an E8M0 byte 255; a float block scale
    negative or NaN) is refused while planning, before anything is written, whether it would be
-   dequantized, re-laid out or re-quantized; legal zeros (FORMATS.md B 5.1, 6.4) still convert.
+   dequantized, re-laid out or re-quantized; legal zeros (docs/formats.md,
+   "Zero blocks and scale values producers write") still convert.
    inspect lists a bad global scale as a problem.
+3. A compressed-tensors `targets` entry that is not a valid regex is refused in all three commands;
+   a `group_size` that disagrees with the blocks on disk is a problem verify reports.
 """
 
 from __future__ import annotations
@@ -213,7 +216,8 @@ def test_bad_block_scale_is_refused_before_writing(quantized, tmp_path, run_cli,
 
 @pytest.mark.parametrize("source,suffix", [("nvfp4-modelopt", "weight_scale"), ("fp8-block", "weight_scale_inv")])
 def test_zero_block_scales_are_legal(quantized, tmp_path, run_cli, source, suffix):
-    """All-zero blocks: older modelopt writes E4M3 0, HF FineGrainedFP8 an F32 0 (FORMATS.md B 6.4, 5.1)."""
+    """All-zero blocks: older modelopt writes E4M3 0, HF FineGrainedFP8 an F32 0 (docs/formats.md,
+    "Zero blocks and scale values producers write")."""
     src = _corrupt(quantized[source], tmp_path / "src", f"{MODULE}.{suffix}", _fill(0.0))
     code, out, err = run_cli("convert", src, tmp_path / "dst", "--recipe", "bf16", "--quiet")
     assert code == 0, err
@@ -228,3 +232,32 @@ def test_inspect_lists_a_bad_global_scale(quantized, tmp_path, run_cli):
     assert code == 0, err
     problems = json.loads(out)["problems"]
     assert any(name in p and "global scale -1.0" in p and "corrupt" in p for p in problems), problems
+
+
+# ---------------------------------------------------------------- 3. compressed-tensors config_groups
+
+def _with_group_edit(nvfp4: Path, tmp_path: Path, edit) -> Path:
+    path = tmp_path / "ckpt"
+    shutil.copytree(nvfp4, path)
+    (path / "quantcli_manifest.json").unlink()  # read the config, as for another producer's checkpoint
+    config = json.loads((path / "config.json").read_text())
+    edit(config["quantization_config"]["config_groups"]["group_0"])
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("command", ["verify", "convert", "inspect"])
+def test_invalid_target_regex_is_refused(command, quantized, tmp_path, run_cli):
+    path = _with_group_edit(quantized["nvfp4-ct"], tmp_path, lambda g: g.update(targets=["Linear", "re:model.(layers"]))
+    dst = tmp_path / "out"
+    args = ("convert", path, dst, "--recipe", "fp8-block") if command == "convert" else (command, path)
+    code, out, err = run_cli(*args)
+    assert_one_line_error(code, out, err, "config.json", "config_groups.group_0.targets", "not a valid regex")
+    assert_nothing_left(dst)
+
+
+def test_group_size_disagreeing_with_the_blocks_is_reported(quantized, tmp_path, run_cli):
+    path = _with_group_edit(quantized["nvfp4-ct"], tmp_path, lambda g: g["weights"].update(group_size=32))
+    code, out, _ = run_cli("verify", path, "--json")
+    assert code == 1
+    assert "group_0.weights.group_size is 32, but nvfp4 blocks hold 16" in out

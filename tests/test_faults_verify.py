@@ -2,7 +2,7 @@
 
 Checkpoints are made with the producers' own arithmetic: compressed-tensors' quantization
 functions and compressors (llm-compressor's flow, BF16 intermediates and BF16 FP8 scales) and
-ModelOpt's MXFP4 export arithmetic (FORMATS.md B 7.5). Each must pass; each corruption of them
+ModelOpt's MXFP4 export arithmetic (docs/formats.md, "ModelOpt MXFP4 export"). Each must pass; each corruption of them
 must fail (exit 1) naming the tensor. The tolerance table in quantcli/verify/ was measured with
 these same producers.
 """
@@ -92,7 +92,8 @@ def ct_fp8(w: torch.Tensor, strategy: str) -> dict:
 
 
 def mo_mxfp4(w: torch.Tensor) -> dict:
-    """ModelOpt MXFP4QTensor as exported (FORMATS.md B 2.3, 7.5): RCEIL exponent and the division in
+    """ModelOpt MXFP4QTensor as exported (docs/formats.md, "ModelOpt MXFP4 export" and
+    "E2M1 rounding: ties to the even code"): RCEIL exponent and the division in
     the weight dtype, elements with ties toward zero and 0.0 -> 0x8; `weight` U8 + `weight_scale` U8."""
     x = w.reshape(-1, 32)
     descale = x.abs().amax(-1, keepdim=True) / 6.0

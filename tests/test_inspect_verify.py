@@ -1,4 +1,5 @@
-"""inspect and verify on quantcli's output, on foreign-layout files written per FORMATS.md, and on
+"""inspect and verify on quantcli's output, on foreign-layout files written as docs/formats.md,
+"Producers and consumers" describes them, and on
 checkpoints with planted faults."""
 
 import json
@@ -134,7 +135,7 @@ def test_inspect_reads_compressed_tensors_package_output(tmp_path):
     d.mkdir()
     write_file(d / "model.safetensors", tensors)
     qc = get_layout("compressed-tensors").quantization_config({"nvfp4": ["x"]}, ["lm_head"])
-    (d / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
     r = inspect_checkpoint(str(d))
     assert r["layout"] == "compressed-tensors"
     m = r["modules"][0]

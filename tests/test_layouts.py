@@ -156,7 +156,7 @@ def test_tables_round_trip_every_pair_and_direction_lives_in_one_place():
     tensor, and a global scale is stored as the multiplier or its FP32 reciprocal by direction."""
     from quantcli.formats.layouts.base import stored_value, to_direction
 
-    w = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(2, 128, 128, generator=torch.Generator().manual_seed(3))  # K = 128: int4's groups fit
     for layout in LAYOUTS.values():
         for name in layout.tables:
             recipe = layout.recipe_for(name)

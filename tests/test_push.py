@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import HfApi, ModelCard
 
 from faults import assert_one_line_error
-from quantcli.formats.engines import LOADS_IN, loads_in
+from quantcli.formats.engines import TABLE, loads_in
 from quantcli.testing import make_llama
 from test_json_schema import validate
 
@@ -201,12 +201,33 @@ def test_second_conversion_replaces_title_tags_and_keeps_the_base(nvfp4, tmp_pat
     assert "carried over byte for byte" in text and "--quantization" not in text
 
 
+def test_second_conversion_replaces_the_card(nvfp4, tmp_path, run_cli):
+    src = tmp_path / "src"
+    shutil.copytree(nvfp4, src)
+    (src / "README.md").write_text((nvfp4 / "README.md").read_text() + "\n## License\n\nMIT\n")
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", src, out, "--recipe", "fp8-block", "--quiet")
+    assert code == 0, err
+    text = (out / "README.md").read_text()
+    assert text.count("## Quantization (quantcli)") == 1, text
+    assert "fp8-block" in text and text.rstrip().endswith("MIT")
+
+
+def test_card_section_replaced_up_to_next_heading():
+    from quantcli.convert.model_card import with_model_card
+
+    card = "\n## Quantization (quantcli)\n\nnew\n"
+    assert with_model_card("# M\n\nhi", card) == "# M\n\nhi\n" + card
+    old = "# M\n\n## Quantization (quantcli)\n\nold\n\n## License\nMIT\n"
+    assert with_model_card(old, card) == "# M\n" + card + "\n## License\nMIT\n"
+
+
 def test_every_recipe_layout_pair_has_its_engines():
     from quantcli.formats.layouts import layouts_for
     from quantcli.recipes import RECIPES
 
     pairs = {(r, layout) for r in RECIPES for layout in layouts_for(r)}
-    assert pairs == set(LOADS_IN) and all(loads_in(*p) for p in pairs)
+    assert pairs == set(TABLE) and all(loads_in(*p) for p in pairs)
 
 
 # ---------------------------------------------------------------- scripts/make_checkpoint.py
@@ -226,3 +247,36 @@ def test_make_checkpoint_writes_exactly_the_shards_asked_also_over_an_earlier_ru
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert files == [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
         assert sorted(set(index["weight_map"].values())) == files
+
+
+# ---------------------------------------------------------------- push options as `hf upload` has them (item 16)
+
+
+def test_push_takes_token_commit_message_pull_request_and_repo_type(nvfp4, hub, run_cli, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")  # the --token is the only one
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    tokens = []
+    real_init = HfApi.__init__
+    monkeypatch.setattr(HfApi, "__init__", lambda self, *a, **kw: (tokens.append(kw.get("token")),
+                                                                     real_init(self, *a, **kw))[1])
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: (hub.append(("upload_folder", kw)), SimpleNamespace(
+        oid="c0ffee", pr_url=f"https://huggingface.co/datasets/{REPO}/discussions/1"))[1])
+    monkeypatch.setattr("quantcli.cli.push.LARGE_FOLDER_BYTES", 0)  # a PR or a message: one commit all the same
+    code, out, err = run_cli("push", nvfp4, REPO, "--token", "hf_given", "--commit-message", "NVFP4 weights",
+                             "--create-pr", "--repo-type", "dataset")
+    assert code == 0, err
+    assert tokens == ["hf_given"] and names(hub) == ["whoami", "create_repo", "upload_folder"]
+    create, upload = hub[1][1], hub[2][1]
+    assert create["repo_type"] == "dataset" and upload["repo_type"] == "dataset"
+    assert upload["commit_message"] == "NVFP4 weights" and upload["create_pr"] is True
+    assert out.strip() == f"https://huggingface.co/datasets/{REPO}/discussions/1"
+
+
+def test_push_refuses_a_space_repo_type(nvfp4, hub, run_cli):
+    assert_one_line_error(*run_cli("push", nvfp4, REPO, "--repo-type", "space"), "--repo-type space", "model")
+
+
+def test_push_given_in_hf_upload_order_reads_it_the_push_way(nvfp4, hub, run_cli):
+    code, out, err = run_cli("push", REPO, nvfp4)
+    assert code == 0 and "warning: push takes DST first" in err, err
+    assert hub[-1][1]["repo_id"] == REPO and Path(hub[-1][1]["folder_path"]) == nvfp4

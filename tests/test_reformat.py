@@ -160,7 +160,7 @@ def test_compressed_tensors_package_checkpoint_to_modelopt_and_back(tmp_path, ru
     src.mkdir()
     write_file(src / "model.safetensors", tensors)
     qc = get_layout("compressed-tensors").quantization_config({"nvfp4": ["x"]}, ["lm_head"])
-    (src / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
     s1 = convert(run_cli, src, tmp_path / "mo", "--recipe", "nvfp4", "--layout", "modelopt")
     s2 = convert(run_cli, tmp_path / "mo", tmp_path / "back", "--recipe", "nvfp4", "--layout", "compressed-tensors")
     assert s1["lossless"] and s2["lossless"]
@@ -186,7 +186,8 @@ def test_inexact_reciprocal_is_noted_with_the_value_written(tmp_path, run_cli):
         "lm_head.weight": torch.zeros(4, 64, dtype=torch.bfloat16)})
     lay = get_layout("modelopt")
     (src / "hf_quant_config.json").write_text(json.dumps(lay.extra_files({"nvfp4": ["x"]}, ["lm_head"])["hf_quant_config.json"]))
-    (src / "config.json").write_text(json.dumps({"quantization_config": lay.quantization_config({"nvfp4": ["x"]}, ["lm_head"])}))
+    qc = lay.quantization_config({"nvfp4": ["x"]}, ["lm_head"])
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
     s = convert(run_cli, src, tmp_path / "ct", "--recipe", "nvfp4", "--layout", "compressed-tensors")
     assert s["lossless"] and len(s["notes"]) == 1 and "no exact FP32 reciprocal" in s["notes"][0]
     written = float(tensors_of_tensor(tmp_path / "ct", "model.layers.0.mlp.up_proj.weight_global_scale"))

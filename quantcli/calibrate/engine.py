@@ -1,6 +1,6 @@
 """Calibration's statistics, recorded by a fact pass over the layer walk (model/layers.py): max
-|input| of each Linear (a forward pre-hook; MoE experts per expert, from the router's choice) and
-its mean squared input per channel, and max |key| after rotary / max |value| (a recording cache
+|input| of each Linear (model/inputs.py: a forward pre-hook; MoE experts per expert, from the
+router's choice) and its mean squared input per channel, and max |key| after rotary / max |value| (a recording cache
 passed to the attention, whose `update()` sees what a serving engine stores)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantcli.model.buffer import ActivationBuffer
+from quantcli.model.inputs import input_hooks
 from quantcli.model.layers import HEAD, LayerPass, walk_layers
 from quantcli.model.weights import ExpertModules, WeightMap
 
@@ -69,15 +70,9 @@ class StatsPass(LayerPass):
         self.stats = stats
 
     def observe(self, layer, prefix: str, weights: WeightMap, experts: dict[str, ExpertModules]) -> list:
-        hooks = []
-        for sub, mod in layer.named_modules():
-            if isinstance(mod, torch.nn.Linear):
-                hooks.append(mod.register_forward_pre_hook(_recorder(self.stats, weights.checkpoint_module(prefix + sub))))
-            elif prefix + sub in experts:
-                hooks.append(mod.register_forward_pre_hook(_expert_recorder(self.stats, experts[prefix + sub]),
-                                                           with_kwargs=True))
-                _expert_roles(self.stats, prefix + sub, experts[prefix + sub])
-        return hooks
+        for path, modules in experts.items():
+            _expert_roles(self.stats, path, modules)
+        return input_hooks(layer, prefix, weights, experts, self.stats.add)
 
     def cache(self, prefix: str) -> RecordingCache:
         return RecordingCache()
@@ -94,32 +89,6 @@ class StatsPass(LayerPass):
         for j in range(count):
             self.stats.add(HEAD, norm(buffer.read(j)))
         norm.to("meta")
-
-
-def _recorder(stats: Stats, module: str):
-    def record(mod, args):
-        stats.add(module, args[0])
-    return record
-
-
-def _expert_recorder(stats: Stats, modules: ExpertModules):
-    """Per expert: the tokens the router sent it, their max |x| (its gate and up inputs) and
-    max |act(gate) * up| (its down input), computed as the experts block computes them."""
-    def record(block, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
-        for e in range(block.gate_up_proj.shape[0]):
-            tokens = (index == e).any(-1)
-            if not bool(tokens.any()):
-                continue
-            x = hidden[tokens]
-            gate, up = torch.nn.functional.linear(x, block.gate_up_proj[e]).chunk(2, dim=-1)
-            gate_mod, up_mod, down_mod = modules.of(e)
-            stats.add(gate_mod, x)
-            if up_mod != gate_mod:
-                stats.add(up_mod, x)
-            stats.add(down_mod, block.act_fn(gate) * up)
-    return record
 
 
 def _expert_roles(stats: Stats, path: str, modules: ExpertModules) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantcli.checkpoint.manifest import DiskEntry
-from quantcli.formats.layouts.base import Layout
+from quantcli.formats.layouts.base import Direction, Layout
 from quantcli.model.samples import data_digest, is_hub_dataset, read_samples
 from quantcli.planning.plan import Plan, TensorPlan
 
@@ -34,7 +34,7 @@ def calibrated_entries(layout: Layout, t: TensorPlan, recipe, described: set[str
             continue
         if o.name in rows:
             out.append(DiskEntry(o.name, rows[o.name].role, o.dtype, o.shape, "f32",
-                                 rows[o.name].direction or "multiply"))
+                                 rows[o.name].direction or Direction.MULTIPLY))
         elif o.name in kv:
-            out.append(DiskEntry(o.name, kv[o.name], o.dtype, o.shape, "f32", "multiply"))
+            out.append(DiskEntry(o.name, kv[o.name], o.dtype, o.shape, "f32", Direction.MULTIPLY))
     return out

@@ -1,4 +1,6 @@
-"""The calibration pass: data -> layer-by-layer statistics -> ModuleFacts (convert/passes.py).
+"""The calibration pass: data -> layer-by-layer statistics -> ModuleFacts (a fact pass,
+convert/passes/fact_passes.py), and the walk over the source on the calibration data that weight
+passes run on too (`walk_source`).
 
 What it learned is kept in the staging folder (`cache`) as safetensors (tensors, and notes in
 the metadata; no pickle), so `--resume` of an interrupted conversion does not calibrate again:
@@ -17,6 +19,8 @@ import torch
 
 from quantcli.calibrate.engine import Stats, collect
 from quantcli.calibrate.scales import scale_facts
+from quantcli.convert.passes.kinds import combined_max
+from quantcli.model.layers import LayerPass, walk_layers
 from quantcli.model.samples import token_ids
 from quantcli.planning.plan import Plan
 
@@ -40,11 +44,27 @@ def collect_stats(plan: Plan, tensors, device: torch.device, progress: Callable[
                   part: tuple[int, int] = (0, 1)) -> Stats:
     """The statistics of the source over the calibration data (`part`: this rank's batches)."""
     cal = plan.options.calibration
+    if progress is not None:  # the bar names the phase from the start: tokenizing takes seconds
+        progress(0, "calibrating: tokenizing the data")
     ids = token_ids(cal, plan.source.root)
-    names = {n for header in plan.source.headers.values() for n in header.tensors}
-    return collect(plan.source.config, tensors.get, tensors.release, names, ids, cal.batch, device,
+    if progress is not None:
+        progress(0, f"calibrating: layer 0/{plan.source.config.get('num_hidden_layers', '?')}, {len(ids)} samples")
+    return collect(plan.source.config, tensors.get, tensors.release, _names(plan), ids, cal.batch, device,
                    progress=_LayerProgress(progress) if progress is not None else None,
                    channel_stats=plan.options.scale_search == "mse", part=part)
+
+
+def walk_source(plan: Plan, tensors, device: torch.device, layer_pass: LayerPass, ids: list[list[int]],
+                progress: Callable[[int, str], None] | None = None, part: tuple[int, int] = (0, 1),
+                verb: str = "calibrating") -> None:
+    """Run `layer_pass` over the source's decoder layers on the calibration samples `ids`: the walk
+    calibration runs on, for a weight pass (convert/passes/weight_walk.py)."""
+    walk_layers(plan.source.config, tensors.get, tensors.release, _names(plan), ids, plan.options.calibration.batch,
+                device, layer_pass, _LayerProgress(progress, verb) if progress is not None else None, part)
+
+
+def _names(plan: Plan) -> set[str]:
+    return {n for header in plan.source.headers.values() for n in header.tensors}
 
 
 def splits_exactly(plan: Plan) -> bool:
@@ -57,19 +77,17 @@ def splits_exactly(plan: Plan) -> bool:
 
 def merged_stats(stats: Stats, share: Callable[[object], list],
                  all_max: Callable[[torch.Tensor], torch.Tensor]) -> Stats:
-    """Every rank's maxima combined (maxima only: see splits_exactly). `share(value)` returns
-    every rank's JSON `value`, `all_max(t)` the elementwise max of `t` over the ranks. A module
-    no rank's tokens reached (an expert the router never chose) stays absent, as in one process."""
-    names = share({"inputs": sorted(stats.inputs), "attention": sorted(stats.keys)})
-    inputs = sorted({m for n in names for m in n["inputs"]})
-    attention = sorted({a for n in names for a in n["attention"]})
-    missing = -1.0  # every statistic is a max |x| >= 0
-    local = [stats.inputs.get(m, missing) for m in inputs] + [stats.keys.get(a, missing) for a in attention]
-    local += [stats.values.get(a, missing) for a in attention]
-    best = all_max(torch.tensor(local, dtype=torch.float64)).tolist()
-    n, a = len(inputs), len(attention)
-    return Stats(inputs={m: v for m, v in zip(inputs, best[:n]) if v != missing},
-                 keys=dict(zip(attention, best[n:n + a])), values=dict(zip(attention, best[n + a:])),
+    """Every rank's maxima combined as every fact pass combines them (combined_max; maxima only:
+    see splits_exactly). `share(value)` returns every rank's JSON `value`, `all_max(t)` the
+    elementwise max of `t` over the ranks. A module no rank's tokens reached (an expert the router
+    never chose) stays absent, as in one process."""
+    parts = {"input": stats.inputs, "key": stats.keys, "value": stats.values}
+    best = combined_max({f"{kind}:{m}": v for kind, found in parts.items() for m, v in found.items()}, share, all_max)
+    merged: dict[str, dict[str, float]] = {kind: {} for kind in parts}
+    for name, v in best.items():  # sorted by name, so each kind's modules in sorted order
+        kind, _, module = name.partition(":")
+        merged[kind][module] = v
+    return Stats(inputs=merged["input"], keys=merged["key"], values=merged["value"],
                  expert_roles=dict(stats.expert_roles), channel_stats=False)
 
 
@@ -100,14 +118,16 @@ def load_facts(path: Path) -> Facts:
 
 
 class _LayerProgress:
-    """Reports each decoder layer to the job's progress: `calibrating: layer 3/32, 128 samples,
-    4.1 s/layer (31.2 samples/s)`."""
+    """Reports each decoder layer to the job's progress: `calibrating: layer 3/32, 4.1 s/layer,
+    128 samples, 31.2 samples/s`, most important first (a narrow bar keeps the head; a weight
+    pass says `rounding (gptq): layer ...`)."""
 
-    def __init__(self, report: Callable[[int, str], None]) -> None:
+    def __init__(self, report: Callable[[int, str], None], verb: str = "calibrating") -> None:
         self.report = report
+        self.verb = verb
         self.start = time.monotonic()
 
     def __call__(self, done: int, total: int, samples: int) -> None:
         per_layer = (time.monotonic() - self.start) / done
-        self.report(0, f"calibrating: layer {done}/{total}, {samples} samples, {per_layer:.1f} s/layer "
-                       f"({samples / max(per_layer, 1e-9):.1f} samples/s)")
+        self.report(0, f"{self.verb}: layer {done}/{total}, {per_layer:.1f} s/layer, {samples} samples, "
+                       f"{samples / max(per_layer, 1e-9):.1f} samples/s")

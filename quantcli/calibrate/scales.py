@@ -1,5 +1,5 @@
 """Calibration statistics -> ModuleFacts: activation scales (shared across fused groups) and
-KV-cache scales, as multipliers (FORMATS.md B 3, 6.1, 9)."""
+KV-cache scales, as multipliers (docs/formats.md, "Calibrated scales")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The quantcli manifest (`quantcli_manifest.json`): a self-describing account of every quantized
-tensor, independent of any runtime's config schema (FORMATS.md A.5).
+tensor, independent of any runtime's config schema (docs/formats.md, "The manifest").
 
 Written last, so its presence means the output is complete.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Mapping
 
 from quantcli.checkpoint.safetensors_io import Header
@@ -15,6 +16,37 @@ from quantcli.errors import ManifestError
 
 MANIFEST_NAME = "quantcli_manifest.json"
 SCHEMA_VERSION = 1
+# convert writes DST as DST.partial and renames it at the end; its own files there (the progress
+# record, the lock, the calibration cache, the ranks' records) are named .quantcli-*.
+STAGING_SUFFIX = ".partial"
+STAGING_FILE_PREFIX = ".quantcli-"
+
+
+def is_staging(folder: Path) -> bool:
+    """Whether `folder` is convert's staging folder: DST.partial holding quantcli's own files."""
+    if not folder.name.endswith(STAGING_SUFFIX) or not folder.is_dir():
+        return False
+    return any(p.name.startswith(STAGING_FILE_PREFIX) or p.name == MANIFEST_NAME for p in folder.iterdir())
+
+
+def finish_hint(dst: Path) -> str:
+    """How to finish the conversion into `dst` (push, inspect, verify and convert say it alike)."""
+    return (f"finish it with `quantcli convert SRC {dst} --resume` (the same SRC and options as the run that "
+            f"started it; --overwrite instead starts over)")
+
+
+def unfinished_conversion(path: Path) -> str | None:
+    """What to say when `path` is a staging folder, or a missing DST whose staging folder exists
+    (None otherwise): that it is an unfinished conversion, and how to finish it."""
+    if is_staging(path):
+        dst = path.with_name(path.name[: -len(STAGING_SUFFIX)])
+        return (f"{path}: a staging folder of an unfinished conversion into {dst} (running, or interrupted); "
+                f"{finish_hint(dst)}, then use {dst}")
+    stage = path.with_name(path.name + STAGING_SUFFIX)
+    if path.name and not path.exists() and is_staging(stage):
+        return (f"{path}: does not exist yet: {stage} beside it is an unfinished conversion into it (running, or "
+                f"interrupted); {finish_hint(path)}")
+    return None
 
 
 @dataclass(frozen=True)

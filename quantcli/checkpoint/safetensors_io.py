@@ -146,12 +146,11 @@ def _tensor_info(name: str, spec: object, path: str) -> TensorInfo:
 def _check_layout(tensors: dict[str, TensorInfo], path: str, buffer_size: int | None) -> None:
     """Sorted by offset, the tensors are contiguous from 0, never overlap, and end where the data
     section ends: no byte is read by two tensors or by none (as safetensors validates)."""
+    ordered = sorted(tensors.values(), key=lambda t: (t.start, t.end, t.name))
+    _check_overlaps(ordered, path)  # first: two tensors on the same bytes also leave bytes for none
     expected, previous = 0, None
-    for info in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+    for info in ordered:
         if info.start != expected:
-            if info.start < expected:
-                raise _corrupt(path, f"tensor {info.name!r} (bytes {info.start}-{info.end}) overlaps "
-                                     f"tensor {previous!r}")
             raise _corrupt(path, f"bytes {expected}-{info.start} of the data section belong to no tensor "
                                  f"(before tensor {info.name!r})")
         expected, previous = info.end, info.name
@@ -160,6 +159,19 @@ def _check_layout(tensors: dict[str, TensorInfo], path: str, buffer_size: int | 
             raise CheckpointError(f"{path}: tensor {previous!r} ends {expected - buffer_size} bytes past the end "
                                   f"of the file; the file is truncated (re-download or re-save it)")
         raise _corrupt(path, f"the data section holds {buffer_size} bytes but the tensors cover {expected}")
+
+
+def _check_overlaps(ordered: list[TensorInfo], path: str) -> None:
+    """Two tensors that claim the same bytes, both named (in start order, against the one that
+    reaches furthest so far)."""
+    far = None
+    for info in ordered:
+        if far is not None and info.start < far.end:
+            raise _corrupt(path, f"tensors {far.name!r} and {info.name!r} have the same data_offsets "
+                                 f"[{info.start}, {info.end}]" if (info.start, info.end) == (far.start, far.end) else
+                                 f"tensor {info.name!r} (bytes {info.start}-{info.end}) overlaps tensor {far.name!r} "
+                                 f"(bytes {far.start}-{far.end})")
+        far = info if far is None or info.end > far.end else far
 
 
 def parse_header(raw: bytes, path: str, data_offset: int, file_size: int | None = None) -> Header:

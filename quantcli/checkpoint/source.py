@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from quantcli.checkpoint.config_files import _load_json, load_config  # noqa: F401  (load_config: re-exported)
+from quantcli.checkpoint.hub import current, download_kwargs, quiet_retries
+from quantcli.checkpoint.manifest import unfinished_conversion
 from quantcli.checkpoint.safetensors_io import Header, parse_header, read_header
 from quantcli.errors import CheckpointError
 
@@ -27,6 +29,12 @@ SKIP_COPY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".
 REWRITTEN_FILES = (INDEX, "config.json", "hf_quant_config.json", "quantcli_manifest.json")
 SMALL_FILE_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.md", "tokenizer*", "vocab*",
                        "merges*"]
+# What a single .safetensors file's folder holds for it, copied beside the output's weights: the
+# folder may hold anything else (a downloads folder), so only these names, at its top level.
+COMPANION_FILES = ("tokenizer*", "vocab*", "merges*", "special_tokens_map.json", "added_tokens.json", "*.tiktoken",
+                   "*.model", "chat_template*", "generation_config.json", "preprocessor_config.json",
+                   "processor_config.json", "README.md", "LICENSE*", "modules.json", "sentence_bert_config.json",
+                   "config_sentence_transformers.json")
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -65,9 +73,11 @@ class Source:
         return header
 
     def other_files(self) -> list[str]:
-        """Small files to copy to the output (tokenizer, generation config, chat template...)."""
+        """Small files to copy to the output (tokenizer, generation config, chat template...); for
+        a single file, the COMPANION_FILES beside it."""
         if self.single_file:
-            return []
+            return sorted({p.name for pattern in COMPANION_FILES for p in self.root.glob(pattern)
+                           if p.is_file() and not p.name.startswith(".") and p.name not in REWRITTEN_FILES})
         out = []
         for p in sorted(self.root.rglob("*")):
             rel = p.relative_to(self.root).as_posix()
@@ -90,7 +100,8 @@ def hub_file(repo_id: str, filename: str, revision: str | None, label: str) -> P
     from huggingface_hub.errors import EntryNotFoundError
 
     try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision))
+        with quiet_retries():
+            return Path(hf_hub_download(repo_id, filename, revision=revision, **download_kwargs()))
     except (EntryNotFoundError, OSError, ValueError) as exc:  # hub errors are OSErrors or EntryNotFound
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{label}: cannot get {filename} ({first}); is it in the local cache? "
@@ -220,7 +231,8 @@ def _remote_headers(repo_id: str, revision: str | None, shards: list[str]) -> di
     if constants.HF_HUB_OFFLINE:  # what huggingface_hub made of HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE
         return None
     try:
-        meta = get_safetensors_metadata(repo_id, revision=revision)
+        with quiet_retries():
+            meta = get_safetensors_metadata(repo_id, revision=revision, token=current().token)
     except Exception:  # noqa: BLE001 - any failure to reach or parse the Hub (DNS, proxy, HTTP
         # client errors that are neither OSError nor ValueError) falls back to the shards' own
         # headers, read from the cache or once downloaded; a real problem surfaces there, by name.
@@ -255,7 +267,9 @@ def open_hub(repo_id: str, revision: str | None) -> Source:
 
     label = f"{repo_id}@{revision}" if revision else repo_id
     try:
-        root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=SMALL_FILE_PATTERNS))
+        with quiet_retries():
+            root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=SMALL_FILE_PATTERNS,
+                                          **download_kwargs()))
     except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
         raise CheckpointError(f"{label}: no such local folder, and {_hub_failure(exc)}; check the path, or the "
                               f"repo id and --revision") from None
@@ -276,6 +290,9 @@ def open_hub(repo_id: str, revision: str | None) -> Source:
 
 def open_source(src: str, revision: str | None = None) -> Source:
     path = Path(src).expanduser()
+    unfinished = unfinished_conversion(path)
+    if unfinished is not None:  # its shards hold codes, but no config declares them yet
+        raise CheckpointError(unfinished)
     if path.exists():
         if revision:
             raise CheckpointError(f"--revision {revision}: only applies to Hub repo ids, but {src} is a local path")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -18,12 +19,37 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from quantcli import __version__
+from quantcli.checkpoint.hub import hub_access
+from quantcli.cli.convert_options import (
+    Activations,
+    Backend,
+    Calibration,
+    CalibrationBatch,
+    CalibrationSamples,
+    CalibrationSeqLen,
+    ConfigFile,
+    DryRun,
+    Ignore,
+    KvCache,
+    Layout,
+    Overwrite,
+    PerTensor,
+    Quiet,
+    Recipe,
+    Resume,
+    ScaleRule,
+    ScaleSearch,
+    Verbose,
+    Workers,
+)
 from quantcli.cli.exits import (
     ARGV,
     DESTINATION,
     EXIT_CODES,
     INTERRUPT_LINE,
     RESUME_LINE,
+    STARTED,
+    process_started,
     run,
     sigterm_raises_terminated,
 )
@@ -32,18 +58,19 @@ from quantcli.cli.options import (
     LAYOUT_NAMES,
     RECIPE_NAMES,
     SCALE_RULE_NAMES,
+    CacheDir,
     Device,
     JsonOut,
     Revision,
     Tensors,
-    backend_names,
+    Token,
     layout_names,
     one_of,
     recipe_names,
     scale_rule_names,
 )
 from quantcli.cli.push_command import Private, PushRevision, PushToHub, push_command
-from quantcli.cli.usage import Command, Commands
+from quantcli.cli.usage import Command, Commands, examples
 
 __all__ = ["BACKEND_NAMES", "LAYOUT_NAMES", "RECIPE_NAMES", "SCALE_RULE_NAMES", "app", "main"]
 
@@ -61,51 +88,40 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+def _root(version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                 help="Print the version and exit.")] = False) -> None:
     """quantcli: convert, inspect and verify quantized checkpoints."""
 
 
-@app.command(cls=Command)
+@app.command(cls=Command, epilog=examples("convert"))
 def convert(
     ctx: typer.Context,
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source: checkpoint folder, .safetensors file or Hub repo id.")],
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Destination folder (created; written atomically).")],
-    recipe: Annotated[Optional[str], typer.Option(
-        metavar="RECIPE", callback=one_of("--recipe", "recipe", recipe_names),
-        help=f"One of: {', '.join(RECIPE_NAMES)} (bf16/fp16/fp32 dequantize a quantized source).")] = None,
-    layout: Annotated[Optional[str], typer.Option(
-        metavar="LAYOUT", callback=one_of("--layout", "layout", layout_names),
-        help=f"One of: {', '.join(LAYOUT_NAMES)} (default per recipe).")] = None,
-    ignore: Annotated[Optional[list[str]], typer.Option(metavar="PATTERN", help="Leave modules matching PATTERN unquantized: a name, a parent module, a glob or re:REGEX (repeatable).")] = None,
-    config: Annotated[Optional[Path], typer.Option(metavar="FILE", help="TOML recipe file: recipe, layout, scale_rule, scale_search, targets, ignore, [[override]].")] = None,
-    scale_rule: Annotated[Optional[str], typer.Option(
-        metavar="RULE", callback=one_of("--scale-rule", "MX scale rule", scale_rule_names),
-        help=f"MX scale exponent rule: {', '.join(SCALE_RULE_NAMES)} (default: the layout's producer).")] = None,
-    scale_search: Annotated[Optional[str], typer.Option(metavar="METHOD", callback=one_of("--scale-search", "scale search", lambda: ["none", "mse"]), help="none: absmax block scales; mse: per block the scale code with the smallest error (nvfp4, mxfp4, mxfp8; activation-weighted with --calibration).")] = None,
-    activations: Annotated[Optional[str], typer.Option(
-        metavar="MODE", callback=one_of("--activations", "activation scheme", lambda: ["static", "dynamic"]),
-        help="static: calibrated activation scales (nvfp4 W4A4, fp8); needs --calibration.")] = None,
-    kv_cache: Annotated[Optional[str], typer.Option(
-        metavar="DTYPE", callback=one_of("--kv-cache", "KV-cache dtype", lambda: ["fp8", "none"]),
-        help="fp8: write calibrated k_scale/v_scale; needs --calibration.")] = None,
-    calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help="Calibration samples: .txt or .jsonl (text, messages or input_ids), or a Hub dataset OWNER/NAME[:SPLIT] (needs the datasets package).")] = None,
-    calibration_samples: Annotated[Optional[int], typer.Option(metavar="N", help="Samples to use.  [default: 128]")] = None,
-    calibration_seq_len: Annotated[Optional[int], typer.Option(metavar="L", help="Tokens per sample, at most.  [default: 512]")] = None,
-    calibration_batch: Annotated[Optional[int], typer.Option(metavar="B", help="Samples per forward.  [default: 1]")] = None,
+    recipe: Recipe = None,
+    layout: Layout = None,
+    ignore: Ignore = None,
+    config: ConfigFile = None,
+    scale_rule: ScaleRule = None,
+    scale_search: ScaleSearch = None,
+    activations: Activations = None,
+    kv_cache: KvCache = None,
+    calibration: Calibration = None,
+    calibration_samples: CalibrationSamples = None,
+    calibration_seq_len: CalibrationSeqLen = None,
+    calibration_batch: CalibrationBatch = None,
     revision: Revision = None,
     device: Device = "auto",
-    backend: Annotated[str, typer.Option(
-        metavar="BACKEND", callback=one_of("--backend", "backend", backend_names),
-        help=f"One of: {', '.join(BACKEND_NAMES)} (auto: Triton on CUDA).")] = "auto",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run with the same inputs.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty destination.")] = False,
-    per_tensor: Annotated[bool, typer.Option("--per-tensor", help="--dry-run: one row per tensor instead of one per layer pattern.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the destination path, or with --dry-run the total line (errors and warnings go to stderr).")] = False,
-    workers: Annotated[int, typer.Option(metavar="N", min=1, help="Convert on N processes on this machine (torch.distributed; under torchrun the ranks come from torchrun).")] = 1,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: each tensor as it is written (stderr), the dry run per tensor.")] = False,
+    backend: Backend = "auto",
+    dry_run: DryRun = False,
+    resume: Resume = False,
+    overwrite: Overwrite = False,
+    per_tensor: PerTensor = False,
+    quiet: Quiet = False,
+    workers: Workers = 1,
+    verbose: Verbose = False,
     push_to_hub: PushToHub = None, private: Private = False, push_revision: PushRevision = None,
+    token: Token = None, cache_dir: CacheDir = None,
     json_out: JsonOut = False,
 ) -> None:
     """Quantize, re-layout or dequantize a checkpoint.
@@ -116,18 +132,21 @@ def convert(
     if not dry_run:
         ctx.meta[INTERRUPT_LINE] = RESUME_LINE
         ctx.meta[DESTINATION] = Path(dst).absolute()
-    code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
-                       scale_rule=scale_rule, scale_search=scale_search, calibrate=dict(
-                           activations=activations, kv_cache=kv_cache, calibration=calibration,
-                           calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
-                           calibration_batch=calibration_batch), revision=revision, device=device, backend=backend,
-                       dry_run=dry_run, resume=resume, overwrite=overwrite, quiet=quiet, json_out=json_out,
-                       per_tensor=per_tensor or verbose, verbose=verbose, workers=workers, argv=ctx.meta.get(ARGV), entry=main,
-                       push_to_hub=push_to_hub and dict(repo_id=push_to_hub, private=private, revision=push_revision))
+    with hub_access(token, cache_dir):
+        code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
+                           scale_rule=scale_rule, scale_search=scale_search, calibrate=dict(
+                               activations=activations, kv_cache=kv_cache, calibration=calibration,
+                               calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
+                               calibration_batch=calibration_batch), revision=revision, device=device,
+                           backend=backend, dry_run=dry_run, resume=resume, overwrite=overwrite, quiet=quiet,
+                           json_out=json_out, per_tensor=per_tensor or verbose, verbose=verbose, workers=workers,
+                           argv=ctx.meta.get(ARGV), entry=main, started=ctx.meta.get(STARTED),
+                           push_to_hub=push_to_hub and dict(repo_id=push_to_hub, private=private,
+                                                            revision=push_revision))
     raise typer.Exit(code)
 
 
-@app.command(cls=Command)
+@app.command(cls=Command, epilog=examples("inspect"))
 def inspect(
     path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint folder, .safetensors file or Hub repo id.")],
     revision: Revision = None,
@@ -138,6 +157,7 @@ def inspect(
     per_tensor: Annotated[bool, typer.Option("--per-tensor", help="One row per module instead of one per layer pattern.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the layout and bits/param lines (problems and warnings on stderr).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: one row per module (as --per-tensor).")] = False,
+    token: Token = None, cache_dir: CacheDir = None,
     json_out: JsonOut = False,
 ) -> None:
     """Explain a checkpoint from its headers.
@@ -145,12 +165,13 @@ def inspect(
     Layout, recipes, scales, bits per parameter."""
     from quantcli.cli.commands import run_inspect
 
-    raise typer.Exit(run_inspect(path, revision=revision, tensors=tensors, stats=stats, kv_cache=kv_cache,
-                                 kv_budget=kv_budget, json_out=json_out, per_tensor=per_tensor or verbose,
-                                 quiet=quiet))
+    with hub_access(token, cache_dir):
+        code = run_inspect(path, revision=revision, tensors=tensors, stats=stats, kv_cache=kv_cache,
+                           kv_budget=kv_budget, json_out=json_out, per_tensor=per_tensor or verbose, quiet=quiet)
+    raise typer.Exit(code)
 
 
-@app.command(cls=Command)
+@app.command(cls=Command, epilog=examples("verify"))
 def verify(
     quant: Annotated[str, typer.Argument(metavar="QUANT", help="The quantized checkpoint.")],
     reference: Annotated[Optional[str], typer.Option(metavar="SRC", help="The source checkpoint to compare against.")] = None,
@@ -164,6 +185,7 @@ def verify(
     device: Device = "auto",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only PASS or FAIL (each fault on stderr).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: every compared tensor's row, not only the --top worst.")] = False,
+    token: Token = None, cache_dir: CacheDir = None,
     json_out: JsonOut = False,
 ) -> None:
     """Decode a quantized checkpoint and check it.
@@ -171,12 +193,14 @@ def verify(
     Proves it is what it should be. Exit 0 pass, 1 fail, 2 usage."""
     from quantcli.cli.commands import run_verify
 
-    raise typer.Exit(run_verify(quant, reference=reference, revision=revision, tensors=tensors, top=top,
-                                exact=exact, tp=tp, thresholds=threshold or [], device=device, json_out=json_out,
-                                calibration=calibration, quiet=quiet, verbose=verbose))
+    with hub_access(token, cache_dir):  # for a --reference repo id and a --calibration Hub dataset
+        code = run_verify(quant, reference=reference, revision=revision, tensors=tensors, top=top, exact=exact, tp=tp,
+                          thresholds=threshold or [], device=device, json_out=json_out, calibration=calibration,
+                          quiet=quiet, verbose=verbose)
+    raise typer.Exit(code)
 
 
-@app.command(cls=Command)
+@app.command(cls=Command, epilog=examples("recipes"))
 def recipes(json_out: JsonOut = False) -> None:
     """List the recipes and their formats.
 
@@ -186,7 +210,7 @@ def recipes(json_out: JsonOut = False) -> None:
     raise typer.Exit(run_recipes(json_out))
 
 
-@app.command(cls=Command)
+@app.command(cls=Command, epilog=examples("layouts"))
 def layouts(json_out: JsonOut = False) -> None:
     """List the layouts and the engines that load them.
 
@@ -196,16 +220,59 @@ def layouts(json_out: JsonOut = False) -> None:
     raise typer.Exit(run_layouts(json_out))
 
 
-app.command(name="push", cls=Command)(push_command)  # quantcli/cli/push_command.py
+@app.command(name="eval", cls=Command, epilog=examples("eval"))
+def eval_command(
+    checkpoint: Annotated[str, typer.Argument(metavar="DST", help="The quantized checkpoint (folder, .safetensors file or Hub repo id); with --recipe, the dense model to emulate it on.")],
+    data: Annotated[str, typer.Option(metavar="DATA", help="Held-out samples: .txt or .jsonl (text, messages or input_ids), or a Hub dataset OWNER/NAME[:SPLIT].")],
+    reference: Annotated[Optional[str], typer.Option(metavar="SRC", help="The model it was made from (folder, file or Hub repo id).")] = None,
+    samples: Annotated[int, typer.Option(metavar="N", min=1, help="Samples to use.")] = 32,
+    seq_len: Annotated[int, typer.Option(metavar="L", min=2, help="Tokens per sample, at most.")] = 256,
+    batch: Annotated[int, typer.Option(metavar="B", min=1, help="Samples per forward (consecutive samples of equal length).")] = 1,
+    kv_cache: Annotated[str, typer.Option(
+        metavar="MODE", callback=one_of("--kv-cache", "KV-cache mode", lambda: ["auto", "scale-one", "none"]),
+        help="auto: FP8 with the checkpoint's k/v scales where it declares an FP8 KV cache; scale-one: FP8 with scale 1.0 (SGLang without scales); none.")] = "auto",
+    top: Annotated[int, typer.Option(metavar="N", min=1, help="Worst modules listed per layer.")] = 3,
+    recipe: Annotated[Optional[str], typer.Option(
+        metavar="RECIPE", callback=one_of("--recipe", "recipe", recipe_names),
+        help="Emulate this recipe on DST (a dense model) in memory, planned as convert plans it; nothing is written.")] = None,
+    layout: Annotated[Optional[str], typer.Option(
+        metavar="LAYOUT", callback=one_of("--layout", "layout", layout_names),
+        help="With --recipe: the layout whose declarations (activations) to emulate (default per recipe).")] = None,
+    scale_rule: Annotated[Optional[str], typer.Option(
+        metavar="RULE", callback=one_of("--scale-rule", "MX scale rule", scale_rule_names),
+        help="With --recipe: the MX scale exponent rule.")] = None,
+    scale_search: Annotated[Optional[str], typer.Option(metavar="METHOD", callback=one_of("--scale-search", "scale search", lambda: ["none", "mse"]), help="With --recipe: none or mse block scales.")] = None,
+    revision: Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision of a --reference repo id.")] = None,
+    device: Device = "auto",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets one line of headline numbers.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One stderr line per layer as it finishes.")] = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Measure what quantization costs the model, end to end.
+
+    Runs the reference and the quantized checkpoint layer by layer on the same samples, emulating
+    the checkpoint's weights, activations and KV cache; nothing is written."""
+    from quantcli.cli.commands import run_eval
+
+    raise typer.Exit(run_eval(checkpoint, reference=reference, data=data, samples=samples, seq_len=seq_len,
+                              batch=batch, kv_cache=kv_cache, top=top, revision=revision, device=device,
+                              quiet=quiet, verbose=verbose, json_out=json_out,
+                              emulate=dict(recipe=recipe, layout=layout, scale_rule=scale_rule,
+                                           scale_search=scale_search)))
 
 
-def main(argv: Sequence[str] | None = None) -> NoReturn:
-    """Run the command line and exit with its code (see EXIT_CODES)."""
+app.command(name="push", cls=Command, epilog=examples("push"))(push_command)  # quantcli/cli/push_command.py
+
+
+def main(argv: Sequence[str] | None = None, started: float | None = None) -> NoReturn:
+    """Run the command line and exit with its code (see EXIT_CODES). `started`: when the program
+    started (time.time(); default now), where convert's summary counts its time from."""
+    started = time.time() if started is None else started
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["help"]:  # `quantcli help [COMMAND]` is `quantcli [COMMAND] --help`
         args = [*args[1:], "--help"]
     with sigterm_raises_terminated():
-        code = _run(args)
+        code = _run(args, started)
     sys.exit(code)
 
 
@@ -215,14 +282,14 @@ def entry() -> NoReturn:
     few hundred ms after a finished run printed its summary) cannot turn its exit code into 130.
     Callers that embed main() keep their own SIGINT handling."""
     try:
-        main()
+        main(started=process_started())  # the summary's time counts Python's and the imports' start-up
     except SystemExit:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise
 
 
-def _run(args: list[str]) -> int:
-    return run(typer.main.get_command(app), args)
+def _run(args: list[str], started: float | None = None) -> int:
+    return run(typer.main.get_command(app), args, started)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ and the summary's rate are the same number.
 
 from __future__ import annotations
 
+import re
 from contextlib import nullcontext
 
 from rich.console import Console
@@ -39,10 +40,41 @@ class _RateColumn(ProgressColumn):
         return Text("-" if task.speed is None else f"{human_bytes(task.speed)}/s")
 
 
-def tail(name: str, room: int) -> str:
-    """`name` cut at its start to `room` characters (at least 12): the tail tells tensors apart."""
+def elide(name: str, room: int) -> str:
+    """`name` in `room` characters (at least 12), keeping what tells tensors apart: the layer
+    index and the leaf (`model.layers.12.…o_proj`, `12.…o_proj`), the middle left out; a
+    trailing `.weight` goes first. A name with no index keeps its start and its end."""
     room = max(12, room)
-    return name if len(name) <= room else "…" + name[-(room - 1):]
+    if len(name) <= room:
+        return name
+    core = name[: -len(".weight")] if name.endswith(".weight") else name
+    if len(core) <= room:
+        return core
+    m = re.search(r"[^.]+\.\d+\.", core)  # `layers.12.`: where the layer index is
+    if m:
+        rest = core[m.end():]
+        heads = (core[: m.end()], m.group(0), m.group(0).split(".")[1] + ".")  # shorter and shorter
+        # a leaf, then an expert's index in it, then a head with its word (`layers.`), then the
+        # longest leaf, then the longest head
+        *_, head, tail = max((bool(t), sum(p.isdigit() for p in t.split(".")), not h[0].isdigit(), len(t), len(h),
+                              h, t) for h in heads for t in [_whole_parts(rest, room - len(h) - 1)])
+        if tail == rest:  # only the start was left out
+            return "…" + head + rest
+        if tail:
+            return head + "…" + tail
+    half = (room - 1) // 2
+    return core[:half] + "…" + core[-(room - 1 - half):]
+
+
+def _whole_parts(rest: str, room: int) -> str:
+    """The longest run of whole dot-separated parts that ends `rest` and fits in `room`."""
+    out = ""
+    for part in reversed(rest.split(".")):
+        longer = f"{part}.{out}" if out else part
+        if len(longer) > room:
+            break
+        out = longer
+    return out
 
 
 def shard_order(plan) -> dict[str, list]:
@@ -86,13 +118,15 @@ class ConvertBar(_Shown):
                                  _RateColumn(),
                                  TimeRemainingColumn(), console=stderr, transient=True) if show_bar else None
         first = next((ts[0].name for ts in self.order.values() if ts), "")
-        self.task = self.progress.add_task(self._describe(f"shard 1/{len(self.shards)}", first), total=plan.bytes_in) \
-            if show_bar else None
+        start = self._describe(f"shard 1/{len(self.shards)}", first)
+        if plan.options.calibration is not None:  # the data is read and run before any shard
+            start = "calibrating: reading the data"
+        self.task = self.progress.add_task(start, total=plan.bytes_in) if show_bar else None
 
     def __call__(self, n: int, shard: str) -> None:
         if not n and shard not in self.order:  # a phase before the shards (calibration) names itself
             if self.progress is not None:
-                self.progress.update(self.task, description=shard)
+                self.progress.update(self.task, description=self._phase(shard))
             elif self.verbose:
                 self.stderr.print(shard)
             return
@@ -112,8 +146,16 @@ class ConvertBar(_Shown):
             current = self.left[0].name if self.left else "done"
             self.progress.update(self.task, advance=n, description=self._describe(where, current))
 
+    def _phase(self, text: str) -> str:
+        """A phase's line on one row: cut after its last `, ` part that fits beside the bar and
+        the byte, rate and time columns (28 characters with nothing written yet)."""
+        room = max(24, self.stderr.width - self.bar_width - 30)
+        while len(text) > room and ", " in text:
+            text = text.rsplit(", ", 1)[0]
+        return text if len(text) <= room else text[:room - 1] + "…"
+
     def _describe(self, where: str, current: str) -> str:
-        return f"{where} {tail(current, self.stderr.width - len(where) - 1 - self.bar_width - 48)}"
+        return f"{where} {elide(current, self.stderr.width - len(where) - 1 - self.bar_width - 48)}"
 
 
 def counting_bar(stderr: Console, show: bool, what: str):
@@ -145,7 +187,7 @@ class PhaseBar(_Shown):
                                  current=self._tail(current))
 
     def _tail(self, name: str) -> str:
-        return tail(name, self.stderr.width - 50)  # what the other columns leave
+        return elide(name, self.stderr.width - 50)  # what the other columns leave
 
 
 __all__ = ["ConvertBar", "PhaseBar", "counting_bar", "shard_order"]

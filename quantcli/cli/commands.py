@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,7 +40,8 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
                 dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool,
                 calibrate: dict | None = None, per_tensor: bool = False, verbose: bool = False,
                 workers: int = 1, argv: list[str] | None = None, push_to_hub: dict | None = None,
-                entry: Callable[[list[str]], Any] | None = None) -> int:  # entry: what --workers ranks run
+                entry: Callable[[list[str]], Any] | None = None,  # entry: what --workers ranks run
+                started: float | None = None) -> int:  # when the process started: the summary's wall time
     from quantcli.checkpoint.source import open_source
     from quantcli.cli.launch import launched, rank_world
     from quantcli.convert import RunOptions, check_destination, check_run_options, convert
@@ -61,10 +63,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     if workers > 1 and not launched():  # refusals before any rank is spawned
         check_destination(local_src, dst, run)
         plan = plan_conversion(open_source(src, revision), opts)
-        shards = len(plan.source.shards)
-        if workers > shards:  # a rank per shard at most: more would only start idle processes
-            raise QuantcliError(f"--workers {workers}: {plan.source.label} has {shards} shard(s), and a worker "
-                                f"converts whole shards; use --workers {shards}")
+        workers = _workers_for(plan, workers)
     # One process or the ranks torchrun/--workers started: rank 0 checks DST, all plan alike, rank 0 prints.
     with rank_world(device, workers, argv, entry) as world:
         run.device = world.rank_device(device)
@@ -80,6 +79,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
             result = convert(plan, dst, run, None, world)
     if not world.lead:
         return 0
+    result.wall_seconds = time.time() - (started or time.time() - result.seconds)  # before any upload
     for w in result.warnings[len(plan.all_warnings):]:  # found while finishing (the plan's were printed above)
         _console(stderr=True).print(f"warning: {w}")
     pushed = _push(result.dst, push_to_hub, hub_api, quiet or json_out) if push_to_hub else None
@@ -91,8 +91,18 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
             _console(stderr=True).print(f"{result.dst}: already complete; nothing written")
         _console().print(str(result.dst))
         return 0
-    _print_convert_result(plan, result, src)
+    _print_convert_result(plan, result, src, overwrite)
     return 0
+
+
+def _workers_for(plan, workers: int) -> int:
+    """A rank per shard at most (a worker converts whole shards): more would only start idle
+    processes, so run fewer and say so."""
+    shards = len(plan.source.shards)
+    if workers > shards:
+        _console(stderr=True).print(f"warning: --workers {workers}: {plan.source.label} has {shards} shard(s), and a "
+                                    f"worker converts whole shards; converting on {shards}")
+    return min(workers, shards)
 
 
 def _convert_summary(plan, result) -> dict:
@@ -101,6 +111,7 @@ def _convert_summary(plan, result) -> dict:
         "layout": plan.target, "recipes": sorted(plan.recipes),
         "tensors_quantized": result.quantized, "tensors_total": len(plan.tensors),
         "bytes_in": result.bytes_in, "bytes_out": result.bytes_out, "seconds": round(result.seconds, 3),
+        "seconds_total": round(max(result.wall_seconds or 0.0, result.seconds), 3),
         "shards_written": result.shards_written, "shards_resumed": result.shards_resumed,
         "excluded": excluded_entries(plan.exclusions),
         "exclusion_key": plan.layout.exclusion_key if plan.layout else None,
@@ -111,11 +122,12 @@ def _convert_summary(plan, result) -> dict:
     }, source=plan.source.label, destination=result.dst)
 
 
-def _print_convert_result(plan, result, src: str) -> None:
+def _print_convert_result(plan, result, src: str, overwrite: bool = False) -> None:
     con = _console()
-    if result.already_complete:
+    if result.already_complete:  # --resume keeps a finished output of the same plan, with --overwrite too
+        again = "drop --resume (keep --overwrite) to convert again" if overwrite else "use --overwrite to convert again"
         con.print(f"{result.dst}: already complete (a finished quantcli output of the same source headers, recipe "
-                  f"and options); nothing to resume, nothing written. Use --overwrite to convert again")
+                  f"and options); nothing to resume, nothing written: {again}")
         return
     if plan.lossless:
         con.print("lossless re-layout: every code and block-scale value carried over unchanged")
@@ -130,6 +142,11 @@ def _print_convert_result(plan, result, src: str) -> None:
               f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)}{_timing(result)}")
     if plan.exclusions:
         con.print(f"left dense: {dense_reasons(plan.exclusions)}")
+    if plan.layout is not None:  # the card's verdicts (quantcli/formats/engines.py, checked on the output)
+        from quantcli.convert.model_card import output_loads
+        from quantcli.formats.engine_checks import loads_in_line
+
+        con.print(f"loads in: {loads_in_line(output_loads(plan, result.dst))}", markup=False)
     cal = plan.options.calibration
     if cal is not None:
         con.print(f"calibrated: {_calibrated_counts(plan)} from {cal.data}")
@@ -156,12 +173,15 @@ def _what_was_done(plan, result) -> str:
 
 
 def _timing(result) -> str:
-    """' in 2.1 s (25.80 MiB/s)'; a resumed run shows no rate (its bytes are those of every shard)."""
+    """' in 5.3 s (start-up 3.2 s, converting 2.1 s at 25.80 MiB/s)': the wall time since the
+    process started, then the conversion's own; a resumed run shows no rate (its bytes are those
+    of every shard)."""
+    wall = max(result.wall_seconds or 0.0, result.seconds)
+    head = f" in {_seconds(wall)} (start-up {_seconds(wall - result.seconds)}, converting {_seconds(result.seconds)}"
     if result.shards_resumed:  # bytes_in counts every shard, so a rate here would count the resumed ones
-        return (f" in {_seconds(result.seconds)}; {result.shards_written} shard(s) written, "
-                f"{result.shards_resumed} resumed")
+        return f"{head}); {result.shards_written} shard(s) written, {result.shards_resumed} resumed"
     rate = result.bytes_in / max(result.seconds, 1e-9)  # binary units, as the progress bar shows it
-    return f" in {_seconds(result.seconds)} ({human_bytes(rate)}/s)"
+    return f"{head} at {human_bytes(rate)}/s)"
 
 
 def _seconds(s: float) -> str:
@@ -234,7 +254,7 @@ def _calibration_estimate(plan, device: str):
 
 def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: bool, kv_cache: bool,
                 kv_budget: str | None, json_out: bool, per_tensor: bool = False, quiet: bool = False) -> int:
-    from quantcli.inspect import inspect_checkpoint, kv_cache_account, parse_size
+    from quantcli.inspect import account_kv_cache, inspect_checkpoint, parse_size
 
     if kv_budget is not None and not kv_cache:
         raise QuantcliError(f"--kv-budget {kv_budget}: only used by the KV-cache account; add --kv-cache")
@@ -243,8 +263,8 @@ def run_inspect(path: str, *, revision: str | None, tensors: str | None, stats: 
     context, advance = counting_bar(_console(stderr=True), show_bar, "reading")
     with context:
         report = inspect_checkpoint(path, revision=revision, pattern=tensors, stats=stats, progress=advance)
-    if kv_cache:
-        report.kv_cache = kv_cache_account(report.config, budget)
+    if kv_cache:  # an encoder gets a warning instead: it caches nothing
+        account_kv_cache(report, budget)
     if json_out:  # the config it read is not part of the document; quantcli/schemas/inspect.json
         emit_json(envelope("inspect", report, source=report.source,
                            excluded=[{"module": m, "reason": "in the config's exclusion list"}
@@ -299,8 +319,10 @@ def run_recipes(json_out: bool) -> int:
     from quantcli.formats.catalog import recipes
 
     infos = recipes()
-    if json_out:
-        emit_json(envelope("recipes", {"recipes": infos}))  # quantcli/schemas/recipes.json
+    if json_out:  # quantcli/schemas/recipes.json
+        from quantcli.formats.schemes import scheme_infos
+
+        emit_json(envelope("recipes", {"recipes": infos, "llm_compressor": scheme_infos()}))
     else:
         render_recipes(infos, _console())
     return 0
@@ -334,3 +356,34 @@ def _push(folder: Path, hub: dict, api, quiet: bool):
     if not quiet:
         _console(stderr=True).print(f"pushed {pushed.files} files ({human_bytes(pushed.bytes)}) to {pushed.url}")
     return pushed
+
+
+# ---------------------------------------------------------------- eval
+
+
+def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int, seq_len: int, batch: int,
+             kv_cache: str, top: int, revision: str | None, device: str, quiet: bool, verbose: bool, json_out: bool,
+             emulate: dict) -> int:
+    from quantcli.cli.eval_view import LayerBar, render_eval, render_eval_brief
+    from quantcli.evaluate import EvalOptions, evaluate
+
+    if emulate["recipe"] and reference:
+        raise QuantcliError("--recipe with --reference: --recipe emulates the recipe on DST itself (a dense model, "
+                            "its own reference); drop one of them")
+    if not emulate["recipe"] and not reference:
+        given = [f"--{k.replace('_', '-')}" for k, v in emulate.items() if v]
+        raise QuantcliError(f"{' '.join(given) + ' need --recipe; ' if given else ''}give --reference SRC (the "
+                            f"model DST was made from), or --recipe RECIPE to emulate a recipe on DST in memory")
+    opts = EvalOptions(checkpoint, reference or checkpoint, data, samples=samples, seq_len=seq_len, batch=batch,
+                       device=device, kv_cache=kv_cache, revision=revision, top=top, **emulate)
+    show = sys.stderr.isatty() and not quiet and not json_out
+    with LayerBar(_console(stderr=True), show, verbose) as bar:
+        report = evaluate(opts, bar)
+    if json_out:
+        emit_json(envelope("eval", report, source=report.reference))
+    elif quiet:
+        render_eval_brief(report, _console())
+    else:
+        render_eval(report, _console(), top)
+    return 0
+

@@ -23,31 +23,51 @@ except ImportError:  # older typer raises click's own
     from click import exceptions as click_errors
 
 EXIT_CODES = ("Exit codes: 0 done (verify: passed), 1 verify found a problem, 2 bad input or usage, "
-              "3 internal error (a bug: please report it), 130 interrupted (143 on SIGTERM).")
+              "3 internal error (a bug: please report it), 130 interrupted (143 on SIGTERM), "
+              "141 output closed early (| head).")
 
 # Key in the click context's meta (shared by every nested context): the line printed when the
 # run is interrupted or runs out of disk. `convert` sets it, because its staging folder is kept.
 INTERRUPT_LINE = "quantcli.interrupt_line"
 RESUME_LINE = "interrupted; rerun with --resume to continue"
 ARGV = "quantcli.argv"  # key in the context's meta: the arguments main() was given
+STARTED = "quantcli.started"  # key in the context's meta: when this process started (time.time())
 DESTINATION = "quantcli.destination"  # convert's DST (absolute), for an interrupt after it was installed
 
 
-def run(command, args: list[str]) -> int:
-    """Run the click `command` on `args` -> its exit code, every failure turned into one line."""
+COMPLETE_VAR = "_QUANTCLI_COMPLETE"  # set by the shell's completion function (--install-completion)
+
+
+def run(command, args: list[str], started: float | None = None) -> int:
+    """Run the click `command` on `args` -> its exit code, every failure turned into one line.
+    `started`: when the program started (time.time()), for convert's summary; default now."""
+    if os.environ.get(COMPLETE_VAR):  # the shell asks for completions: click's own path, no command runs
+        return complete(command)
+    _json_errors[:] = [_json_command(command, args)]
+    if _json_errors[0] is not NO_JSON:
+        from quantcli.cli.render import start_json
+
+        start_json()
+    try:
+        return _run(command, args, started)
+    finally:
+        _json_errors[:] = []
+
+
+def _run(command, args: list[str], started: float | None) -> int:
     ctx = None
     try:
         ctx = command.make_context("quantcli", args)
         ctx.meta[ARGV] = list(args)  # the command line --workers ranks run again
+        ctx.meta[STARTED] = started  # convert's summary counts start-up too
         with ctx:
             result = command.invoke(ctx)
         sys.stdout.flush()  # a closed pipe shows up here, not in interpreter shutdown
         return result if isinstance(result, int) else 0
     except typer.Exit as exc:  # --help, --version and every command's own exit code
-        sys.stdout.flush()
-        return exc.exit_code
+        return _flushed(exc.exit_code)
     except click_errors.UsageError as exc:  # unknown option, missing argument, --top abc
-        return _fail(_usage_message(exc), 2)
+        return _fail(_usage_message(exc, args), 2)
     except QuantcliError as exc:
         if _debug():
             raise
@@ -64,9 +84,8 @@ def run(command, args: list[str]) -> int:
         if os.environ.get(SPAWNED_RANK):  # a --workers rank: rank 0 says it, once, for the job
             return getattr(exc, "exit_code", 130)
         return _fail(line, getattr(exc, "exit_code", 130), prefix="")
-    except BrokenPipeError:  # stdout piped into `head` that has stopped reading: end quietly
-        _discard_stdout()
-        return 128 + signal.SIGPIPE
+    except BrokenPipeError:  # stdout or stderr piped into `head` that has stopped reading: end quietly
+        return _broken_pipe()
     except OSError as exc:  # the file system said no where no check turned it into a QuantcliError
         if _debug():
             raise
@@ -80,34 +99,144 @@ def run(command, args: list[str]) -> int:
                      "(rerun with QUANTCLI_DEBUG=1 for the traceback and report it)", 3)
 
 
+def complete(command) -> int:
+    """Print the completions the shell asked for through COMPLETE_VAR (typer's `complete_bash`,
+    as its installed script sets it, or click's `bash_complete` order) -> exit code."""
+    instruction = os.environ[COMPLETE_VAR]
+    first, _, second = instruction.partition("_")
+    if first in ("bash", "zsh", "fish", "powershell", "pwsh"):  # click's SHELL_INSTRUCTION order
+        os.environ[COMPLETE_VAR] = f"{second}_{first}"  # typer reads INSTRUCTION_SHELL
+    try:
+        command.main([], prog_name="quantcli", complete_var=COMPLETE_VAR)
+    except SystemExit as exc:  # click ends completion with sys.exit
+        sys.stdout.flush()
+        return exc.code if isinstance(exc.code, int) else 0
+    except Exception:  # noqa: BLE001 - a completion that fails prints no candidates, never a traceback
+        return 1
+    return 0
+
+
+def process_started() -> float:
+    """When this process started, as time.time(): from /proc on Linux (the interpreter's and the
+    imports' start-up included), else now. For the `quantcli` program only: a caller that embeds
+    main() started long before the command did."""
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:  # field 22 (after the parenthesised name): start, in ticks since boot
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
 def _debug() -> bool:
     return bool(os.environ.get("QUANTCLI_DEBUG"))
 
 
 def _fail(message: str, code: int, prefix: str = "error: ") -> int:
-    print(prefix + " ".join(message.split()), file=sys.stderr)
+    line = " ".join(message.split())
+    try:
+        print(prefix + line, file=sys.stderr, flush=True)
+        if _json_errors and _json_errors[0] is not NO_JSON:
+            _print_error_document(_json_errors[0], line, code)
+    except BrokenPipeError:  # stderr is a closed pipe too: nothing can be said, exit as for a closed pipe
+        return _broken_pipe()
     return code
 
 
-def _usage_message(exc: click_errors.UsageError) -> str:
+# Under --json a failure also prints its error document on stdout (quantcli/schemas/error.json),
+# so that a script reading stdout gets JSON either way. Holds the command's name (None when the
+# command itself is missing or unknown) while run() runs, NO_JSON without --json.
+NO_JSON = object()
+_json_errors: list = []
+ERROR_KINDS = {2: "bad input or usage", 3: "internal error", 130: "interrupted", 143: "terminated"}
+
+
+def _json_command(command, args: list[str]):
+    """The command a --json run names (None if none or unknown), or NO_JSON."""
+    if "--json" not in args or os.environ.get("RANK", "0") != "0":  # one document per job: rank 0's
+        return NO_JSON
+    names = getattr(command, "commands", {})
+    first = next((a for a in args if not a.startswith("-")), None)
+    return first if first in names else None
+
+
+def _print_error_document(command: str | None, message: str, code: int) -> None:
+    import json
+
+    from quantcli.cli.render import json_was_written
+    from quantcli.reports import SCHEMA_VERSION
+
+    if json_was_written():  # the command's own document is out already: one document on stdout
+        return
+    from quantcli import __version__
+
+    doc = {"quantcli_version": __version__, "schema_version": SCHEMA_VERSION, "command": command,
+           "error": {"exit_code": code, "kind": ERROR_KINDS.get(code, "bad input or usage"), "message": message}}
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def _flushed(code: int) -> int:
+    """`code`, once what is buffered for stdout is written (141 if the pipe closed meanwhile)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _broken_pipe()
+    return code
+
+
+def _broken_pipe() -> int:
+    """A closed stdout or stderr (`| head -1`): print nothing more and exit 141, as a process
+    killed by SIGPIPE would. A convert stopped by it keeps DST.partial for --resume, as Ctrl-C does."""
+    _discard_output()
+    return 128 + signal.SIGPIPE
+
+
+def _usage_message(exc: click_errors.UsageError, args: list[str] = ()) -> str:
     command = exc.ctx.command_path if exc.ctx is not None else "quantcli"
     if isinstance(exc, click_errors.NoSuchOption):
-        # click's own difflib matches among the options, the closest first
-        near = difflib.get_close_matches(exc.option_name, sorted(exc.possibilities or []), n=3, cutoff=0)
+        # the one closest option, if any is close (difflib, as click's own suggestion)
+        near = difflib.get_close_matches(exc.option_name, sorted(exc.possibilities or []), n=1, cutoff=0.6)
         text = f"no such option {exc.option_name} for '{command}'"
-        text += f"; did you mean {' or '.join(near)}?" if near else ""
+        text += f"; did you mean {near[0]}?" if near else ""
+    elif isinstance(exc, click_errors.BadParameter) and exc.param is not None and _PYDANTIC.search(str(exc.message)):
+        # typer's type and range checks speak pydantic: one plain line with the value given instead
+        opt = exc.param.opts[0] if getattr(exc.param, "opts", None) else exc.param.name
+        given = _given(args, getattr(exc.param, "opts", []))
+        said = str(exc.message)
+        for pydantic, ours in _BOUND_WORDS:
+            said = re.sub(pydantic, ours, said)
+        text = f"{opt} {given!r}: {said}" if given is not None else f"{opt}: {said}"
     else:
         text = exc.format_message().rstrip(".")
         text = text[:1].lower() + text[1:]
-        for pydantic, ours in _BOUND_WORDS:  # typer's range checks speak pydantic
-            text = re.sub(pydantic, ours, text)
     return f"{text} (see '{command} --help')"
 
 
+_PYDANTIC = re.compile(r"[Ii]nput should be")
 _BOUND_WORDS = ((r"[Ii]nput should be greater than or equal to (\S+)", r"must be at least \1"),
                 (r"[Ii]nput should be less than or equal to (\S+)", r"must be at most \1"),
                 (r"[Ii]nput should be greater than (\S+)", r"must be more than \1"),
-                (r"[Ii]nput should be less than (\S+)", r"must be less than \1"))
+                (r"[Ii]nput should be less than (\S+)", r"must be less than \1"),
+                (r"[Ii]nput should be a valid integer.*", "not an integer"),
+                (r"[Ii]nput should be a valid number.*", "not a number"),
+                (r"[Ii]nput should be a valid boolean.*", "not true or false"))
+
+
+def _given(args: list[str], opts: list[str]) -> str | None:
+    """What the command line gave `opts` (`--top abc` or `--top=abc`), the last time, or None."""
+    found = None
+    for i, arg in enumerate(args):
+        for opt in opts:
+            if arg == opt and i + 1 < len(args):
+                found = args[i + 1]
+            elif arg.startswith(opt + "="):
+                found = arg[len(opt) + 1:]
+    return found
 
 
 # errno -> what to add to the OS's own text, where that text leaves the cause unclear.
@@ -130,13 +259,16 @@ def _os_error_message(exc: OSError, resumable: bool) -> str:
     return text
 
 
-def _discard_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush does not fail a second time."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # stdout replaced by a test harness: nothing to do
-        pass
+def _discard_output() -> None:
+    """Point stdout and stderr at /dev/null so that nothing more is written into a closed pipe
+    and the interpreter's final flush does not fail a second time."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # replaced by a test harness: nothing to do
+            pass
 
 
 def _installed(ctx) -> bool:

@@ -4,7 +4,8 @@ check a value against its registry, and the option types several commands declar
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -14,7 +15,8 @@ from quantcli.errors import UsageError, did_you_mean, pick
 # Names shown in --help. They are written out here because the registries they come from import
 # torch (1-2 s), which --help and --version should not wait for; values are checked against the
 # registries themselves, and tests/test_faults_cli.py checks that these lists equal them.
-RECIPE_NAMES = ("fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4", "int8-channel", "bf16", "fp16", "fp32")
+RECIPE_NAMES = ("fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4", "int8-channel", "int4",
+                "bf16", "fp16", "fp32")
 LAYOUT_NAMES = ("modelopt", "compressed-tensors", "fp8", "gpt-oss")
 BACKEND_NAMES = ("auto", "torch", "triton")
 SCALE_RULE_NAMES = ("floor", "even", "rceil")
@@ -53,6 +55,15 @@ def one_of(option: str, kind: str, names: Callable[[], list[str]]) -> Callable[[
     return check
 
 
+def completer(names: Sequence[str]) -> Callable[..., list[str]]:
+    """An autocompletion callback: the names that start with what was typed (Tab after --recipe)."""
+
+    def complete(incomplete: str) -> list[str]:
+        return [n for n in names if n.startswith(incomplete.lower())]
+
+    return complete
+
+
 def device(value: str) -> str:
     """auto, cpu, cuda or cuda:N (whether CUDA is there is checked when the device is opened)."""
     if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value.lower()):
@@ -64,4 +75,10 @@ def device(value: str) -> str:
 Revision = Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision (branch, tag or commit) of a repo id.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON document instead of tables.")]
 Tensors = Annotated[Optional[str], typer.Option(metavar="PATTERN", help="Only tensors/modules matching PATTERN: a name, a parent module, a glob or re:REGEX.")]
-Device = Annotated[str, typer.Option(metavar="DEVICE", callback=device, help="auto, cpu, cuda or cuda:N.")]
+Device = Annotated[str, typer.Option(metavar="DEVICE", callback=device, help="auto, cpu, cuda or cuda:N.",
+                                     autocompletion=completer(["auto", "cpu", "cuda"]))]
+Token = Annotated[Optional[str], typer.Option(metavar="TOKEN", help=(
+    "Hugging Face token for private or gated Hub repos and datasets (default: HF_TOKEN or the `hf auth login` "
+    "token)."))]
+CacheDir = Annotated[Optional[Path], typer.Option(metavar="DIR", help=(
+    "Hugging Face Hub cache folder for Hub sources (default: HF_HUB_CACHE)."))]

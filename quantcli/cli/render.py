@@ -8,12 +8,16 @@ import json
 import os
 import re
 import sys
+import textwrap
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from quantcli.cli.grouping import group_names
+from quantcli.cli.render_catalog import render_layouts, render_recipes  # noqa: F401 (commands.py imports them here)
 from quantcli.cli.name_tables import ERROR, SCALE, Column, fitted_table, named_table, total, value_range
+from quantcli.formats.layouts.base import Role
 from quantcli.reports import OMITTED, block_label, to_json
 
 
@@ -40,9 +44,22 @@ def console(stderr: bool = False) -> Console:
     return _Console(stderr=stderr, highlight=False, soft_wrap=True, width=160 if piped else None)
 
 
+_json_written: list[bool] = [False]  # whether this process has started a --json document on stdout
+
+
+def start_json() -> None:
+    """A new command: no document written yet."""
+    _json_written[0] = False
+
+
+def json_was_written() -> bool:
+    return _json_written[0]
+
+
 def emit_json(obj: object) -> None:
     """A report (dataclass) or a plain document as indented JSON on stdout."""
     text = json.dumps(to_json(obj), indent=2, default=str) + "\n"
+    _json_written[0] = True
     # In pieces, each flushed: a reader that stopped early (`| head -1`) surfaces here as a
     # BrokenPipeError (main exits 141). One large write can lose it: Python's buffered writer
     # drops the EPIPE that follows the kernel's partial write of a big block, and reports success.
@@ -105,7 +122,7 @@ def _dims(shape) -> str:
 
 
 def _module_cells(m) -> list:
-    block_scales = [e for e in m.tensors if e.role == "block_scale"]
+    block_scales = [e for e in m.tensors if e.role == Role.BLOCK_SCALE]
     scales = ", ".join(f"{e.name.rsplit('.', 1)[-1]} {e.dtype}" for e in block_scales)
     values = [e for e in m.tensors if e.value is not OMITTED]
     # an undescribable module has no logical/storage facts: '?' as before
@@ -152,14 +169,30 @@ def _exponents(histograms: list) -> str:
     return f"{min(present)}..{max(present)}" if present else "-"
 
 
+def _count(values: list) -> str:
+    present = [v for v in values if v is not None]
+    return f"{sum(present):g}" if present else "-"
+
+
+def _saturation(values: list) -> str:
+    """The worst share of codes at the element max, and beside it what absmax scaling saturates
+    by construction (NVFP4: one code per 16-block, 6.25 %), so 11 % reads against 6.25 %."""
+    present = [v for v in values if v[0] is not None]
+    if not present:
+        return "-"
+    worst, inherent = max(present, key=lambda v: v[0])
+    return f"{worst:.2%}" + (f" ({inherent:.2%} inherent)" if inherent is not None else "")
+
+
 # --stats per group: the scale range over all members, counts summed, fractions at their worst.
 _STATS_COLUMNS = [Column("recipe"), Column("scale range", merge=lambda v: _span(v)),
-                  Column("bad scales", justify="right", merge=total(lambda n: f"{n:g}")),
+                  Column("bad scales", justify="right", merge=_count),
                   Column("E8M0 exp", merge=_exponents),
-                  Column("E8M0 255", justify="right", merge=total(lambda n: f"{n:g}")),
-                  Column("NaN/Inf", justify="right", merge=total(lambda n: f"{n:g}")),
+                  Column("E8M0 255", justify="right", merge=_count),
+                  Column("NaN/Inf", justify="right", merge=_count),
                   Column("zero blocks (max)", justify="right", merge=_fraction),
-                  Column("saturated (max)", justify="right", merge=_fraction)]
+                  Column("saturated (max)", justify="right", merge=_saturation)]
+_E8M0 = ("E8M0 exp", "E8M0 255")
 
 
 def _span(pairs: list) -> str:
@@ -174,11 +207,16 @@ def _stats_table(modules, con: Console, per_tensor: bool) -> Table:
     def given(v, default=None):
         return default if v is OMITTED else v
 
-    rows = [[m.recipe, (given(s.scale_min), given(s.scale_max)), given(s.scale_nonfinite, 0),
-             given(s.e8m0_histogram), given(s.e8m0_255_count, 0), given(s.nonfinite_values, 0),
-             given(s.zero_block_fraction), given(s.saturated_fraction)] for s, m in ((m.stats, m) for m in with_stats)]
-    return named_table(con, "module", [m.module for m in with_stats], rows, _STATS_COLUMNS, per_tensor=per_tensor,
-                       title="data (--stats)")
+    rows = [[m.recipe, (given(s.scale_min), given(s.scale_max)), given(s.scale_nonfinite), given(s.e8m0_histogram),
+             given(s.e8m0_255_count), given(s.nonfinite_values, 0), given(s.zero_block_fraction),
+             (given(s.saturated_fraction), given(s.saturated_inherent))] for s, m in ((m.stats, m) for m in with_stats)]
+    keep = list(range(len(_STATS_COLUMNS)))
+    if not any(m.stats.e8m0_histogram is not OMITTED for m in with_stats):  # no MX recipe: no E8M0 columns
+        keep = [i for i in keep if _STATS_COLUMNS[i].header not in _E8M0]
+    if not any(m.stats.scale_min is not OMITTED for m in with_stats):  # only MX recipes: no scale range
+        keep = [i for i in keep if _STATS_COLUMNS[i].header not in ("scale range", "bad scales")]
+    return named_table(con, "module", [m.module for m in with_stats], [[r[i] for i in keep] for r in rows],
+                       [_STATS_COLUMNS[i] for i in keep], per_tensor=per_tensor, title="data (--stats)")
 
 
 def _totals_table(by_format) -> Table:
@@ -199,28 +237,35 @@ def _kv_table(kv) -> Table:
     return t
 
 
-def _scales_tables(cal, con: Console) -> None:
-    """The activation scheme, each module's static input scale, the KV-cache scales per layer."""
+# One row per layer pattern, as the modules table (one per tensor with --per-tensor): a real MoE
+# has thousands of input scales. The direction is part of the key; values merge to min..max.
+_INPUT_COLUMNS = [Column("value", merge=value_range(SCALE)), Column("direction"),
+                  Column("implied amax", merge=value_range(SCALE))]
+_KV_COLUMNS = [Column("k_scale", merge=lambda v: _missing_or(value_range(SCALE), v)),
+               Column("v_scale", merge=lambda v: _missing_or(value_range(SCALE), v))]
+
+
+def _missing_or(merge, values: list) -> str:
+    missing = sum(v is None for v in values)
+    text = merge(values)
+    return text if not missing else ("missing" if text == "-" else f"{text}, {missing} missing")
+
+
+def _scales_tables(cal, con: Console, per_tensor: bool = False) -> None:
+    """The activation scheme, the static input scales and the KV-cache scales per layer pattern."""
     con.print(f"activations: {cal.activation_scheme}"
               + (f"; FP8 KV cache declared ({cal.kv_cache})" if cal.kv_cache else ""))
     if cal.inputs:
-        t = Table(title="input scales")
-        for col in ("tensor", "value", "direction", "implied amax"):
-            t.add_column(col)
-        for s in cal.inputs:
-            t.add_row(s.tensor, SCALE.format(s.value), s.direction, SCALE.format(s.amax))
-        con.print(t)
+        con.print(named_table(con, "tensor", [s.tensor for s in cal.inputs],
+                              [[s.value, s.direction, s.amax] for s in cal.inputs], _INPUT_COLUMNS,
+                              per_tensor=per_tensor, title="input scales"))
     if cal.kv:
-        t = Table(title="KV-cache scales")
-        for col in ("attention", "k_scale", "v_scale"):
-            t.add_column(col)
-        for r in cal.kv:
-            t.add_row(r.attention, *("missing" if v is None else SCALE.format(v) for v in (r.k_scale, r.v_scale)))
-        con.print(t)
+        con.print(named_table(con, "attention", [r.attention for r in cal.kv], [[r.k_scale, r.v_scale] for r in cal.kv],
+                              _KV_COLUMNS, per_tensor=per_tensor, title="KV-cache scales"))
 
 
 def _inspect_headline(report) -> str:
-    return (f"{report.source}: layout [bold]{report.layout}[/bold] (loads in {report.consumers})"
+    return (f"{report.source}: layout [bold]{report.layout}[/bold] (loads in {escape(report.consumers)})"
             + ("; quantcli manifest present" if report.has_manifest else ""))
 
 
@@ -250,14 +295,28 @@ def render_inspect_brief(report, con: Console, err: Console) -> None:
     _inspect_problems(report, err)
 
 
+def _engines_lines(report, con: Console) -> None:
+    """Each engine's verdict on the checkpoint, from quantcli/formats/engines.py (its conditions
+    settled on these files; `quantcli layouts` lists the conditions, docs/formats.md the loader code)."""
+    if not report.engines:
+        return
+    con.print("engines (checked on this checkpoint):")
+    width = max(len(j.engine) for j in report.engines)
+    for j in report.engines:  # wrapped under the verdict, not at the margin
+        line = f"  {j.engine:<{width}}  {j.loads}" + (f": {j.reason}" if j.reason else "")
+        con.print(textwrap.fill(line, width=con.width, subsequent_indent=" " * (width + 4), break_on_hyphens=False),
+                  markup=False)
+
+
 def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
     con.print(_inspect_headline(report))
+    _engines_lines(report, con)
     if report.modules:
         con.print(_modules_table(report.modules, con, per_tensor))
         if any(m.stats is not OMITTED for m in report.modules):
             con.print(_stats_table(report.modules, con, per_tensor))
     if report.calibrated is not OMITTED:
-        _scales_tables(report.calibrated, con)
+        _scales_tables(report.calibrated, con, per_tensor)
     con.print(_totals_table(report.by_format))
     if report.params:
         con.print(_bits_line(report))
@@ -266,53 +325,6 @@ def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
     _inspect_problems(report, con)
     if report.kv_cache is not OMITTED:
         con.print(_kv_table(report.kv_cache))
-
-
-# ---------------------------------------------------------------- recipes, layouts
-
-
-def render_recipes(infos, con: Console) -> None:
-    columns = [Column(h, justify="right" if h.startswith("bits") else "left")
-               for h in ("element", "block", "block scale", "global", "bits/param*", "default layout", "layouts")]
-    cells = [[r.element + (" x2/byte" if r.packed else ""), r.block, r.block_scale, r.global_scale or "-",
-              f"{r.bits_per_param:.3f}", r.default_layout, ", ".join(r.layouts)] for r in infos]
-    # one card per recipe where the table is too wide (80 columns), never a name broken mid-word
-    con.print(fitted_table(con, "recipe", [r.name for r in infos], cells, columns, title="recipes"))
-    con.print("* on a 4096x4096 weight, scales included; 1xK: one scale per row")
-
-
-def render_layouts(infos, matrix: dict[str, dict[str, str]], con: Console) -> None:
-    t = Table(title="layouts")
-    t.add_column("layout", no_wrap=True)  # names and keys whole; the engines wrap between words
-    t.add_column("engines")
-    t.add_column("exclusion key", no_wrap=True)
-    for i in infos:
-        t.add_row(i.name, ", ".join(i.engines) + ("; MoE experts only" if i.experts_only else ""), i.exclusion_key)
-    con.print(t)
-    # one row per recipe, one column per layout: four layout columns fit 80 columns, ten recipes do not
-    recipes = list(next(iter(matrix.values()), {}))
-    m = Table(title="which engines load each recipe in each layout")
-    m.add_column("recipe", no_wrap=True)
-    for layout in matrix:
-        m.add_column(layout, justify="center", no_wrap=True)
-    engines = {i.name: i.loads_in for i in infos}
-    static = {(i.name, r) for i in infos for r in i.static_only}
-    for r in recipes:
-        m.add_row(r, *(_engine_marks(engines[layout].get(r, [])) + ("*" if (layout, r) in static else "")
-                       if row[r] == "loads" else "read" if row[r] == "read only" else "-"
-                       for layout, row in matrix.items()))
-    con.print(m)
-    con.print("V vLLM, S SGLang, T TensorRT-LLM, H transformers")
-    if static:
-        con.print("*: only with calibrated activation scales (--activations static)")
-    con.print("read: quantcli reads it, no engine loads it; -: not written in that layout")
-
-
-_ENGINE_MARKS = {"vLLM": "V", "SGLang": "S", "TensorRT-LLM": "T", "transformers": "H"}
-
-
-def _engine_marks(engines: list[str]) -> str:
-    return " ".join(_ENGINE_MARKS[e] for e in engines)
 
 
 # ---------------------------------------------------------------- verify

@@ -8,6 +8,33 @@ import typer.core
 
 from quantcli.errors import UsageError, did_you_mean
 
+# Each command's --help ends with these (tests/test_cli_papercuts.py parses every one).
+EXAMPLES = {  # a long one goes on in a second line after ' \\'
+    "convert": ["quantcli convert meta-llama/Llama-3.2-1B out/nvfp4 --recipe nvfp4",
+                "quantcli convert ./llama out/fp8 --recipe fp8-block --dry-run",
+                "quantcli convert ./llama out/w4a4 --recipe nvfp4 --activations static \\\n"
+                "    --calibration data.jsonl",
+                "quantcli convert out/nvfp4 out/nvfp4-ct --layout compressed-tensors"],
+    "inspect": ["quantcli inspect out/nvfp4",
+                "quantcli inspect out/nvfp4 --stats --tensors model.layers.0",
+                "quantcli inspect ./llama --kv-cache --kv-budget 40GiB"],
+    "verify": ["quantcli verify out/nvfp4",
+               "quantcli verify out/nvfp4 --reference meta-llama/Llama-3.2-1B --top 5",
+               "quantcli verify out/nvfp4 --reference ./llama --exact -q"],
+    "recipes": ["quantcli recipes", "quantcli recipes --json"],
+    "layouts": ["quantcli layouts", "quantcli layouts --json"],
+    "eval": ["quantcli eval out/nvfp4 --reference ./llama --data heldout.txt",
+             "quantcli eval ./llama --recipe mxfp4 --scale-search mse --data heldout.txt --json"],
+    "push": ["quantcli push out/nvfp4 my-org/llama-nvfp4",
+             "quantcli push out/nvfp4 my-org/llama-nvfp4 --create-pr \\\n    --commit-message 'NVFP4 weights'"],
+}
+
+
+def examples(command: str) -> str:
+    """The --help epilog: the command's examples, one per line (\\b keeps click from rewrapping them)."""
+    lines = [line for example in EXAMPLES[command] for line in example.split("\n")]
+    return "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
+
 
 class Commands(typer.core.TyperGroup):
     """The top-level group, with one-line messages for a missing or misspelled command."""
@@ -16,14 +43,14 @@ class Commands(typer.core.TyperGroup):
         return [name for name in self.list_commands(ctx) if not self.get_command(ctx, name).hidden]
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        if not args:
+        if not args and not ctx.resilient_parsing:  # resilient: shell completion of `quantcli <Tab>`
             raise UsageError(f"missing command; choose one of: {', '.join(self._visible(ctx))} "
                              f"(see '{ctx.command_path} --help')")
         return super().parse_args(ctx, args)
 
     def resolve_command(self, ctx, args: list[str]):
         name = args[0] if args else ""
-        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None and not ctx.resilient_parsing:
             commands = self._visible(ctx)
             raise UsageError(f"no such command {name!r}{did_you_mean(name, commands)} "
                              f"(commands: {', '.join(commands)}; see '{ctx.command_path} --help')")
@@ -40,11 +67,28 @@ class WordArgument(typer.core.TyperArgument):
         return None
 
 
+# Options that would be silently ignored together: (command or None for any, option, given with
+# (True) or without (False) the other, the other, what to say). Refused before the command runs.
+CONFLICTS = (
+    (None, "quiet", True, "verbose", "-q and -v together: -q leaves only what a script needs, -v adds per-tensor "
+                                     "detail; choose one"),
+    ("verify", "revision", False, "reference", "--revision applies to a --reference repo id (QUANT is read as "
+                                               "given); add --reference SRC or drop --revision"),
+)
+
+
 class Command(typer.core.TyperCommand):
-    """A command whose arguments are shown as words (see WordArgument)."""
+    """A command whose arguments are shown as words (see WordArgument), and that refuses options
+    it would ignore (CONFLICTS)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         for p in self.params:
             if type(p) is typer.core.TyperArgument:
                 p.__class__ = WordArgument
+
+    def invoke(self, ctx):
+        for command, option, together, other, said in CONFLICTS:
+            if command in (None, self.name) and ctx.params.get(option) and bool(ctx.params.get(other)) == together:
+                raise UsageError(f"{said} (see '{ctx.command_path} --help')")
+        return super().invoke(ctx)

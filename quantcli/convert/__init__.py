@@ -1,11 +1,12 @@
 """`quantcli convert`: stream a safetensors checkpoint into a quantized one.
 
-Data flow (DESIGN.md): plan from headers (quantcli/planning/plan.py) -> passes that learn facts about
-modules (passes.py: today the shared amax of each fused group) -> the per-shard job
-(shard.py: read -> quantize -> layout names -> streamed into a shard of the staging folder
-`DST.partial`; returns a ShardResult, no shared state) -> finalize (finalize.py: index,
-configs, copied files, model card, manifest last) -> the staging folder is renamed to DST
-(destination.py). job.py runs these in order; progress.py records each finished shard's
+Data flow: plan from headers (quantcli/planning/, `plan_conversion`) -> passes (passes/: fact
+passes learn facts about modules, such as each fused group's shared amax; a weight pass, if one
+takes any tensor, stages quantized tensors layer by layer) -> the per-shard job
+(shard.py: read -> quantize, or a staged product as it is -> layout names -> streamed into a
+shard of the staging folder `DST.partial`; returns a ShardResult, no shared state) -> finalize
+(finalize.py: index, configs, copied files, model card, manifest last) -> the staging folder is
+renamed to DST (destination.py). job.py runs these in order; progress.py records each finished shard's
 result so --resume continues an interrupted run and yields the same bytes.
 
 Nothing is lost or half-written (issue 10): every destination problem is refused before any

@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from quantcli.checkpoint.manifest import MANIFEST_NAME
+from quantcli.checkpoint.manifest import MANIFEST_NAME, is_staging
 from quantcli.convert.lock import LOCK_NAME, StagingLock
 from quantcli.convert.progress import PROGRESS_NAME, load_progress
 from quantcli.convert.records import RunOptions
@@ -65,7 +65,10 @@ def check_destination(src: Path | None, dst: Path, run: RunOptions) -> None:
     if holder is not None:
         raise CheckpointError(holder.busy_message(dst))
     _check_aside(dst, run)
+    _check_ours(stage, is_staging(stage), "staging folder")
     dst_full = dst.exists() and any(dst.iterdir())
+    if dst_full and run.overwrite:
+        _check_ours(dst, (dst / MANIFEST_NAME).is_file(), "output")
     if dst_full and not run.overwrite:
         _check_resume_into_full(dst, run)
     if stage.exists() and not run.resume and not run.overwrite:
@@ -86,12 +89,18 @@ def _check_named(dst: Path) -> None:
 
 
 def _check_apart_from_source(src: Path, dst: Path) -> None:
+    """DST must not hold the source (a rename or --overwrite would move or delete it), nor, for a
+    source folder, lie inside it (its files are copied from the whole tree). A single file's
+    folder may hold DST: only that file and the companion files beside it are read."""
     dst_r, src_r = dst.resolve(), src.resolve()
-    src_dir = src_r if src_r.is_dir() else src_r.parent
-    if dst_r == src_dir or src_dir in dst_r.parents:
-        raise CheckpointError(f"{dst}: is the source folder or inside it; choose a destination outside {src_dir}")
+    if dst_r == src_r:
+        raise CheckpointError(f"{dst}: is the source itself; name a new folder for the output")
+    if src_r.is_dir() and src_r in dst_r.parents:
+        raise CheckpointError(f"{dst}: is inside the source folder, whose files are all read; choose a destination "
+                              f"outside {src_r}")
     if dst_r in src_r.parents:
-        raise CheckpointError(f"{dst}: contains the source {src}; choose a destination that does not hold it")
+        raise CheckpointError(f"{dst}: contains the source {src}; choose a destination that does not hold it"
+                              + (f", such as a new folder {src_r.parent / 'quantized'}" if src_r.is_file() else ""))
 
 
 def _check_parent(dst: Path) -> None:
@@ -120,22 +129,42 @@ def _check_aside(dst: Path, run: RunOptions) -> None:
                               f"to {dst}")
 
 
+def _check_ours(folder: Path, ours: bool, what: str) -> None:
+    """--overwrite (and a new run's staging folder) replace only what quantcli wrote: a quantcli
+    output (its manifest) or staging folder (its .quantcli-* files), or an empty folder."""
+    if ours or not folder.is_dir():
+        return
+    theirs = sorted(p.name for p in folder.iterdir())
+    if theirs:
+        raise CheckpointError(f"{folder}: holds files quantcli did not write (not a quantcli {what}: e.g. "
+                              f"{theirs[0]}{f' and {len(theirs) - 1} more' if len(theirs) > 1 else ''}); quantcli "
+                              f"replaces only its own {what} or an empty folder: delete it yourself or choose "
+                              f"another destination")
+
+
 def _check_resume_into_full(dst: Path, run: RunOptions) -> None:
     """A non-empty DST without --overwrite: only --resume of a run that may replace it goes on."""
     stage = staging_dir(dst)
+    finished = (dst / MANIFEST_NAME).is_file()
+    if not run.resume and finished and not stage.exists():
+        raise CheckpointError(f"{dst}: holds a finished quantcli output (complete: nothing to resume); pass "
+                              f"--overwrite to convert into it again, or choose another destination")
+    if not run.resume and stage.exists():
+        raise CheckpointError(f"{dst}: exists, and {stage.name} beside it is an interrupted run; rerun with --resume "
+                              f"to continue it, or --overwrite to start over")
     if not run.resume:
-        raise CheckpointError(f"{dst}: exists and is not empty; pass --overwrite to replace it or --resume to "
-                              f"continue an interrupted run")
+        _check_ours(dst, False, "output")
     if stage.is_dir():
         state = load_progress(stage / PROGRESS_NAME) if (stage / PROGRESS_NAME).exists() else {}
         if not state.get("replace_dst"):
+            _check_ours(dst, finished, "output")
             raise CheckpointError(f"{dst}: exists and is not empty, and the interrupted run in {stage} was not "
                                   f"started with --overwrite; pass --overwrite with --resume to replace {dst}")
         return
-    if not (dst / MANIFEST_NAME).exists():  # a finished quantcli output is compared after the plan
+    if not finished:  # a finished quantcli output is compared after the plan
         raise CheckpointError(f"{dst}: exists and is not empty, and there is no interrupted run ({stage}) to "
-                              f"resume; --resume never replaces a folder it did not write: use --overwrite to "
-                              f"replace it")
+                              f"resume; quantcli never replaces a folder it did not write: delete it yourself or "
+                              f"choose another destination")
 
 
 # --- filesystem faults
@@ -160,6 +189,8 @@ def writing(path: Path, dst: Path):
     """An OSError raised inside becomes a FilesystemError naming `path` (or the file it names)."""
     try:
         yield
+    except BrokenPipeError:  # stdout or stderr closed (-v piped into head): an interruption, not the disk
+        raise
     except OSError as exc:
         raise filesystem_error(exc, path, dst) from None
 

@@ -16,7 +16,8 @@ from quantcli.checkpoint.manifest import DiskEntry, Manifest, ModuleEntry
 from quantcli.checkpoint.source import INDEX
 from quantcli.convert.progress import write_json_atomic
 from quantcli.convert.records import Findings
-from quantcli.formats.layouts.base import stored_value
+from quantcli.formats.layouts.base import Role, stored_value
+from quantcli.planning.actions import Action
 from quantcli.planning.plan import Plan, TensorPlan
 
 
@@ -78,18 +79,18 @@ def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:
     for d in plan.layout.describe(t.module, recipe):
         o = specs[d.name]
         value = None
-        if d.role == "global_scale":
+        if d.role == Role.GLOBAL_SCALE:
             value = stored_value(found.globals[t.module], d.direction)
         disk.append(DiskEntry(d.name, d.role, o.dtype, o.shape, d.encoding, d.direction, value))
     disk += calibrated_entries(plan.layout, t, recipe, {d.name for d in disk})
     entry = module_entry(t, recipe, tuple(disk))
-    if t.action == "relayout" and recipe.scale_rules:  # the bytes are the source producer's
+    if t.action == Action.RELAYOUT and recipe.scale_rules:  # the bytes are the source producer's
         entry = replace(entry, scale_rule=f"as in the {plan.source_layout.name} source")
-    if t.action == "relayout":  # so are the scales: no search chose them
+    if t.action == Action.RELAYOUT:  # so are the scales: no search chose them
         entry = replace(entry, scale_search=None)
     if found.weighted.get(t.module):  # calibration statistics weighted the search
         entry = replace(entry, scale_search_weights=found.weighted[t.module])
-    if t.action == "requantize":  # verify against the original model adds this error to its yardstick
+    if t.action == Action.REQUANTIZE:  # verify against the original model adds this error to its yardstick
         entry = replace(entry, requantized_from=t.source_recipe, requantize_rel_err=found.errors.get(t.module))
     return entry
 

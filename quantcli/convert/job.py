@@ -1,6 +1,6 @@
-"""The conversion job: passes that learn facts -> the per-shard job for every shard not already
-finished (--resume) -> finalize (index, configs, card, manifest last) -> the staging folder is
-put in place of DST.
+"""The conversion job: fact passes -> a weight pass, if one takes any tensor (its products staged
+layer by layer) -> the per-shard job for every shard not already finished (--resume) -> finalize
+(index, configs, card, manifest last) -> the staging folder is put in place of DST.
 
 A reader therefore sees DST either absent (or as it was, with --overwrite) or complete. A data
 refusal in a run that started fresh removes what it made (resuming would meet the same
@@ -32,7 +32,7 @@ from quantcli.convert.destination import (
 from quantcli.convert.device import resolve_device
 from quantcli.convert.finalize import build_manifest, import_ahead, write_side_files
 from quantcli.convert.lock import StagingLock
-from quantcli.convert.passes import CALIBRATION_CACHE, learn_facts
+from quantcli.convert.passes import CALIBRATION_CACHE, learn_facts, learn_weights
 from quantcli.convert.progress import (
     PROGRESS_NAME,
     ProgressFile,
@@ -45,6 +45,7 @@ from quantcli.convert.rank_files import RankRecords, check_shared_staging
 from quantcli.convert.reading import ModuleReader
 from quantcli.convert.records import ConvertResult, Findings, Progress, RunOptions, ShardResult
 from quantcli.convert.shard import convert_shard
+from quantcli.convert.staged import StagedWeights, discard_weights
 from quantcli.convert.world import World
 from quantcli.errors import CheckpointError, QuantcliError
 from quantcli.planning.plan import Plan
@@ -83,7 +84,7 @@ class ConversionJob:
             if step["kind"] == "finished":
                 return self._finish_installed(stage, lock) if world.lead else self._result(0, 0, [], [])
             return self._convert(stage, fp, step, lock)
-        except FilesystemError:
+        except (FilesystemError, BrokenPipeError):  # kept for --resume (a closed pipe is an interruption)
             raise
         except QuantcliError:
             if fresh[0]:
@@ -148,6 +149,7 @@ class ConversionJob:
             (stage / MANIFEST_NAME).write_text(manifest.to_json())
             (stage / PROGRESS_NAME).unlink()
             (stage / CALIBRATION_CACHE).unlink(missing_ok=True)
+            discard_weights(stage)
             for rank_file in RankRecords.files(stage):
                 rank_file.unlink()
         lock.release()
@@ -164,16 +166,23 @@ class ConversionJob:
             reader = ModuleReader(self.plan, tensors, self.device, self.run.backend, stage,
                                   self.progress if self.world.lead else None)
             facts = learn_facts(reader, world=self.world)
-            return self.world.settle(lambda: self._write_shards(stage, reader, facts, [s for s in sizes if s in mine]))
+            staged = learn_weights(reader, facts, world=self.world)  # None: no weight pass takes a tensor
+            try:
+                return self.world.settle(lambda: self._write_shards(stage, reader, facts, staged,
+                                                                    [s for s in sizes if s in mine]))
+            finally:
+                if staged is not None:
+                    staged.close()
 
-    def _write_shards(self, stage: Path, reader: ModuleReader, facts, shards: list[str]) -> dict[str, ShardResult]:
+    def _write_shards(self, stage: Path, reader: ModuleReader, facts, staged: StagedWeights | None,
+                      shards: list[str]) -> dict[str, ShardResult]:
         results: dict[str, ShardResult] = {}
         for shard in shards:
             out_path = stage / shard
             with writing(out_path.parent, self.dst):
                 out_path.parent.mkdir(parents=True, exist_ok=True)
             with writing(out_path, self.dst):
-                results[shard] = convert_shard(reader, shard, facts, out_path, self.progress)
+                results[shard] = convert_shard(reader, shard, facts, out_path, self.progress, staged)
             with writing(self.records.path, self.dst):
                 self.records.record(shard, results[shard])
             _fault_injection(len(results))

@@ -7,6 +7,7 @@ named by its Hub id or its folder name."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path, PurePosixPath
 
 from huggingface_hub import ModelCard, ModelCardData
@@ -14,7 +15,8 @@ from huggingface_hub import ModelCard, ModelCardData
 from quantcli import __version__
 from quantcli.checkpoint.manifest import MANIFEST_NAME
 from quantcli.checkpoint.source import REPO_ID, Source
-from quantcli.formats.engines import loads_in, sglang_flag
+from quantcli.formats.engine_checks import IF, YES, EngineLoad, Facts, judge_checkpoint, loads_in_line
+from quantcli.formats.engines import VLLM_KV_FLAGS, sglang_flag
 from quantcli.planning.plan import Plan
 
 CARD_HEADING = "## Quantization (quantcli)"
@@ -32,7 +34,8 @@ def write_model_card(plan: Plan, stage: Path) -> None:
     readme = stage / "README.md"
     card = _read_card(readme.read_text(encoding="utf-8") if readme.exists() else "")
     _update_metadata(card.data, plan)
-    text = with_model_card(_without_title(card.text), card_section(plan, card.data.get("base_model")))
+    engines = output_loads(plan, stage)
+    text = with_model_card(_without_title(card.text), card_section(plan, card.data.get("base_model"), engines))
     card.text = "\n" + _title(plan, card.data.get("base_model")) + ("" if text.startswith("\n") else "\n") + text
     readme.write_text(str(card).rstrip("\n") + "\n", encoding="utf-8")
 
@@ -68,7 +71,11 @@ def _update_metadata(data: ModelCardData, plan: Plan) -> None:
         data.base_model = base
         if plan.layout is not None:
             data.base_model_relation = "quantized"
-    data.library_name = "transformers"  # a transformers-format folder (config.json, HF names)
+    # a transformers-format folder (config.json, HF names); a sentence-transformers model keeps its
+    # library (its modules.json and pooling config are copied with it)
+    if data.get("library_name") != "sentence-transformers":
+        st = (plan.source.root / "modules.json").exists()
+        data.library_name = "sentence-transformers" if st else "transformers"
     tags = list(data.tags or [])
     if "quantcli" in tags:  # a quantcli output converted again: its tags describe the source, not this
         tags = [t for t in tags if t not in _quantcli_tags()]
@@ -77,7 +84,7 @@ def _update_metadata(data: ModelCardData, plan: Plan) -> None:
         ours.append(plan.dense_dtype)
     else:
         ours += ["quantized", *sorted({RECIPE_TAGS.get(r, r) for r in plan.recipes}), plan.layout.name]
-    data.tags = tags + [t for t in ours if t not in tags]
+    data.tags = tags + [t for t in dict.fromkeys(ours) if t not in tags]  # recipe tag fp8 = layout fp8: once
 
 
 def _quantcli_tags() -> set[str]:
@@ -126,9 +133,34 @@ def with_model_card(text: str, card: str) -> str:
     return head + card + tail
 
 
-def card_section(plan: Plan, base: object = None) -> str:
-    """quantcli's section: what was done, the quantization table, what stayed dense, how to serve.
-    The source is named as the front matter's base_model (the Hub id) when there is one."""
+def output_loads(plan: Plan, folder: Path) -> list[EngineLoad]:
+    """Each engine's verdict on the output in `folder` (its config.json and hf_quant_config.json
+    as written, the plan's quantized shapes): the same table and checks as inspect's."""
+    if plan.layout is None:
+        return []
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if (folder / "hf_quant_config.json").exists():
+        config["hf_quant_config"] = json.loads((folder / "hf_quant_config.json").read_text(encoding="utf-8"))
+    modules = {t.module: (t.recipe, t.logical_shape) for t in plan.tensors if t.quantized}
+    static = any(o.name.endswith((".input_scale", ".input_global_scale")) for t in plan.tensors for o in t.outputs)
+    return judge_checkpoint(plan.layout.name, Facts(modules, config, static))
+
+
+def engines_table(engines: list[EngineLoad]) -> list[str]:
+    """The card's engine table: each engine's verdict, why, and the loader code it rests on."""
+    lines = ["Which engines load it (quantcli's engine table, its conditions checked on these files):", "",
+             "| engine | loads | why | loader code |", "|---|---|---|---|"]
+    for j in engines:
+        lines.append(f"| {j.engine} | {j.loads} | {j.reason.replace('|', '/') or '-'} | "
+                     + ", ".join(f"`{r}`" for r in j.rules.split("; ")) + " |")
+    return lines + [""]
+
+
+def card_section(plan: Plan, base: object = None, engines: list[EngineLoad] | None = None) -> str:
+    """quantcli's section: what was done, the quantization table, what stayed dense, which engines
+    load it, how to serve. The source is named as the front matter's base_model (the Hub id)
+    when there is one."""
+    engines = engines or []
     lines = ["", CARD_HEADING, ""]
     source = base if isinstance(base, str) and base else _model_name(plan, plan.source.repo_id)
     if plan.layout is None:
@@ -138,7 +170,7 @@ def card_section(plan: Plan, base: object = None) -> str:
     what = {"relayout": "carried over byte for byte", "requantize": "decoded and re-quantized",
             "quantize": "quantized"}
     lines += [f"Converted from `{source}` with quantcli {__version__}, layout `{plan.layout.name}` "
-              f"(loads in {plan.layout.consumers}).", "",
+              f"(loads in {loads_in_line(engines)}).", "",
               "| recipe | modules | scale rule | how |", "|---|---|---|---|"]
     for name, mods in sorted(plan.modules_by_recipe().items()):
         actions = sorted({what[t.action] for t in plan.tensors if t.recipe == name})
@@ -150,14 +182,15 @@ def card_section(plan: Plan, base: object = None) -> str:
     lines += ["", f"Left unquantized ({plan.layout.exclusion_key}): "
               + ", ".join(f"`{n}`" for n in plan.excluded_names()), "",
               f"Every quantized tensor, its scales and their direction are listed in `{MANIFEST_NAME}`.", ""]
-    return "\n".join(lines + _serving(plan))
+    return "\n".join(lines + engines_table(engines) + _serving(plan, engines))
 
 
-def _serving(plan: Plan, model: str = "MODEL") -> list[str]:
-    engines = set.intersection(*(set(loads_in(r, plan.layout.name)) for r in plan.recipes)) if plan.recipes else set()
+def _serving(plan: Plan, loads: list[EngineLoad], model: str = "MODEL") -> list[str]:
+    engines = {j.engine for j in loads if j.loads in (YES, IF)}
     commands = []
-    if "vLLM" in engines:
-        commands.append(f"{SERVE_PREFIXES[0]}{model}")
+    if "vLLM" in engines:  # vLLM reads an FP8 KV cache from the config in some layouts only
+        kv = VLLM_KV_FLAGS.get(plan.layout.name) if plan.options.kv_cache == "fp8" else None
+        commands.append(f"{SERVE_PREFIXES[0]}{model}" + (f" {kv}" if kv else ""))
     if "SGLang" in engines:
         flags = {sglang_flag(r, plan.layout.name) for r in plan.recipes} - {None}
         commands.append(f"{SERVE_PREFIXES[1]}{model}" + "".join(f" --quantization {f}" for f in sorted(flags)))
@@ -182,4 +215,5 @@ def retarget_serving(text: str, repo_id: str) -> str:
     return "".join(out)
 
 
-__all__ = ["CARD_HEADING", "base_model", "card_section", "retarget_serving", "with_model_card", "write_model_card"]
+__all__ = ["CARD_HEADING", "base_model", "card_section", "engines_table", "output_loads", "retarget_serving",
+           "with_model_card", "write_model_card"]

@@ -1,7 +1,8 @@
-"""The per-shard job: one output shard as a function of (plan, shard, facts). It shares no
-mutable state with other shards (everything it learned comes back in its ShardResult), so
-shards can run in any order or on any worker, and a resumed run rebuilds the same manifest
-from the recorded results."""
+"""The per-shard job: one output shard as a function of (plan, shard, facts, staged products). It
+shares no mutable state with other shards (everything it learned comes back in its ShardResult),
+so shards can run in any order or on any worker, and a resumed run rebuilds the same manifest
+from the recorded results. A tensor a weight pass produced (convert/staged.py) is written as it
+was staged instead of being quantized here."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ import torch
 from quantcli.checkpoint.safetensors_io import DTYPES, ShardWriter, tensor_bytes
 from quantcli.convert.reading import ModuleReader
 from quantcli.convert.records import Findings, Progress, ShardResult
+from quantcli.convert.staged import StagedWeights
 from quantcli.formats.facts import NO_FACTS, ModuleFacts
-from quantcli.formats.layouts.base import module_of, to_direction
+from quantcli.formats.layouts.base import Direction, Role, module_of, to_direction
 from quantcli.kernels import cpu_workers
 from quantcli.memory import release_freed_memory
+from quantcli.planning.actions import Action
 from quantcli.planning.plan import TensorPlan
-from quantcli.recipes import QuantizedTensor
+from quantcli.recipes import QuantizedTensor, Recipe
 
 # Outputs waiting for the writer thread besides the one it writes: one keeps it busy while the
 # next tensor is quantized; two held one more tensor's codes (peak RSS above the floor's).
@@ -41,15 +44,15 @@ class Learned:
 
 
 def convert_shard(reader: ModuleReader, shard: str, facts: Mapping[str, ModuleFacts], out_path: Path,
-                  progress: Progress | None = None) -> ShardResult:
+                  progress: Progress | None = None, staged: StagedWeights | None = None) -> ShardResult:
     """Write output shard `shard` to `out_path` atomically. A failed or interrupted write leaves
     no partial file behind; an OSError names the file it was writing."""
     planned = [t for t in reader.plan.tensors if t.shard == shard]
     tmp = out_path.with_name(out_path.name + ".tmp")
     learned: dict[str, Learned] = {}
     try:
-        with open(tmp, "wb") as f, _compute_threads(reader.device):
-            writer = _stream(f, reader, shard, planned, facts, learned, progress or (lambda n, s: None))
+        with open(tmp, "wb") as f, compute_threads(reader.device):
+            writer = _stream(f, reader, shard, planned, facts, staged, learned, progress or (lambda n, s: None))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out_path)
@@ -62,7 +65,7 @@ def convert_shard(reader: ModuleReader, shard: str, facts: Mapping[str, ModuleFa
     return ShardResult(writer.size, writer.sha256, _findings(learned))
 
 
-def _compute_threads(device: torch.device):
+def compute_threads(device: torch.device):
     """On the CPU, torch's intra-op threads (as many as it would use, set per rank on several
     ranks) quantize whole chunks side by side instead of splitting every op (cpu_workers)."""
     return cpu_workers(torch.get_num_threads()) if device.type == "cpu" else contextlib.nullcontext()
@@ -77,7 +80,7 @@ def _findings(learned: Mapping[str, Learned]) -> Findings:
 
 
 def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], facts: Mapping[str, ModuleFacts],
-            learned: dict[str, Learned], progress: Progress) -> ShardWriter:
+            staged: StagedWeights | None, learned: dict[str, Learned], progress: Progress) -> ShardWriter:
     producer = {o.name: t for t in planned for o in t.outputs}
     writer = ShardWriter(f, [o for t in planned for o in t.outputs], {"format": "pt"})
     # One background thread writes (and hashes) while the next tensor is read and quantized;
@@ -91,7 +94,7 @@ def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], fact
                 t = producer[spec.name]
                 module = t.module or module_of(t.name)
                 module_facts = facts.get(module, NO_FACTS)
-                outputs, found = produce(reader, t, module_facts)
+                outputs, found = _outputs(reader, t, module_facts, staged)
                 if reader.plan.layout is not None and module_facts is not NO_FACTS:  # KV scales come from facts
                     outputs.update(reader.plan.layout.kv_to_disk(module, module_facts))
                 if t.module is not None:
@@ -119,29 +122,46 @@ def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], fact
     return writer
 
 
+def _outputs(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts,
+             staged: StagedWeights | None) -> tuple[dict, Learned]:
+    """What a weight pass staged for `t`, byte for byte (checked against the plan), or else the
+    outputs produced here."""
+    made = staged.product(t, reader.plan.layout) if staged is not None else None
+    if made is None:
+        return produce(reader, t, facts)
+    outputs, learned = made
+    return outputs, Learned(**learned)
+
+
 def produce(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts) -> tuple[dict, Learned]:
     """The output tensors of one planned tensor, by its action, and what producing them learned."""
     plan = reader.plan
-    if t.action == "copy":
+    if t.action == Action.COPY:
         return {t.name: reader.tensors.raw(t.name)}, Learned()  # bit-identical pass-through
-    if t.action == "relayout":  # codes and block scales carried over byte for byte
+    if t.action == Action.RELAYOUT:  # codes and block scales carried over byte for byte
         q = reader.source_quantized(t)
         out = plan.layout.to_disk(t.module, q, facts=facts)
         return out, Learned(_global_of(q), note=_inversion_note(reader, t, out))
     w = reader.weight(t)
-    if t.action == "dequantize":
+    if t.action == Action.DEQUANTIZE:
         w = w.transpose(-1, -2) if t.transpose else w
         (spec,) = t.outputs
         return {spec.name: w.to(DTYPES[spec.dtype]).cpu()}, Learned()
     recipe = plan.recipes[t.recipe]
-    q = recipe.quantize(t.name, w, backend=reader.backend, facts=facts)
+    # int4's scales take the weight's dtype: the FP32 decode is cast to the model's first (planned)
+    wq = w if t.requantize_dtype is None else w.to(DTYPES[t.requantize_dtype])
+    q = recipe.quantize(t.name, wq, backend=reader.backend, facts=facts)
     error = None
-    if t.action == "requantize":  # the combined error, against the decoded source
+    if t.action == Action.REQUANTIZE:  # the combined error, against the decoded source
         d = recipe.dequantize(q, backend=reader.backend)
         error = float((d - w).float().norm() / w.float().norm().clamp_min(1e-30))
+    return plan.layout.to_disk(t.module, q.to("cpu"), facts=facts), learned_of(recipe, q, facts, error)
+
+
+def learned_of(recipe: Recipe, q: QuantizedTensor, facts: ModuleFacts, error: float | None = None) -> Learned:
+    """What quantizing a module to `q` tells the manifest (also for a weight pass's product)."""
     weighted = "input_channel_ms" if recipe.scale_search != "none" and facts.input_channel_ms is not None else None
-    return plan.layout.to_disk(t.module, q.to("cpu"), facts=facts), Learned(_global_of(q), error=error,
-                                                                            weighted=weighted)
+    return Learned(_global_of(q), error=error, weighted=weighted)
 
 
 def _global_of(q: QuantizedTensor) -> float | None:
@@ -157,7 +177,7 @@ def _inversion_note(reader: ModuleReader, t: TensorPlan, out: dict[str, torch.Te
     if before is None or after is None:
         return None
     (b, b_dir), (a, a_dir) = before, after
-    back = a if a_dir == b_dir else to_direction(a, "divide")  # the stored value in the source's direction
+    back = a if a_dir == b_dir else to_direction(a, Direction.DIVIDE)  # the stored value in the source's direction
     if torch.equal(back, b):
         return None
     return (f"{t.module}: global scale {float(b)!r} ({b_dir}) has no exact FP32 reciprocal; "
@@ -167,6 +187,6 @@ def _inversion_note(reader: ModuleReader, t: TensorPlan, out: dict[str, torch.Te
 def _global_scale(layout, module: str, recipe, get) -> tuple[torch.Tensor, str] | None:
     """The stored global scale of a module and its direction, or None."""
     for d in layout.describe(module, recipe):
-        if d.role == "global_scale":
+        if d.role == Role.GLOBAL_SCALE:
             return get(d.name).to(torch.float32).reshape(()), d.direction
     return None

@@ -10,8 +10,9 @@ Long phases (reading fused groups, converting shards) end in `settle`: each rank
 outcome in the job's key-value store and waits for the others while checking their heartbeats,
 so a rank that dies or hangs stops the rest after QUANTCLI_RANK_TIMEOUT seconds (default 60)
 with one line, however long the phase itself takes. Small results travel with the meeting as
-JSON (`settle_all`); tensors move in short collectives (all_reduce MAX) under the process
-group's own timeout. torch's object collectives are not used: they unpickle what peers send.
+JSON (`settle_all`); tensors move in short collectives (all_reduce MAX; all_gather, for sums
+taken in a fixed order) under the process group's own timeout. torch's object collectives are
+not used: they unpickle what peers send.
 """
 
 from __future__ import annotations
@@ -185,6 +186,16 @@ class World:
         y = x.to(self.comm_device).clone()
         self._collective(lambda: torch.distributed.all_reduce(y, op=torch.distributed.ReduceOp.MAX))
         return y.cpu()
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (same shape and dtype on every rank), in rank order: the exact bits
+        each sent, so that a sum over them can be taken in an order every rank agrees on."""
+        if self.size == 1:
+            return [x]
+        y = x.to(self.comm_device).contiguous()
+        out = [torch.empty_like(y) for _ in range(self.size)]
+        self._collective(lambda: torch.distributed.all_gather(out, y))
+        return [o.cpu() for o in out]
 
     def _collective(self, op: Callable[[], object]) -> None:
         try:

@@ -3,7 +3,7 @@ quantized module's static input scale and the FP8 KV-cache scales per attention 
 
 Names, directions and shapes come from the layout tables (`Layout.optional` rows with an
 input-scale role, `Layout.kv_names`); nothing here knows a suffix. Shared by inspect (shown) and
-verify (checked: verify/calibrated.py). Scalars only: a few bytes each are read.
+verify (checked: quantcli/verify/activation_scales.py). Scalars only: a few bytes each are read.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from quantcli.formats.fused import fused_group_of
-from quantcli.formats.layouts.base import Layout, to_direction
+from quantcli.formats.layouts.base import Direction, Layout, to_direction
 
 # The multiplier's divisor: input_scale = amax_x / 2688 (NVFP4: E4M3 max 448 x E2M1 max 6),
-# amax / 448 for FP8 activations and the FP8 KV cache (FORMATS B 3, 6, 9).
+# amax / 448 for FP8 activations and the FP8 KV cache (docs/formats.md, "Calibrated scales").
 AMAX_DIVISOR = {"nvfp4": 2688.0}
 FP8_DIVISOR = 448.0
 # An activation amax above the FP16 range means the scale was stored in the other direction.
@@ -76,7 +76,7 @@ def _input_scales(layout: Layout, modules: dict[str, str], tensors, static: bool
                     missing.append(name)
                 continue
             multiplier = float(to_direction(torch.tensor(value), row.direction))
-            found.append(InputScale(module, name, value, row.direction or "multiply",
+            found.append(InputScale(module, name, value, row.direction or Direction.MULTIPLY,
                                     multiplier * divisor_of(recipe), divisor_of(recipe)))
     return found, missing
 
@@ -138,7 +138,7 @@ def scale_value_fault(value: float, amax: float, direction: str) -> str | None:
     if value <= 0:
         return f"is {value:g}, not positive"
     if not math.isfinite(amax) or amax > AMAX_BOUND:
-        other = "divisor" if direction == "multiply" else "multiplier"
+        other = "divisor" if direction == Direction.MULTIPLY else "multiplier"
         return (f"is {value:g}, which as a {direction} scale implies an activation amax of {amax:.4g} (> {AMAX_BOUND:g});"
                 f" it looks stored as a {other} (inverted)")
     return None

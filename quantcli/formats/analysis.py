@@ -25,6 +25,7 @@ from quantcli.formats.detect import Detected, disk_problems, tensors_look_like
 from quantcli.formats.experts import experts_module
 from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import Layout, layouts_for
+from quantcli.formats.layouts.base import Role
 from quantcli.formats.module_kinds import is_dense_linear
 from quantcli.reports import OMITTED
 
@@ -101,6 +102,9 @@ class ModuleStats:
     nonfinite_values: int = OMITTED
     zero_block_fraction: float = OMITTED
     saturated_fraction: float = OMITTED
+    # what absmax scaling saturates by construction: one code per block (NVFP4 1/16 = 6.25 %);
+    # OMITTED for E8M0 scales, which put the block amax near, not onto, the largest element
+    saturated_inherent: float = OMITTED
 
 
 @dataclass
@@ -141,7 +145,7 @@ def _disk_entries(layout: Layout, module: str, recipe, tensors: CheckpointTensor
         nbytes += info.nbytes
         entry = TensorEntry(name=d.name, role=d.role, dtype=info.dtype, shape=list(info.shape), encoding=d.encoding,
                             direction=d.direction)
-        if d.role == "global_scale" and info.numel == 1:
+        if d.role == Role.GLOBAL_SCALE and info.numel == 1:
             entry.value = float(tensors.get(d.name).to(torch.float32).reshape(()))
         entries.append(entry)
     return entries, nbytes, problems
@@ -161,6 +165,9 @@ def describe_module(layout: Layout, module: str, recipe_name: str, tensors: Chec
     if looks_like and looks_like != recipe.name:
         problems.append(f"config says {recipe.name} but the tensors look like {looks_like}")
     numel = math.prod(logical) if logical else 0
+    # Bits per parameter count codes and scales: compressed-tensors' `weight_shape` is 16 bytes of
+    # metadata per module, not a cost per parameter (int4 stays 4 + 16/128 on any shape).
+    bits_bytes = nbytes - sum(tensors.info(e.name).nbytes for e in entries if e.role == Role.SHAPE)
     element = recipe.element
     return ModuleDescription(
         module=module, recipe=recipe.name, tensors_look_like=looks_like, logical_shape=logical,
@@ -168,7 +175,7 @@ def describe_module(layout: Layout, module: str, recipe_name: str, tensors: Chec
         storage_shape=list(codes.shape) if codes else None,
         packing=f"{element.packing} low_first" if element.packed else None,
         block=list(recipe.block), scale_rule=recipe.scale_rule, tensors=entries, bytes=nbytes, params=numel,
-        bits_per_param=round(8 * nbytes / numel, 4) if numel else None, problems=problems)
+        bits_per_param=round(8 * bits_bytes / numel, 4) if numel else None, problems=problems)
 
 
 def module_stats(layout: Layout, module: str, recipe_name: str, tensors: CheckpointTensors) -> ModuleStats:
@@ -182,7 +189,24 @@ def module_stats(layout: Layout, module: str, recipe_name: str, tensors: Checkpo
         g = w.reshape(-1, blocks)
         out.zero_block_fraction = round(float((g.abs().amax(dim=1) == 0).float().mean()), 6)
     out.saturated_fraction = round(recipe.saturated_fraction(q), 6)
+    inherent = inherent_saturation(recipe, tuple(q.shape))
+    if inherent is not None:
+        out.saturated_inherent = round(inherent, 6)
     return out
+
+
+def inherent_saturation(recipe, shape: tuple[int, ...]) -> float | None:
+    """The share of codes at the element's max that absmax scaling puts there by construction:
+    each block's amax maps to the largest element, so one code per block (partial edge blocks
+    count whole). None for power-of-two (E8M0) scales, which map the amax below the max."""
+    if recipe.scale_encoding == "e8m0_bias127" or len(shape) < 2 or not math.prod(shape):
+        return None
+    rows, cols = recipe.block
+    if rows == 0 and cols == 0:  # one scale for the whole tensor
+        return 1.0 / math.prod(shape)
+    n, k = shape[-2], shape[-1]
+    blocks = math.prod(shape[:-2]) * math.ceil(n / (rows or n)) * math.ceil(k / (cols or k))
+    return blocks / math.prod(shape)
 
 
 @dataclass
@@ -194,7 +218,7 @@ class FusedMismatch:
 
 
 def global_scale_value(m: ModuleDescription) -> float | None:
-    value = next((t.value for t in m.tensors if t.role == "global_scale"), None)
+    value = next((t.value for t in m.tensors if t.role == Role.GLOBAL_SCALE), None)
     return None if value is OMITTED else value
 
 

@@ -1,13 +1,13 @@
 """What exists, read from the registries (recipes/, quantcli/formats/layouts/): `quantcli recipes` and
 `quantcli layouts`. Nothing here is written out by hand: a new recipe or a new row in a layout's
 table shows up in both listings and in the loadability matrix by itself. Which engines load a
-pair comes from one place, quantcli/formats/engines.py (also the model card's serving commands)."""
+pair comes from one place, quantcli/formats/engines.py (also inspect, the model card and the docs)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from quantcli.formats.engines import ENGINES, loads_in
+from quantcli.formats.engines import ENGINES, loads_in, statement, verdicts
 from quantcli.formats.layouts import DEFAULT_LAYOUT, LAYOUTS, layouts_for
 from quantcli.recipes import RECIPES
 from quantcli.reports import block_label
@@ -30,6 +30,17 @@ class RecipeInfo:
 
 
 @dataclass
+class EngineVerdict:
+    """One engine on one (recipe, layout) pair, as quantcli/formats/engines.py says."""
+
+    engine: str
+    status: str  # loads | loads if | no | not checked
+    condition: str  # loads if: what must hold; no / not checked: why
+    rules: list[str]  # the loader code the verdict rests on (repo version path::function)
+    note: str = ""
+
+
+@dataclass
 class LayoutInfo:
     name: str
     engines: list[str]  # who loads it (e.g. vLLM, SGLang, TensorRT-LLM): any recipe of `loads_in`
@@ -39,6 +50,8 @@ class LayoutInfo:
     experts_only: bool  # the layout names MoE expert stacks only
     loads_in: dict[str, list[str]]  # recipe of `writes` -> the engines that load it in this layout
     static_only: list[str] = field(default_factory=list)  # recipes written only with --activations static
+    statements: dict[str, str] = field(default_factory=dict)  # recipe -> `vLLM, SGLang (if ...)`
+    verdicts: dict[str, list[EngineVerdict]] = field(default_factory=dict)  # recipe -> every engine's verdict
 
 
 def recipes() -> list[RecipeInfo]:
@@ -61,8 +74,16 @@ def layouts() -> list[LayoutInfo]:
         out.append(LayoutInfo(name=name, engines=[e for e in ENGINES if any(e in got for got in engines.values())],
                               writes=writes, reads_only=[r for r in RECIPES if r in layout.unservable],
                               exclusion_key=layout.exclusion_key, experts_only=layout.experts_only, loads_in=engines,
-                              static_only=[r for r in writes if r in layout.needs_static]))
+                              static_only=[r for r in writes if r in layout.needs_static],
+                              statements={r: statement(r, name) for r in writes},
+                              verdicts={r: _verdicts(r, name) for r in writes}))
     return out
+
+
+def _verdicts(recipe: str, layout: str) -> list[EngineVerdict]:
+    found = verdicts(recipe, layout)
+    return [EngineVerdict(e, found[e].status, found[e].condition, [r.cite() for r in found[e].rules], found[e].note)
+            for e in ENGINES]
 
 
 def loadability(infos: list[LayoutInfo]) -> dict[str, dict[str, str]]:
@@ -72,4 +93,4 @@ def loadability(infos: list[LayoutInfo]) -> dict[str, dict[str, str]]:
             for i in infos}
 
 
-__all__ = ["LayoutInfo", "RecipeInfo", "layouts", "loadability", "recipes"]
+__all__ = ["EngineVerdict", "LayoutInfo", "RecipeInfo", "layouts", "loadability", "recipes"]

@@ -12,7 +12,7 @@ from quantcli.checkpoint.manifest import MANIFEST_NAME, Manifest
 from quantcli.checkpoint.safetensors_io import dtype_name
 from quantcli.checkpoint.source import Source, load_config
 from quantcli.formats.layouts import LAYOUTS, Layout
-from quantcli.formats.layouts.base import BLOCKS16
+from quantcli.formats.layouts.base import BLOCKS16, Role
 from quantcli.recipes import RECIPES
 
 
@@ -79,8 +79,9 @@ def detect(source: Source) -> Detected | None:
 # ---------------------------------------------------------------- what the tensors themselves say
 
 # Float dtypes a producer may store an FP32-meaning scale in: llm-compressor writes FP8-family
-# scales in the model's dense dtype (FORMATS.md B 4, 5.2). Each widens to FP32 exactly, so reading
-# them loses nothing; quantcli itself always writes F32 (what every consumer expects).
+# scales in the model's dense dtype (docs/formats.md, "compressed-tensors presets"). Each widens
+# to FP32 exactly, so reading them loses nothing; quantcli itself always writes F32 (what every
+# consumer expects).
 FLOAT_SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
@@ -96,10 +97,26 @@ def stored_as_expected(expected_dtype: str, expected_shape: tuple[int, ...], dty
     return math.prod(expected_shape) == 1 and math.prod(shape) == 1 and len(shape) <= 1 and len(expected_shape) <= 1
 
 
+def stored_weight_dtype(layout: Layout, module: str, recipe, tensors):
+    """The weight dtype a stored module was quantized in, as far as its scales say: the block
+    scale's own float dtype for scales of the weight's dtype (int4: BF16, F16 or F32 alike are
+    what a producer writes for such a model), else F32 (the other codecs do not depend on it)."""
+    import torch
+
+    from quantcli.checkpoint.safetensors_io import DTYPES
+
+    if recipe.scale_codec.dtype is None:
+        for d in layout.describe(module, recipe):
+            if d.role == Role.BLOCK_SCALE and d.name in tensors and tensors.info(d.name).dtype in FLOAT_SCALE_DTYPES:
+                return DTYPES[tensors.info(d.name).dtype]
+    return torch.float32
+
+
 def disk_problems(layout: Layout, module: str, recipe, logical_shape: tuple[int, ...], tensors) -> list[str]:
     """Stored tensors of `module` whose dtype or shape the layout cannot read as `recipe`."""
     problems = []
-    for name, dtype, shape in layout.output_specs(module, recipe, logical_shape):
+    weight_dtype = stored_weight_dtype(layout, module, recipe, tensors)
+    for name, dtype, shape in layout.output_specs(module, recipe, logical_shape, weight_dtype):
         if name in tensors:
             info = tensors.info(name)
             expected = dtype_name(dtype)
@@ -115,32 +132,50 @@ def recipes_the_tensors_allow(module: str, tensors) -> set[str]:
 
     Shapes alone can be ambiguous (a [1, 32] fp8-channel weight has a [1, 1] scale, like fp8 and
     fp8-block), so this returns a set: the config's recipe wins whenever it is in it."""
-    codes_row = next((r for r in _rows_of("codes") if f"{module}{r.suffix}" in tensors), None)
-    scale_row = next((r for r in _rows_of("block_scale") if f"{module}{r.suffix}" in tensors), None)
+    codes_row = next((r for r in _rows_of(Role.CODES) if f"{module}{r.suffix}" in tensors), None)
+    scale_row = next((r for r in _rows_of(Role.BLOCK_SCALE) if f"{module}{r.suffix}" in tensors), None)
     if codes_row is None or scale_row is None:
         return set()
     codes, scale = tensors.info(f"{module}{codes_row.suffix}"), tensors.info(f"{module}{scale_row.suffix}")
     if codes.dtype == "U8":  # FP4 pairs: the group size tells NVFP4 (16) from MXFP4 (32)
         k = codes.shape[-2] * 32 if codes_row.reshape == BLOCKS16 else codes.shape[-1] * 2
         group = k // max(1, scale.shape[-1]) if scale.shape else 0
-        return {r for r, recipe in RECIPES.items() if recipe.element.packed and recipe.block == (1, group)}
+        return {r for r, recipe in RECIPES.items()
+                if recipe.element.safetensors_dtype == "U8" and recipe.element.packed and recipe.block == (1, group)}
+    if codes.dtype == "I32" and len(codes.shape) >= 2:  # int4: eight codes per word, a float [N, K/128] scale
+        return {r for r, recipe in RECIPES.items() if recipe.element.safetensors_dtype == "I32"
+                and scale.dtype in FLOAT_SCALE_DTYPES and tuple(scale.shape) == recipe.scale_shape(
+                    (*codes.shape[:-1], codes.shape[-1] * 32 // recipe.element_bits))}
     if codes.dtype == "I8" and len(codes.shape) >= 2:
         return {r for r in RECIPES if RECIPES[r].element.safetensors_dtype == "I8"}
     if codes.dtype != "F8_E4M3" or len(codes.shape) < 2:
         return set()
-    if scale.dtype == "U8":
-        return {"mxfp8"}
+    # FP8 codes: every E4M3 recipe whose scale codec stores the scale dtype and whose scale grid,
+    # for these codes, has the stored scale's shape once the layout's unit axes are dropped.
     n, k = codes.shape[-2], codes.shape[-1]
-    s = tuple(scale.shape)
-    out = set()
-    if math.prod(s) == 1 and len(s) <= 2:
-        out.add("fp8")
-    if s in ((n,), (n, 1)):
-        out.add("fp8-channel")
-    nb, kb = -(-n // 128), -(-k // 128)
-    if s in ((nb, kb), (nb, 1, kb, 1)) or _only_f32_recipe_named(scale_row.suffix) == "fp8-block":
-        out.add("fp8-block")
+    stored = _without_unit_axes(scale.shape)
+    out = {name for name, recipe in RECIPES.items()
+           if recipe.element.safetensors_dtype == "F8_E4M3" and _scale_dtype_fits(recipe, scale.dtype)
+           and _without_unit_axes(recipe.scale_shape((n, k))) == stored}
+    named = _only_f32_recipe_named(scale_row.suffix)  # fp8's `weight_scale_inv` is fp8-block's alone
+    if named is not None and RECIPES[named].element.safetensors_dtype == "F8_E4M3":
+        out.add(named)
     return out
+
+
+def _without_unit_axes(shape) -> tuple[int, ...]:
+    """A scale shape as the grid it covers: [N, 1], [1] and [nb, 1, kb, 1] are [N], [] and [nb, kb]."""
+    return tuple(d for d in shape if d != 1)
+
+
+def _scale_dtype_fits(recipe, dtype: str) -> bool:
+    """One-byte scale codecs (E8M0) are stored as U8; FP32 scales as F32 (or BF16/F16 by other producers)."""
+    return (dtype == "U8") == (recipe.scale_codec.nbytes == 1 and not recipe.has_global_scale)
+
+
+def codes_suffixes() -> tuple[str, ...]:
+    """Every layout's suffixes of a module's codes tensor (`.weight`, `.weight_packed`, `_blocks`)."""
+    return tuple(r.suffix for r in _rows_of(Role.CODES))
 
 
 def _rows_of(role: str) -> list:
@@ -158,7 +193,7 @@ def _only_f32_recipe_named(scale_suffix: str) -> str | None:
     """The one FP32-scaled recipe any layout stores under `scale_suffix` (fp8 `weight_scale_inv`
     is fp8-block's alone), or None when several share the name."""
     found = {r for layout in LAYOUTS.values() for r, table in layout.tables.items()
-             if any(row.suffix == scale_suffix and row.role == "block_scale" for row in table)
+             if any(row.suffix == scale_suffix and row.role == Role.BLOCK_SCALE for row in table)
              and RECIPES[r].scale_encoding == "f32"}
     return found.pop() if len(found) == 1 else None
 
@@ -174,8 +209,9 @@ def tensors_look_like(module: str, recipe: str, tensors) -> str | None:
 
 # ---------------------------------------------------------------- scale values no producer writes
 #
-# FORMATS.md B 6.4, 5.1 and 2.5: a global scale is finite and > 0 (modelopt's multiplier and
-# compressed-tensors' divisor alike: 0 or Inf would zero or blow up the whole tensor); a float
+# docs/formats.md, "Zero blocks and scale values producers write": a global scale is finite
+# and > 0 (modelopt's multiplier and compressed-tensors' divisor alike: 0 or Inf would zero or
+# blow up the whole tensor); a float
 # block or channel scale is finite and >= 0 (0 is what HF FineGrainedFP8 writes for an all-zero
 # block); an E4M3 block scale is not NaN (0x7F/0xFF) and not negative (0 is legal: older
 # modelopt wrote it for tiny blocks); an E8M0 byte is never 255 (NaN). Anything else means the
@@ -224,14 +260,16 @@ def scale_faults(layout: Layout, module: str, recipe, tensors) -> list[tuple[str
 
     faults = []
     for d in layout.describe(module, recipe):
-        if d.role == "codes" or d.name not in tensors:
+        if d.role == Role.CODES or d.name not in tensors:
+            continue
+        if d.role == Role.SHAPE:  # no scale: from_disk checks it against the codes
             continue
         dtype = tensors.info(d.name).dtype
-        readable = FLOAT_SCALE_DTYPES if d.encoding == "f32" else ("F8_E4M3", "U8")
+        readable = FLOAT_SCALE_DTYPES if d.encoding in ("f32", "weight_dtype") else ("F8_E4M3", "U8")
         if dtype not in readable:
             continue
         stored = tensors.get(d.name)
-        if d.role == "global_scale":
+        if d.role == Role.GLOBAL_SCALE:
             values = stored.to(torch.float32).reshape(-1)
             fault = next((f for f in map(global_scale_fault, values.tolist()) if f), None)
         else:

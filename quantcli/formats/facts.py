@@ -1,7 +1,8 @@
 """Facts about a module that a pass over the checkpoint learns before its shard is written.
 
-Convert runs passes that produce facts (today: the shared amax of each fused group; next:
-calibrated activation and KV-cache amaxes, searched scales), then writes each shard as a pure
+Convert runs passes that produce facts (the shared amax of each fused group; with --calibration
+the calibrated activation and KV-cache scales and the per-channel input statistics that weight a
+scale search; quantcli/convert/passes.py), then writes each shard as a pure
 function of (plan, shard, facts). Recipes read the facts they need to quantize a weight;
 layouts read the ones they write as extra tensors (an activation `input_scale`, `k_scale`).
 A fact that is absent means "not known": the recipe falls back to the weight alone.
@@ -17,7 +18,8 @@ import torch
 @dataclass(frozen=True)
 class ModuleFacts:
     # max |w| over the module's fused group (q/k/v, gate/up, ...): one NVFP4 global scale for the
-    # group, as the engines that fuse the GEMM require (FORMATS A.3). None: the module's own amax.
+    # group, as the engines that fuse the GEMM require (docs/formats.md,
+    # "Fused groups share one global scale"). None: the module's own amax.
     group_amax: torch.Tensor | None = None
     # Calibrated (quantcli/calibrate), multipliers: the activation scale of a static-activation
     # recipe (amax_x / 448 for FP8, amax_x / 2688 for NVFP4, shared across the fused group) and

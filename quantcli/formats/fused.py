@@ -1,13 +1,7 @@
 """Fused projections: the groups engines run as one GEMM (q/k/v, gate/up, w1/w3, ...), which must
-share one precision and, for NVFP4, one global scale (FORMATS A.3)."""
+share one precision and, for NVFP4, one global scale (docs/formats.md, "Fused groups share one global scale")."""
 
 from __future__ import annotations
-
-from dataclasses import replace
-
-from quantcli.checkpoint.safetensors_io import OutSpec
-from quantcli.errors import QuantcliError
-from quantcli.formats.layouts import module_of
 
 # Projections that engines fuse into one GEMM and that must share one global scale (A.3).
 FUSED_SETS = [("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("gate_proj", "up_proj"),
@@ -20,42 +14,3 @@ def fused_group_of(module: str) -> str | None:
         if leaf in members:
             return f"{parent}.{{{','.join(members)}}}"
     return None
-
-
-def one_precision_per_fused_group(tensors: list, exclude, warnings: list[str]) -> None:
-    """Engines run q/k/v, gate/up, w1/w3 as one GEMM of one precision (vLLM refuses a fused layer
-    whose parts differ). A group with a member left dense is left dense whole, said in a warning;
-    a group given two recipes has no right answer and is refused. `exclude(module, reason)`
-    records a member taken back out of quantization."""
-    groups: dict[str, list[int]] = {}
-    for i, t in enumerate(tensors):
-        module = t.module or (module_of(t.name) if t.name.endswith(".weight") and len(t.shape) == 2 else None)
-        group = fused_group_of(module) if module else None
-        if group is not None:
-            groups.setdefault(group, []).append(i)
-    for group, members in sorted(groups.items()):
-        recipes = {tensors[i].recipe for i in members}
-        if len(recipes) == 1:
-            continue
-        if None not in recipes:
-            raise QuantcliError(f"{group}: engines fuse these into one GEMM of one precision, but the options give "
-                                f"them {', '.join(sorted(recipes))}; give the whole group one recipe")
-        dense = sorted(module_of(tensors[i].name).rsplit(".", 1)[-1] for i in members
-                       if tensors[i].recipe is None)
-        for i in members:
-            t = tensors[i]
-            if t.recipe is not None:
-                tensors[i] = replace(t, recipe=None, module=None, transpose=False, fused_group=None, action="copy",
-                                     outputs=(OutSpec(t.name, t.dtype, t.shape),))
-                exclude(t.module, f"fused with {', '.join(dense)}, which stay dense")
-        warnings.append(f"{group}: left dense as a whole because {', '.join(dense)} cannot be quantized "
-                              f"and engines run the group as one GEMM of one precision")
-
-
-def drop_single_member_groups(tensors: list) -> list:
-    """Fused groups only matter when they have two or more quantized members."""
-    counts: dict[str, int] = {}
-    for t in tensors:
-        if t.fused_group:
-            counts[t.fused_group] = counts.get(t.fused_group, 0) + 1
-    return [t if not t.fused_group or counts[t.fused_group] > 1 else replace(t, fused_group=None) for t in tensors]

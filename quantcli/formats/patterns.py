@@ -11,12 +11,14 @@ by the first of these rules that applies:
 | `glob`        | `*`, `?` or `[...]` in it         | `fnmatchcase(name, pattern)`; `*` crosses dots    |
 | `parent`      | `a.b` (exact or glob)             | every name below a module the pattern names: `model.layers.*.self_attn` covers `model.layers.0.self_attn.q_proj` |
 | `segment`     | `a.b` (no wildcard)               | a run of whole dot-separated parts anywhere in the name: `self_attn`, `mlp.gate`, `lm_head` |
-| `fused`       | `<parent>.qkv_proj` (exact/glob)  | the shards engines fuse into it: `<parent>.q_proj`, `.k_proj`, `.v_proj` |
+| `fused`       | `<parent>.qkv_proj`, `qkv_proj`   | the shards fused into it: `<parent>.q_proj`, `.k_proj`, `.v_proj` |
 
-Matching is always on whole dot-separated parts except for `regex` and `glob`, so
+The fused name (`<parent>.qkv_proj`) is matched by the rules above, so a bare `qkv_proj` covers
+every layer's q/k/v. Matching is always on whole dot-separated parts except for `regex` and `glob`, so
 `model.layers.1` never covers `model.layers.10`, and `mlp.gate` never covers `mlp.gate_up_proj`.
 
-Which consumer honours which rule (read from their sources; see FORMATS.md A.4, B 6.5, B 10):
+Which consumer honours which rule (read from their sources; see docs/formats.md,
+"What is never quantized by default" and "Exclusion lists and how consumers match them"):
 
 | consumer (config key)                                   | regex | exact | glob | parent | segment | fused |
 |---------------------------------------------------------|-------|-------|------|--------|---------|-------|
@@ -133,9 +135,9 @@ def match_rule(pattern: str, name: str) -> str | None:
     if rule is not None:
         return rule
     parent, _, leaf = name.rpartition(".")
-    for fused in _FUSED_OF_SHARD.get(leaf, ()):
+    for fused in _FUSED_OF_SHARD.get(leaf, ()):  # the engine's fused name, matched as any name is
         fused_name = f"{parent}.{fused}" if parent else fused
-        if pattern == fused_name or (_is_glob(pattern) and fnmatch.fnmatchcase(fused_name, pattern)):
+        if _plain_rule(pattern, fused_name) is not None:
             return "fused"
     return None
 

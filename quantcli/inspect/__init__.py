@@ -2,7 +2,7 @@
 
 Headers only by default; global scales (scalars) are read because they are a few bytes each.
 `stats=True` reads scales and codes to report ranges, zero blocks, saturation and NaN/Inf.
-The command layer (commands.py, render.py) prints the report or serializes it (reports.to_json).
+The command layer (quantcli/cli/commands.py, render.py) prints the report or serializes it (reports.to_json).
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ from quantcli.formats.analysis import (
     module_stats,
     unservable_problems,
 )
+from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config
 from quantcli.formats.detect import Detected, all_names, config_with_extras, detect, global_scale_fault
+from quantcli.formats.engine_checks import EngineLoad, Facts, judge_checkpoint, loads_in_line
+from quantcli.formats.module_kinds import is_encoder
 from quantcli.planning.plan import matches
 from quantcli.reports import NOT_IN_JSON, OMITTED
 
@@ -89,7 +92,7 @@ class KvCacheAccount:
 class InspectReport:
     source: str
     layout: str
-    consumers: str
+    consumers: str  # the engines that load it, checked on it (engines.py's table; "any" when unquantized)
     has_manifest: bool
     modules: list[ModuleDescription]
     dense: dict[str, DenseTotals]
@@ -107,6 +110,8 @@ class InspectReport:
     kv_cache: KvCacheAccount = OMITTED
     # activation scheme, static input scales, KV-cache scales (quantized checkpoints only)
     calibrated: CalibratedScales = OMITTED
+    # each engine's verdict on this checkpoint (quantcli/formats/engines.py, conditions settled on the files)
+    engines: list[EngineLoad] = OMITTED
 
 
 def inspect_checkpoint(path: str, revision: str | None = None, pattern: str | None = None,
@@ -207,6 +212,7 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
                                 f"`quantcli inspect {source.label} --json` to list the names")
         excluded = exclusion_list(config)
         unlisted = _unlisted_linears(det, names, tensors, excluded)
+        engines = _engine_loads(det, tensors, config, scales)
     by_format = _format_totals(modules, dense)
     if scales is not OMITTED:
         _count_scales(by_format, scales, tensors_bytes=4)
@@ -214,13 +220,46 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
     total_bytes = sum(f.bytes for f in by_format.values())
     return InspectReport(
         source=source.label, layout=det.layout.name if det else "unquantized",
-        consumers=det.layout.consumers if det else "any", has_manifest=bool(det and det.manifest),
+        consumers=_consumers(source, det, contradictions(source, det), engines), has_manifest=bool(det and det.manifest),
         modules=modules, dense=dense, by_format=by_format, params=total_params, bytes=total_bytes,
         bits_per_param=round(8 * total_bytes / total_params, 4) if total_params else None,
         size_vs_bf16=round(total_bytes / (2 * total_params), 4) if total_params else None,
         exclusion_list=excluded, unlisted_linears=unlisted, fused_mismatches=fused_mismatches(modules),
-        problems=[f"{m.module}: {p}" for m in modules for p in m.problems] + unservable_problems(det, modules),
-        warnings=list(source.warnings) + _kv_warnings(scales), config=config, calibrated=scales)
+        problems=_config_problems(source, det) + [f"{m.module}: {p}" for m in modules for p in m.problems]
+        + unservable_problems(det, modules),
+        warnings=list(source.warnings) + _kv_warnings(scales), config=config, calibrated=scales,
+        engines=engines if det else OMITTED)
+
+
+def _engine_loads(det: Detected | None, tensors: CheckpointTensors, config: dict, scales) -> list[EngineLoad]:
+    """The engines table's verdicts settled on this checkpoint: every quantized module's logical
+    shape (from its codes tensor's header, also outside --tensors), the config, the static scales."""
+    if det is None:
+        return []
+    modules = {}
+    for module, recipe_name in det.modules.items():
+        recipe = det.layout.recipe_for(recipe_name)
+        codes = f"{module}{det.layout.rows(recipe_name)[0].suffix}"
+        shape = tuple(tensors.info(codes).shape) if codes in tensors else ()
+        modules[module] = (recipe_name, det.layout.logical_shape(recipe, shape) if shape else ())
+    static = (scales is not OMITTED and scales.activation_scheme == "static" and bool(scales.inputs)
+              and not scales.missing_inputs)
+    return judge_checkpoint(det.layout.name, Facts(modules, config, static))
+
+
+def _consumers(source: Source, det: Detected | None, disagree: list[str], engines) -> str:
+    if missing_config(source) is not None:
+        return f"none: no usable {CONFIG_NAME}"
+    if disagree:
+        return "none: the config and the tensors disagree"
+    return loads_in_line(engines) if det else "any"
+
+
+def _config_problems(source: Source, det: Detected | None) -> list[str]:
+    """config.json missing, or contradicted by the tensors (formats/consistency.py)."""
+    missing = missing_config(source)
+    problems = [] if missing is None else [f"{CONFIG_NAME}: {missing}; {config_fix(source)}"]
+    return problems + [f"{CONFIG_NAME}: {p}" for p in contradictions(source, det)]
 
 
 def _calibrated(det: Detected | None, config: dict, modules: list[ModuleDescription], names,
@@ -259,8 +298,10 @@ def _config_int(text: dict, key: str, default: int | None = None, minimum: int =
     value = text.get(key)
     if value is None:
         value = default
+    if value is None:
+        raise QuantcliError(f"--kv-cache: {CONFIG_NAME} has no {key}; cannot size the KV cache")
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise QuantcliError(f"--kv-cache: config.json {key} is {value!r}, not an integer >= {minimum}; cannot size "
+        raise QuantcliError(f"--kv-cache: {CONFIG_NAME} {key} is {value!r}, not an integer >= {minimum}; cannot size "
                             f"the KV cache")
     return value
 
@@ -279,7 +320,21 @@ def _kv_elements_per_layer(text: dict) -> tuple[int, str]:
     return 2 * kv_heads * head_dim, f"2 x {kv_heads} kv heads x {head_dim} head_dim"
 
 
+def account_kv_cache(report: InspectReport, budget: int) -> None:
+    """--kv-cache: the account in `report.kv_cache`, or, for an encoder (bidirectional, nothing
+    cached between steps), a warning saying there is no KV cache to size."""
+    if is_encoder(report.config):
+        arch = (report.config.get("architectures") or [report.config.get("model_type")])[0]
+        report.warnings.append(f"--kv-cache: {arch} is an encoder-only model; it keeps no KV cache, so there is "
+                               f"nothing to size")
+        return
+    report.kv_cache = kv_cache_account(report.config, budget)
+
+
 def kv_cache_account(config: dict, budget: int) -> KvCacheAccount:
+    if not any(k != "hf_quant_config" for k in config):
+        raise QuantcliError(f"--kv-cache: there is no {CONFIG_NAME} (or it is empty); the KV-cache account reads the "
+                            f"layers and attention heads from it")
     text = config.get("text_config") or config
     if not isinstance(text, dict):
         raise QuantcliError("--kv-cache: config.json text_config is not an object; cannot size the KV cache")
@@ -294,5 +349,5 @@ def kv_cache_account(config: dict, budget: int) -> KvCacheAccount:
                           formats=rows)
 
 
-__all__ = ["InspectReport", "KvCacheAccount", "inspect_checkpoint", "inspect_source", "kv_cache_account",
-           "parse_size"]
+__all__ = ["InspectReport", "KvCacheAccount", "account_kv_cache", "inspect_checkpoint", "inspect_source",
+           "kv_cache_account", "parse_size"]

@@ -11,9 +11,11 @@ What a pass does at each layer is a `LayerPass`:
 - a *fact pass* (calibration) only observes: `observe` registers hooks on the loaded layer, one
   run over the batches both feeds the hooks and writes the layer's outputs;
 - a *weight pass* (`changes_weights = True`) observes in a first run that leaves the inputs in
-  place, then `update` may change the layer's weights (the quantized ones it will write), and a
-  second run writes the outputs of the changed layer: each layer's statistics come from the
-  outputs of the layers already changed, as a sequential GPTQ pipeline needs.
+  place (`batch_done` after each batch, where ranks can meet batch by batch), then `update` may
+  change the layer's weights (the quantized ones it will write), and a second run writes the
+  outputs of the changed layer: each layer's statistics come from the outputs of the layers
+  already changed, as a sequential GPTQ pipeline needs. A layer such a pass finished in an
+  interrupted run is `replay`ed: loaded from what it wrote and run once for its outputs.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ class LayerPass:
 
     def cache(self, prefix: str):
         """The object passed to the attention as its KV cache in the observing run, or None."""
+        return None
+
+    def batch_done(self, j: int) -> None:
+        """After batch `j` (this process's numbering) of the observing run, before batch j + 1."""
+
+    def replay(self, prefix: str):
+        """None, or for a layer this pass finished before (a resumed run) the `get(name)` of the
+        weights it wrote: the walk loads the layer from it and runs it once, observing nothing."""
         return None
 
     def layer_done(self, layer, prefix: str, weights: WeightMap, cache) -> None:
@@ -122,12 +132,26 @@ def _cache_kwarg(layer) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _run_batches(layer, buffer: ActivationBuffer, captured: list[dict], cache, write: bool) -> None:
+def _run_batches(layer, buffer: ActivationBuffer, captured: list[dict], cache, write: bool,
+                 batch_done=lambda j: None) -> None:
     extra = {_cache_kwarg(layer): cache} if cache is not None else {}
     for j, kwargs in enumerate(captured):
         out = layer(buffer.read(j), **{**kwargs, **extra, "use_cache": False})
         if write:
             buffer.write(j, out[0] if isinstance(out, tuple) else out)
+        batch_done(j)
+
+
+def layer_prefix(i: int) -> str:
+    """The model path of decoder layer `i`, as every LayerPass method receives it."""
+    return f"model.layers.{i}."
+
+
+def load_layer(layer, prefix: str, get, weights: WeightMap, experts: dict[str, ExpertModules],
+               device: torch.device) -> None:
+    """Give the (meta) `layer` its parameters, built from checkpoint tensors `get(name)`, in FP32."""
+    layer.load_state_dict({n: weights.tensor(prefix + n, get, experts).to(device, torch.float32)
+                           for n in layer.state_dict()}, assign=True)
 
 
 def run_layer(layer, prefix: str, get, weights: WeightMap, buffer: ActivationBuffer, captured: list[dict],
@@ -136,13 +160,18 @@ def run_layer(layer, prefix: str, get, weights: WeightMap, buffer: ActivationBuf
     outputs replace its inputs in `buffer`), and send it back to the meta device. Returns the
     checkpoint tensors it read."""
     experts = experts_blocks(layer, prefix, weights)
-    names = list(layer.state_dict())
-    layer.load_state_dict({n: weights.tensor(prefix + n, get, experts).to(buffer.device, torch.float32)
-                           for n in names}, assign=True)
+    read = [src for n in layer.state_dict() for src in weights.sources(prefix + n, experts)]
+    written = layer_pass.replay(prefix)
+    load_layer(layer, prefix, written or get, weights, experts, buffer.device)
+    if written is not None:
+        _run_batches(layer, buffer, captured, None, write=True)
+        layer.to("meta")
+        return read
     hooks = layer_pass.observe(layer, prefix, weights, experts)
     cache = layer_pass.cache(prefix)
     try:
-        _run_batches(layer, buffer, captured, cache, write=not layer_pass.changes_weights)
+        _run_batches(layer, buffer, captured, cache, write=not layer_pass.changes_weights,
+                     batch_done=layer_pass.batch_done)
     finally:
         for h in hooks:
             h.remove()
@@ -151,7 +180,7 @@ def run_layer(layer, prefix: str, get, weights: WeightMap, buffer: ActivationBuf
         layer_pass.update(layer, prefix, weights, experts)
         _run_batches(layer, buffer, captured, None, write=True)
     layer.to("meta")
-    return [src for n in names for src in weights.sources(prefix + n, experts)]
+    return read
 
 
 def walk_layers(config_dict: dict, get, release, names, ids: list[list[int]], batch: int, device: torch.device,
@@ -170,7 +199,7 @@ def walk_layers(config_dict: dict, get, release, names, ids: list[list[int]], ba
         release(EMBEDDING)
         layers = model.model.layers
         for i, layer in enumerate(layers):
-            for name in run_layer(layer, f"model.layers.{i}.", get, weights, buffer, captured, layer_pass):
+            for name in run_layer(layer, layer_prefix(i), get, weights, buffer, captured, layer_pass):
                 release(name)
             if progress is not None:
                 progress(i + 1, len(layers), len(ids))

@@ -14,11 +14,30 @@ import os
 import re
 from pathlib import Path
 
+from quantcli.checkpoint import hub
 from quantcli.errors import QuantcliError
 from quantcli.formats.facts import Calibration
 
-# The name `quantcli` on PyPI is another project: the extra is installed from this source tree.
-EXTRA = "install the calibrate extra: pip install -e '.[calibrate]' in the quantcli source folder"
+# The name `quantcli` on PyPI is another project, so the hint names the extra's own packages,
+# which install alike under an editable and a regular install.
+CALIBRATE_PACKAGES = ("transformers>=4.56", "tokenizers", "datasets>=2.16")  # pyproject.toml's calibrate extra
+
+
+def extra_hint(extra: str = "calibrate") -> str:
+    """How to install an extra's packages, read from the installed quantcli's metadata."""
+    import shlex
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        reqs = [r.split(";")[0].strip() for r in requires("quantcli") or [] if f'extra == "{extra}"' in r]
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        reqs = []
+    packages = " ".join(shlex.quote(r.replace(" ", "")) for r in reqs or CALIBRATE_PACKAGES)
+    return (f"install the {extra} extra's packages: pip install {packages} (from a quantcli source checkout, "
+            f"pip install -e '.[{extra}]' does the same)")
+
+
+EXTRA = extra_hint()
 HUB_DATASET = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+){0,2}$")
 KEYS = ("input_ids", "messages", "text")
 KIND_OK = {"input_ids": lambda v: isinstance(v, list) and all(is_token_id(t) for t in v),
@@ -120,6 +139,28 @@ def _row_sample(obj, where: str):
     raise QuantcliError(f"{where} has none of 'text', 'messages', 'input_ids'")
 
 
+def _reachable(repo: str, where: str) -> None:
+    """One request for the dataset's page, without huggingface_hub's retries: a Hub that cannot be
+    reached (or a dataset it does not have) is said now, not after half a minute of retries.
+    Offline (HF_HUB_OFFLINE), datasets reads its cache and nothing is asked."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    if hub.offline():
+        return
+    try:
+        HfApi().dataset_info(repo, token=hub.current().token, timeout=10)
+    except RepositoryNotFoundError:
+        raise QuantcliError(f"{where}: no such dataset on the Hub (or it is private or gated: log in with "
+                            f"`hf auth login`, or pass --token)") from None
+    except hub.network_errors() as exc:
+        raise QuantcliError(f"{where}: cannot reach the Hugging Face Hub ({type(exc).__name__}); check the network "
+                            f"(or HF_ENDPOINT), set HF_HUB_OFFLINE=1 to read the dataset from the datasets cache, or "
+                            f"pass a local .txt or .jsonl") from None
+    except HfHubHTTPError:  # anything else the Hub says, load_dataset says again in full
+        pass
+
+
 def _hub_samples(cal: Calibration, where: str) -> list:
     try:
         import datasets
@@ -129,15 +170,18 @@ def _hub_samples(cal: Calibration, where: str) -> list:
     repo, *rest = cal.data.split(":")
     config, split = (None, rest[0]) if len(rest) == 1 else (rest[0], rest[1]) if rest else (None, "train")
     not_found = getattr(getattr(datasets, "exceptions", None), "DatasetNotFoundError", OSError)
+    _reachable(repo, where)
     try:
-        rows = datasets.load_dataset(repo, config, split=split, streaming=True)
-        samples = []
-        for i, row in enumerate(rows):
-            sample = _row_sample(row, f"{where}: row {i}")
-            if sample:
-                samples.append(sample)
-            if len(samples) == cal.samples:
-                break
+        with hub.quiet_retries():  # the rows stream from the Hub too
+            token = {"token": hub.current().token} if hub.current().token else {}  # --token, else datasets' own
+            rows = datasets.load_dataset(repo, config, split=split, streaming=True, **token)
+            samples = []
+            for i, row in enumerate(rows):
+                sample = _row_sample(row, f"{where}: row {i}")
+                if sample:
+                    samples.append(sample)
+                if len(samples) == cal.samples:
+                    break
     except (not_found, OSError, ValueError, ConnectionError) as exc:
         first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
         raise QuantcliError(f"{where}: cannot read the Hub dataset {repo} (config {config}, split {split}): {first}; "
@@ -157,7 +201,9 @@ def token_ids(cal: Calibration, source_root: Path) -> list[list[int]]:
             tokenizer = tokenizer or _tokenizer(source_root, cal)
             if isinstance(s, list):
                 s = tokenizer.apply_chat_template(s, tokenize=False)
-            s = tokenizer(s, add_special_tokens=True)["input_ids"]
+            # verbose=False: transformers' "sequence length is longer than the specified maximum"
+            # warning is about running the ids untruncated, and they are cut to seq_len below
+            s = tokenizer(s, add_special_tokens=True, verbose=False)["input_ids"]
         if s:
             out.append(list(s[: cal.seq_len]))
     return out
@@ -174,6 +220,11 @@ def check_tokenizer(samples: list, cal: Calibration, source_root: Path) -> None:
                             f"{source_root}'s tokenizer lacks; give 'text' or 'input_ids' instead")
 
 
+# The files a tokenizer is built from (a fast tokenizer's own file, or a slow one's vocabulary);
+# tokenizer_config.json alone only configures one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt")
+
+
 def _tokenizer(source_root: Path, cal: Calibration):
     try:
         from transformers import AutoTokenizer
@@ -181,7 +232,19 @@ def _tokenizer(source_root: Path, cal: Calibration):
         raise QuantcliError(f"--calibration needs transformers and tokenizers: {EXTRA}") from None
     try:
         return AutoTokenizer.from_pretrained(str(source_root))
-    except (OSError, ValueError):  # transformers' own text names no file; ours says what is missing
-        raise QuantcliError(f"--calibration {cal.data}: text samples need the source's tokenizer "
-                            f"(tokenizer.json or tokenizer_config.json), which {source_root} lacks; copy it there, "
-                            f"or give token ids ({{\"input_ids\": [...]}} per .jsonl line)") from None
+    except (OSError, ValueError) as exc:  # transformers' own text names no file; ours says what is missing
+        raise QuantcliError(f"--calibration {cal.data}: text samples need the source's tokenizer, but "
+                            f"{_tokenizer_problem(source_root, exc)}; copy the tokenizer files there, or give token "
+                            f"ids ({{\"input_ids\": [...]}} per .jsonl line)") from None
+
+
+def _tokenizer_problem(root: Path, exc: Exception) -> str:
+    """Why no tokenizer could be built from `root`, by the files it holds."""
+    present = [f for f in TOKENIZER_FILES if (root / f).is_file()]
+    if present:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"transformers could not build one from {root}'s {', '.join(present)} ({first})"
+    if (root / "tokenizer_config.json").is_file():
+        return (f"{root} has a tokenizer_config.json and no file to build the tokenizer from "
+                f"({', '.join(TOKENIZER_FILES)})")
+    return f"{root} has no tokenizer files (tokenizer.json, or tokenizer_config.json with its vocabulary)"

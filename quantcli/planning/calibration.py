@@ -11,10 +11,12 @@ from quantcli.formats.layouts import LAYOUTS, module_of
 from quantcli.formats.layouts.base import ONE, SCALAR
 from quantcli.model.buffer import budget_bytes
 from quantcli.model.samples import check_token_ids, check_tokenizer, read_samples
+from quantcli.planning.actions import Action
 from quantcli.planning.plan import Exclusion, Plan, TensorPlan
 
-# Decoder-only architectures whose layers engine.py runs: dense Llama-style attention + MLP, and
-# MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters (weights.py).
+# Decoder-only architectures whose layers quantcli/calibrate/engine.py runs: dense Llama-style
+# attention + MLP, and MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters
+# (quantcli/model/weights.py).
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
              "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 HEAD = "lm_head.weight"
@@ -115,7 +117,7 @@ def _without_unreached(plan: Plan, reached: set[str]) -> Plan:
     if not dense:
         return plan
     tensors = [t if t.module not in dense else
-               TensorPlan(t.name, t.shard, t.dtype, t.shape, action="copy", outputs=(OutSpec(t.name, t.dtype, t.shape),))
+               TensorPlan(t.name, t.shard, t.dtype, t.shape, action=Action.COPY, outputs=(OutSpec(t.name, t.dtype, t.shape),))
                for t in plan.tensors]
     exclusions = [*plan.exclusions, *(Exclusion(m, UNREACHED) for m in sorted(dense))]
     if not any(t.quantized for t in tensors):

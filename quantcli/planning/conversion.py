@@ -1,26 +1,51 @@
-"""Which planner a source needs: a dense source is planned by plan.make_plan, a quantized one
-(re-layout, re-quantize, dequantize) by reformat.make_reformat_plan, after detect finds its layout.
-Without a recipe, a quantized source keeps its own: `convert SRC DST --layout L` is a re-layout."""
+"""The one entry point of planning: `plan_conversion(source, options)`. The source's layout is
+detected once, here; a dense source is planned by plan.make_plan, a quantized one (re-layout,
+re-quantize, dequantize) by from_quantized.make_reformat_plan, and a calibrated run's checks and
+tensors are added by calibration.checked_plan. Without a recipe, a quantized source keeps its
+own: `convert SRC DST --layout L` is a re-layout."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from quantcli.checkpoint.source import Source
-from quantcli.errors import QuantcliError
-from quantcli.formats.detect import Detected
+from quantcli.errors import CheckpointError, QuantcliError
+from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config, undeclared_codes_in
+from quantcli.formats.detect import Detected, detect
 from quantcli.planning.calibration import checked_plan
-from quantcli.planning.from_quantized import detect_quantized, plan_for
-from quantcli.planning.plan import Options, Plan
+from quantcli.planning.from_quantized import make_reformat_plan
+from quantcli.planning.plan import Options, Plan, make_plan
 from quantcli.recipes import DENSE_RECIPES, RECIPES
 
 
 def plan_conversion(source: Source, opts: Options) -> Plan:
     """The plan for converting `source` with `opts`, from headers (and a quantized source's scales)."""
-    detected = detect_quantized(source)
+    missing = missing_config(source)
+    if missing is not None:  # the output would load nowhere: refused before any work
+        raise CheckpointError(f"{source.label}: {CONFIG_NAME} {missing}; nothing converted: {config_fix(source)}")
+    found = detect(source)
+    stale = _config_against_tensors(source, found)
+    detected = found if found is not None and found.modules else None
     if not opts.recipe:
         opts = replace(opts, recipe=default_recipe(source, detected))
-    return checked_plan(plan_for(source, opts, detected))
+    if detected is not None:
+        plan = make_reformat_plan(source, opts, detected)
+    elif opts.recipe in DENSE_RECIPES:
+        raise QuantcliError(f"--recipe {opts.recipe}: the source {source.label} is not quantized; nothing to dequantize")
+    else:
+        plan = make_plan(source, opts)
+    plan = checked_plan(plan)
+    return replace(plan, warnings=[*stale, *plan.warnings]) if stale else plan
+
+
+def _config_against_tensors(source: Source, det: Detected | None) -> list[str]:
+    """Refuse codes that no config declares (they would be read as weights); a quantization
+    config over dense weights is a warning: the output's config replaces it."""
+    found = contradictions(source, det)
+    if found and (det is None or undeclared_codes_in(source)):
+        raise CheckpointError(f"{source.label}: {found[0]}; nothing converted")
+    return [f"{CONFIG_NAME}: {w}; converting the tensors as the dense weights they are, and the output's "
+            f"{CONFIG_NAME} replaces that quantization config" for w in found]
 
 
 def default_recipe(source: Source, detected: Detected | None) -> str:

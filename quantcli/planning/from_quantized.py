@@ -13,33 +13,45 @@ from __future__ import annotations
 
 import torch
 
-from quantcli.checkpoint.safetensors_io import OutSpec
+from quantcli.checkpoint.safetensors_io import DTYPES, OutSpec
 from quantcli.checkpoint.source import Source
 from quantcli.checkpoint.tensors import CheckpointTensors
 from quantcli.errors import CheckpointError, LayoutError, QuantcliError, RecipeError
 from quantcli.formats.analysis import describe_module
-from quantcli.formats.detect import Detected, all_names, detect, scale_faults
-from quantcli.formats.fused import drop_single_member_groups, fused_group_of
+from quantcli.formats.detect import Detected, all_names, scale_faults
+from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for
+from quantcli.formats.layouts.base import Role
 from quantcli.formats.module_kinds import is_dense_linear
-from quantcli.planning.plan import Exclusion, Options, Plan, TensorPlan, make_plan, output_specs
+from quantcli.planning.actions import Action
+from quantcli.planning.fused_groups import drop_single_member_groups
+from quantcli.planning.plan import Exclusion, Options, Plan, TensorPlan, output_specs
 from quantcli.recipes import DENSE_RECIPES, get_recipe
 
 DENSE_DTYPES = {"bf16": ("BF16", torch.bfloat16), "fp16": ("F16", torch.float16), "fp32": ("F32", torch.float32)}
+CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
-def detect_quantized(source: Source) -> Detected | None:
-    found = detect(source)
-    return found if found is not None and found.modules else None
+def requantize_dtype(source: Source) -> str:
+    """The dtype a decoded module is cast to before a recipe whose scales take the weight's dtype
+    (int4) re-quantizes it: the model's own (config.json `torch_dtype`, or transformers 5's
+    `dtype`), else BF16. Engines run the model in that dtype and load `weight_scale` into a
+    parameter of it (vLLM's CompressedTensorsWNA16 registers it in params_dtype), so scales in
+    any other dtype would be rounded at load and no longer be the ones the codes were made with."""
+    config = source.config
+    named = config.get("torch_dtype") or config.get("dtype")
+    return CONFIG_DTYPES.get(named, "BF16") if isinstance(named, str) else "BF16"
 
 
-def plan_for(source: Source, opts: Options, detected: Detected | None) -> Plan:
-    if detected is None:
-        if opts.recipe in DENSE_RECIPES:
-            raise QuantcliError(f"--recipe {opts.recipe}: the source {source.label} is not quantized; "
-                                f"nothing to dequantize")
-        return make_plan(source, opts)
-    return make_reformat_plan(source, opts, detected)
+def _weight_dtype(recipe, action: str, model_dtype: str, desc) -> str | None:
+    """The dtype the module is quantized in when the recipe's scales take it (a scale codec of
+    dtype None; otherwise None): a re-layout keeps the source's scale dtype (the bytes carry
+    over), a re-quantize uses the model's (requantize_dtype)."""
+    if recipe.scale_codec.dtype is not None:
+        return None
+    if action == Action.RELAYOUT:
+        return next(e.dtype for e in desc.tensors if e.role == Role.BLOCK_SCALE)
+    return model_dtype
 
 
 def refuse_corrupt_scales(source: Source, layout: Layout, module: str, recipe: str, ct: CheckpointTensors) -> None:
@@ -75,8 +87,10 @@ def _target(opts: Options) -> tuple[Layout | None, object]:
 
 
 def _module_plan(det: Detected, module: str, src_recipe: str, ct: CheckpointTensors, names: dict,
-                 opts: Options, layout: Layout | None, recipe, widened: set[str]) -> tuple[TensorPlan | None, list[str]]:
-    """The plan of one quantized source module (or the problems that stop it) and its disk names."""
+                 opts: Options, layout: Layout | None, recipe, widened: set[str],
+                 model_dtype: str) -> tuple[TensorPlan | None, list[str]]:
+    """The plan of one quantized source module (or the problems that stop it) and its disk names;
+    `model_dtype` is what a weight-dtype recipe re-quantizes in (requantize_dtype)."""
     src_layout = det.layout
     desc = describe_module(src_layout, module, src_recipe, ct)
     disk = [d.name for d in src_layout.describe(module, src_layout.recipe_for(src_recipe))]
@@ -89,7 +103,7 @@ def _module_plan(det: Detected, module: str, src_recipe: str, ct: CheckpointTens
     if recipe is None:
         out_name, transposed = src_layout.dense_name(module)
         out_shape = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
-        return TensorPlan(**base, transpose=transposed, action="dequantize",
+        return TensorPlan(**base, transpose=transposed, action=Action.DEQUANTIZE,
                           outputs=(OutSpec(out_name, DENSE_DTYPES[opts.recipe][0], out_shape),)), []
     try:
         recipe.check(module, shape, torch.float32)
@@ -97,11 +111,13 @@ def _module_plan(det: Detected, module: str, src_recipe: str, ct: CheckpointTens
     except (RecipeError, LayoutError) as exc:
         return None, [str(exc)]
     action = "relayout" if src_recipe == recipe.name else "requantize"
-    if action == "relayout":
-        widened.update(e.dtype for e in desc.tensors if e.role != "codes" and e.dtype in ("BF16", "F16"))
-    group = fused_group_of(module) if recipe.has_global_scale and action == "requantize" else None
+    dtype = _weight_dtype(recipe, action, model_dtype, desc)
+    if action == Action.RELAYOUT and dtype is None:  # scales that keep the weight's dtype are not widened
+        widened.update(e.dtype for e in desc.tensors if e.role != Role.CODES and e.dtype in ("BF16", "F16"))
+    group = fused_group_of(module) if recipe.has_global_scale and action == Action.REQUANTIZE else None
     return TensorPlan(**base, recipe=recipe.name, fused_group=group, action=action,
-                      outputs=output_specs(layout, module, recipe, shape)), []
+                      requantize_dtype=dtype if action == Action.REQUANTIZE else None,
+                      outputs=output_specs(layout, module, recipe, shape, DTYPES[dtype or "F32"])), []
 
 
 def _warnings(src_layout: Layout, opts: Options, source: Source, tensors: list[TensorPlan], widened: set[str]) -> list[str]:
@@ -110,10 +126,10 @@ def _warnings(src_layout: Layout, opts: Options, source: Source, tensors: list[T
         warnings.append(f"{src_layout.name} scales stored as {'/'.join(sorted(widened))} are written as F32, "
                         f"which consumers expect: every {'/'.join(sorted(widened))} value is exactly an F32 value, "
                         f"so the re-layout stays lossless")
-    if opts.scale_search != "none" and any(t.action == "relayout" for t in tensors):
+    if opts.scale_search != "none" and any(t.action == Action.RELAYOUT for t in tensors):
         warnings.append(f"--scale-search {opts.scale_search}: modules already {opts.recipe} in the source are "
                         f"re-laid out byte for byte, so they keep the source's scales (nothing is re-quantized)")
-    if any(t.action == "requantize" for t in tensors):
+    if any(t.action == Action.REQUANTIZE for t in tensors):
         warnings.append(f"re-quantizing {src_layout.name} weights to {opts.recipe}: the errors of both "
                         f"quantizations add up")  # the summary's `next:` line gives the verify command
     return warnings
@@ -133,7 +149,8 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
     with CheckpointTensors(source) as ct:
         for module, src_recipe in sorted(det.modules.items()):
             refuse_corrupt_scales(source, det.layout, module, src_recipe, ct)
-            plan, problems = _module_plan(det, module, src_recipe, ct, names, opts, layout, recipe, widened)
+            plan, problems = _module_plan(det, module, src_recipe, ct, names, opts, layout, recipe, widened,
+                                          requantize_dtype(source))
             errors.extend(problems)
             if plan is not None:
                 tensors.append(plan)
@@ -142,7 +159,7 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
             if name in consumed:
                 continue
             info = ct.info(name)
-            tensors.append(TensorPlan(name, shard, info.dtype, info.shape, action="copy",
+            tensors.append(TensorPlan(name, shard, info.dtype, info.shape, action=Action.COPY,
                                       outputs=(OutSpec(name, info.dtype, info.shape),)))
             if name.endswith(".weight") and len(info.shape) == 2 and is_dense_linear(name[:-7]):
                 exclusions.append(Exclusion(name[:-7], "dense in the source"))

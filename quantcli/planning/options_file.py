@@ -36,7 +36,7 @@ def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[s
     opts.scale_search = scale_search or opts.scale_search
     opts.ignore += ignore
     _calibration_options(opts, data, calibrate or {})
-    return opts  # no recipe: the planner takes a quantized source's own (planner.default_recipe)
+    return opts  # no recipe: the planner takes a quantized source's own (conversion.default_recipe)
 
 
 _CALIBRATION_KEYS = {"activations": ("static", "dynamic"), "kv_cache": ("fp8", "none"), "calibration": None,
@@ -49,6 +49,12 @@ def _calibration_options(opts: Options, data: dict, given: dict) -> None:
     opts.activations = merged["activations"] if merged["activations"] == "static" else None
     opts.kv_cache = merged["kv_cache"] if merged["kv_cache"] == "fp8" else None
     cal = None
+    if merged["calibration"] is None:  # sizes for a calibration that is not there would be ignored
+        for k in (k for k in _CALIBRATION_KEYS if k.startswith("calibration_")):
+            if merged[k] is not None:
+                where = f"--{k.replace('_', '-')} {merged[k]}" if given.get(k) is not None else f"{k} in --config"
+                raise QuantcliError(f"{where}: only used with --calibration DATA, which is not given; add "
+                                    f"--calibration or drop it")
     if merged["calibration"] is not None:
         sizes = {k: merged[k] if merged[k] is not None else _CALIBRATION_KEYS[k] for k in _CALIBRATION_KEYS
                  if k.startswith("calibration_")}

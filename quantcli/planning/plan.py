@@ -20,12 +20,14 @@ from quantcli.errors import LayoutError, QuantcliError, RecipeError
 from quantcli.formats import patterns
 from quantcli.formats.experts import every_layers_experts, experts_module
 from quantcli.formats.facts import Calibration
-from quantcli.formats.fused import drop_single_member_groups, fused_group_of, one_precision_per_fused_group  # noqa: F401 (re-exported)
+from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
-from quantcli.formats.module_kinds import default_exclusion, is_dense_linear
+from quantcli.formats.module_kinds import default_exclusion, has_lm_head, is_dense_linear
+from quantcli.planning.actions import Action
+from quantcli.planning.fused_groups import drop_single_member_groups, one_precision_per_fused_group
 from quantcli.recipes import RECIPES, Recipe, get_recipe
 
-# FORMATS.md A.4: never quantized by default. (reason, pattern on the module name)
+# docs/formats.md, "What is never quantized by default". (reason, pattern on the module name)
 # 3-D expert parameters without a `.weight` suffix (gpt-oss, Llama 4) are stored [E, in, out].
 TRANSPOSED_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")
 
@@ -43,9 +45,12 @@ class TensorPlan:
     outputs: tuple[OutSpec, ...] = ()
     # Quantized sources (convert from an already quantized checkpoint): how this module is read
     # and what happens to it. `shape` is then the logical shape and `source_bytes` what is read.
-    action: str = "quantize"  # copy | quantize | relayout | requantize | dequantize
+    action: Action = Action.QUANTIZE
     source_recipe: str | None = None
     source_bytes: int | None = None
+    # Re-quantized with a recipe whose scales take the weight's dtype (int4): the dtype the decoded
+    # source is cast to before quantizing (from_quantized.requantize_dtype says why); else None.
+    requantize_dtype: str | None = None
 
     @property
     def quantized(self) -> bool:
@@ -119,7 +124,7 @@ class Plan:
     @property
     def lossless(self) -> bool:
         """No value changes: every quantized module is carried over byte for byte."""
-        acts = {t.action for t in self.tensors if t.action != "copy"}
+        acts = {t.action for t in self.tensors if t.action != Action.COPY}
         return bool(acts) and acts <= {"relayout"}
 
     def by_shard(self) -> dict[str, list[TensorPlan]]:
@@ -144,9 +149,11 @@ class Plan:
 
     def excluded_names(self) -> list[str]:
         """The exact module names for the layout's exclusion key: every Linear left unquantized,
-        and always lm_head (tied heads have no tensor but are still an unquantized Linear)."""
+        and lm_head where the model has one (a tied head has no tensor but is still an unquantized
+        Linear; an encoder such as BertModel has none to name)."""
         names = {e.module for e in self.exclusions}
-        names.add("lm_head")
+        if has_lm_head(self.source.config):
+            names.add("lm_head")
         return sorted(names)
 
     @property
@@ -171,9 +178,12 @@ def _validate_pattern(pattern: str, option: str) -> None:
     patterns.validate(pattern, option)
 
 
-def output_specs(layout: Layout, module: str, recipe: Recipe, shape: tuple[int, ...]) -> tuple[OutSpec, ...]:
-    """Names, dtypes and shapes the layout will write for a `shape` weight (no data read)."""
-    return tuple(OutSpec(n, dtype_name(dtype), shp) for n, dtype, shp in layout.output_specs(module, recipe, shape))
+def output_specs(layout: Layout, module: str, recipe: Recipe, shape: tuple[int, ...],
+                 weight_dtype: torch.dtype) -> tuple[OutSpec, ...]:
+    """Names, dtypes and shapes the layout will write for a `shape` weight quantized in
+    `weight_dtype` (int4's scales take it), with no data read."""
+    return tuple(OutSpec(n, dtype_name(dtype), shp)
+                 for n, dtype, shp in layout.output_specs(module, recipe, shape, weight_dtype))
 
 
 def _choose_recipe(module: str, opts: Options) -> str:
@@ -191,7 +201,7 @@ def make_plan(source: Source, opts: Options) -> Plan:
     for shard, name, info in _owned_tensors(source):
         _plan_tensor(found, source, opts, layout, recipes, shard, name, info)
     one_precision_per_fused_group(found.tensors, lambda m, why: found.exclusions.append(Exclusion(m, why)),
-                                  found.warnings)
+                                  found.warnings, {e.module: e.reason for e in found.exclusions})
     tensors = drop_single_member_groups(found.tensors)
     errors: list[str] = []
     _check_collisions(tensors, errors)
@@ -265,7 +275,7 @@ def _owned_tensors(source: Source):
 def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout, recipes: dict[str, Recipe],
                  shard: str, name: str, info) -> None:
     """Plan one source tensor: a copy, or a quantized module, or an excluded Linear."""
-    plain = TensorPlan(name, shard, info.dtype, info.shape, action="copy",
+    plain = TensorPlan(name, shard, info.dtype, info.shape, action=Action.COPY,
                        outputs=(OutSpec(name, info.dtype, info.shape),))
     is_linear = name.endswith(".weight") and len(info.shape) == 2
     is_experts = len(info.shape) == 3 and "experts" in name
@@ -297,7 +307,7 @@ def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout,
         return
     group = fused_group_of(module) if recipe.has_global_scale else None
     found.tensors.append(TensorPlan(name, shard, info.dtype, info.shape, recipe.name, module, transpose, group,
-                                    output_specs(layout, module, recipe, shape)))
+                                    output_specs(layout, module, recipe, shape, DTYPES[info.dtype])))
 
 
 def _exclusion_reason(module: str, info, is_experts: bool, opts: Options, layout: Layout,

@@ -28,12 +28,13 @@ from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
 from quantcli.convert import resolve_device
 from quantcli.errors import QuantcliError
+from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config
 from quantcli.formats.detect import all_names, config_with_extras, detect
 from quantcli.kernels import cpu_workers
 from quantcli.planning.plan import matches
 from quantcli.verify.activation_scales import calibrated_check, recalibrated_check
 from quantcli.verify.direction import direction_check
-from quantcli.verify.findings import Findings, VerifyReport, build_report
+from quantcli.verify.findings import CONFIG, Findings, VerifyReport, build_report
 from quantcli.verify.limits import Limits, parse_thresholds
 from quantcli.verify.reference import reference_checks
 from quantcli.verify.structure import Progress, no_progress, read_modules, structure_checks
@@ -51,7 +52,11 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
     dev = resolve_device(device)
     source = open_source(quant)
     det = detect(source)
+    found = Findings()
+    found.record(CONFIG, config_faults(source, det))
     if det is None or not det.modules:
+        if found.faults:  # no engine loads it, whatever its tensors are
+            return build_report(source, det.layout.name if det else "none", reference, None, 0, found, [])
         if reference is None:
             raise QuantcliError(f"{quant}: no quantized modules found (no modelopt, compressed-tensors, fp8 or gpt-oss "
                                 f"layout detected); an unquantized (e.g. dequantized) checkpoint is checked for "
@@ -62,7 +67,6 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
     if pattern is not None:
         _require_selection(pattern, source, det)
     config = config_with_extras(source, det.extra_files)
-    found = Findings()
     rows, reference_kind = [], None
     # convert's thread pool: bands of a tensor side by side on the CPU (kernels/chunks.py)
     threads = cpu_workers(torch.get_num_threads()) if dev.type == "cpu" else contextlib.nullcontext()
@@ -82,6 +86,13 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
                                                     channel_ms=stats.channel_ms if stats is not None else None)
     return build_report(source, det.layout.name, reference, reference_kind, len(modules), found, rows,
                         notes=tuple(found.notes))
+
+
+def config_faults(source, det) -> list[tuple[str, str]]:
+    """config.json missing or naming no model, or contradicted by the tensors: (file, fault)."""
+    missing = missing_config(source)
+    faults = [] if missing is None else [(CONFIG_NAME, f"{missing}; {config_fix(source)}")]
+    return faults + [(CONFIG_NAME, p) for p in contradictions(source, det)]
 
 
 def _require_selection(pattern: str, source, det) -> None:

@@ -19,6 +19,7 @@ from quantcli.formats.activation_scales import (
     scale_value_fault,
 )
 from quantcli.formats.detect import all_names
+from quantcli.formats.layouts.base import Direction
 from quantcli.verify.findings import CALIBRATED, Findings
 
 Finding = tuple[str, str]
@@ -45,7 +46,7 @@ def _kv_faults(scales: CalibratedScales) -> Iterator[Finding]:
     for r in scales.kv:
         for name, value in ((r.k_tensor, r.k_scale), (r.v_tensor, r.v_scale)):
             if value is not None:
-                fault = scale_value_fault(value, value * divisor_of("fp8"), "multiply")
+                fault = scale_value_fault(value, value * divisor_of("fp8"), Direction.MULTIPLY)
                 if fault:
                     yield name, fault
 

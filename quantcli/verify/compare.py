@@ -106,18 +106,19 @@ def quantize_like(recipe, module: str, w: torch.Tensor, group_amax: dict, channe
     return recipe.quantize(module, w, facts=ModuleFacts(group_amax=amax, input_channel_ms=channel_ms))
 
 
-def _yardstick(recipe, module: str, w: torch.Tensor, group_amax: dict, channel_ms=None, result=None) -> Yardstick:
+def _yardstick(recipe, module: str, w: torch.Tensor, group_amax: dict, channel_ms=None, result=None,
+               dtype: torch.dtype | None = None) -> Yardstick:
     """`recipe` applied to the reference as convert applies it, band by band in the comparison
     pass: a global scale from the fused group's (or the whole tensor's) amax, a per-tensor scale
-    from the whole tensor (quantized up front: a band sees only its own amax)."""
+    from the whole tensor (quantized up front: a band sees only its own amax), in `dtype`."""
     if result is None and recipe.spec.geometry == TENSOR:
-        result = quantize_like(recipe, module, w, group_amax, channel_ms).result
+        result = quantize_like(recipe, module, w if dtype is None else w.to(dtype), group_amax, channel_ms).result
     amax = None
     if recipe.has_global_scale and result is None:
         amax = group_amax.get(fused_group_of(module))
         amax = tensor_amax(w, name=module) if amax is None else amax.to(w.device)
     weight = channel_ms.to(w.device) if channel_ms is not None and recipe.scale_search != "none" else None
-    return Yardstick(recipe.spec, amax, weight, result)
+    return Yardstick(recipe.spec, amax, weight, result, dtype)
 
 
 def _source_recipe(prior) -> tuple[str, object] | None:
@@ -136,9 +137,11 @@ class Comparison:
     transposed): the block statistics and the judgement; `ours` is quantcli's own quantization
     when --exact asked for its bytes."""
 
-    def __init__(self, module, recipe, q, w, limits: Limits, prior=None, channel_ms=None, exact: bool = False):
+    def __init__(self, module, recipe, q, w, limits: Limits, prior=None, channel_ms=None, exact: bool = False,
+                 dtype: torch.dtype | None = None):
         self.module, self.recipe, self.q, self.w, self.limits = module, recipe, q, w, limits
         self.prior, self.channel_ms, self.exact, self.ours = prior, channel_ms, exact, None
+        self.dtype = dtype  # what quantcli's own quantization is made in (int4: its scales' dtype)
 
     def run(self, group_amax: dict) -> tuple[TensorRow, list[str], int]:
         """(row, fault reasons, decoded values that are not finite)."""
@@ -150,9 +153,10 @@ class Comparison:
         # bound of a module re-quantized from a quantized source)
         if self.exact or self.limits.margin is not None or source is not None:
             if self.exact:
-                self.ours = quantize_like(recipe, module, w, group_amax, self.channel_ms)
+                self.ours = quantize_like(recipe, module, w if self.dtype is None else w.to(self.dtype), group_amax,
+                                          self.channel_ms)
             yards.append(_yardstick(recipe, module, w, group_amax, self.channel_ms,
-                                    self.ours.result if self.ours is not None else None))
+                                    self.ours.result if self.ours is not None else None, self.dtype))
             if recipe.scale_search != "none":  # the search's gain, visible per tensor
                 yards.append(_yardstick(recipe.with_scale_search("none"), module, w, group_amax))
         if source is not None:

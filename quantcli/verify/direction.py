@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator
 
 from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.formats.layouts.base import Direction, Role
 from quantcli.verify.findings import DIRECTION, Findings
 
 INVERSION_EVIDENCE = math.log(100.0)
@@ -22,9 +23,9 @@ INVERSION_EVIDENCE = math.log(100.0)
 
 def _stored_direction(layout, module: str, recipe) -> str:
     """How the layout stores this module's global scale, in words (from the layout's table)."""
-    d = next(d for d in layout.describe(module, recipe) if d.role == "global_scale")
+    d = next(d for d in layout.describe(module, recipe) if d.role == Role.GLOBAL_SCALE)
     suffix = d.name.rsplit(".", 1)[-1]
-    return f"{suffix} is a multiplier amax/2688" if d.direction == "multiply" else f"{suffix} is a divisor 2688/amax"
+    return f"{suffix} is a multiplier amax/2688" if d.direction == Direction.MULTIPLY else f"{suffix} is a divisor 2688/amax"
 
 
 def _inverted(s2: float, here: float, reference: float, direction: str) -> str | None:

@@ -125,7 +125,8 @@ class Findings:
 
 
 def _layer_of(name: str) -> int | None:
-    m = re.search(r"layers\.(\d+)\.", name)
+    """The block index: `model.layers.3.`, BERT's `encoder.layer.3.`, GPT-2's `transformer.h.3.`."""
+    m = re.search(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.", name)
     return int(m.group(1)) if m else None
 
 

@@ -196,7 +196,10 @@ class _Comparison:
         entry = self.entries.get(module)
         prior = requantized_prior(entry) if self.ref.det is None or self.ref.recipe_name(module) is None else None
         ms = self._search_weights(entry, module)
-        job = Comparison(module, recipe, q, w, self.limits, prior, ms, self.exact)
+        # int4's stored scales carry the dtype it was quantized in (convert casts a decoded source to the
+        # model's): quantcli's own quantization is made in it too
+        dtype = q.scale.dtype if recipe.scale_codec.dtype is None else None
+        job = Comparison(module, recipe, q, w, self.limits, prior, ms, self.exact, dtype)
         row, reasons, nonfinite = job.run(self.group_amax)
         if nonfinite:
             self.found.fault(FINITE, module, nonfinite_fault(nonfinite))

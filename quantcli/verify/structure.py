@@ -125,7 +125,7 @@ def structure_checks(source, det, config: dict, qt: CheckpointTensors, pattern: 
 
 def scale_faults(module: str, recipe, q) -> Iterator[Finding]:
     """The values no correct producer writes, by the one rule convert also refuses a source by
-    (detect.py): NaN or negative block scales, E8M0 255, a global scale not finite and > 0."""
+    (quantcli/formats/detect.py): NaN or negative block scales, E8M0 255, a global scale not finite and > 0."""
     block = block_scale_fault(recipe.scale_encoding, q.scale)
     if block is not None:
         yield module, block

@@ -14,7 +14,8 @@ LAYOUTS: dict[str, Layout] = {
     layout.name: layout for layout in (ModelOptLayout(), CompressedTensorsLayout(), Fp8Layout(), GptOssLayout())
 }
 
-# FORMATS.md A.1: the layout each recipe is written in unless --layout says otherwise (the recipe says).
+# The layout each recipe is written in unless --layout says otherwise (the recipe says; docs/formats.md,
+# "Layouts: how it is named on disk").
 DEFAULT_LAYOUT = {name: recipe.default_layout for name, recipe in RECIPES.items()}
 
 __all__ = ["DEFAULT_LAYOUT", "DiskTensor", "LAYOUTS", "Layout", "get_layout", "layouts_for", "module_of"]

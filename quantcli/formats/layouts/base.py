@@ -11,6 +11,7 @@ tables; the one place a global scale's direction (multiply vs divide) is applied
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Callable, Mapping
 
 import torch
@@ -27,14 +28,32 @@ GetTensor = Callable[[str], torch.Tensor]
 SAME, SCALAR, ONE, COLUMN, BLOCK4D, BLOCKS16 = "same", "scalar", "one", "column", "block4d", "blocks16"
 
 
+class Role(StrEnum):
+    """What an on-disk tensor of a quantized module is (the manifest's `role`)."""
+
+    CODES = "codes"
+    BLOCK_SCALE = "block_scale"
+    GLOBAL_SCALE = "global_scale"
+    INPUT_SCALE = "input_scale"
+    INPUT_GLOBAL_SCALE = "input_global_scale"
+    SHAPE = "shape"  # the logical [N, K] as I64 (compressed-tensors' `weight_shape`): checked, never data
+
+
+class Direction(StrEnum):
+    """How a stored scale is applied: the multiplier itself, or its inverse (a divisor)."""
+
+    MULTIPLY = "multiply"
+    DIVIDE = "divide"
+
+
 @dataclass(frozen=True)
 class TensorRow:
     """One on-disk tensor of a quantized module: `<module><suffix>`."""
 
     suffix: str  # ".weight", ".weight_scale", "_blocks", ...
-    role: str  # codes | block_scale | global_scale | input_scale | input_global_scale
+    role: Role
     reshape: str = SAME  # SAME | SCALAR (0-d) | ONE ([1]) | COLUMN ([N] -> [N, 1]) | BLOCK4D | BLOCKS16
-    direction: str | None = None  # scales: multiply | divide (the inverse of the multiplier)
+    direction: Direction | None = None  # scales only
     dtype: torch.dtype | None = None  # None: the recipe's codec decides (codes, block scales)
     fact: str | None = None  # optional tensors: the ModuleFacts field (a multiplier) that fills it
 
@@ -44,9 +63,9 @@ class DiskTensor:
     """One on-disk tensor of a quantized module, as the manifest records it."""
 
     name: str
-    role: str  # codes | block_scale | global_scale
-    encoding: str  # e4m3fn | e2m1x2 | int8 | f32 | e8m0_bias127
-    direction: str | None  # multiply | divide (scales only)
+    role: Role
+    encoding: str  # e4m3fn | e2m1x2 | int8 | int4x2_offset8 | f32 | e8m0_bias127 | weight_dtype | int64
+    direction: Direction | None  # scales only
 
 
 def module_of(param: str) -> str:
@@ -59,7 +78,7 @@ def to_direction(multiplier: torch.Tensor, direction: str | None) -> torch.Tenso
     (compressed-tensors' `weight_global_scale = 1 / weight_scale_2`). Its own inverse, so
     `from_disk` uses it too: the ONE place the multiply <-> divide convention lives."""
     multiplier = multiplier.to(torch.float32)
-    return 1.0 / multiplier if direction == "divide" else multiplier
+    return 1.0 / multiplier if direction == Direction.DIVIDE else multiplier
 
 
 def stored_value(multiplier: float, direction: str | None) -> float:
@@ -84,12 +103,11 @@ def _reshape(t: torch.Tensor, rule: str) -> torch.Tensor:
 
 class Layout:
     name: str = ""
-    consumers: str = ""
     # recipe -> the tensors a module of that recipe is written as (codes row first)
     tables: Mapping[str, tuple[TensorRow, ...]] = {}
     # recipe -> optional per-module tensors, written only when the module's facts carry them
     optional: Mapping[str, tuple[TensorRow, ...]] = {}
-    # KV-cache scales, relative to the attention module (FORMATS.md B 9); none when empty
+    # KV-cache scales, relative to the attention module (docs/formats.md, "FP8 KV-cache scale names"); none when empty
     kv_scales: tuple[str, ...] = ()
     kv_scale_shape: tuple[int, ...] = ()  # F32, 0-d (modelopt) or [1] (compressed-tensors)
     # Recipes a producer writes in this layout that no serving engine loads: read (inspect,
@@ -155,7 +173,8 @@ class Layout:
 
     def to_disk(self, module: str, q: QuantizedTensor, facts: ModuleFacts = NO_FACTS) -> dict[str, torch.Tensor]:
         recipe = get_recipe(q.recipe)
-        canonical = {"codes": q.codes, "block_scale": q.scale, "global_scale": q.global_scale}
+        canonical = {Role.CODES: q.codes, Role.BLOCK_SCALE: q.scale, Role.GLOBAL_SCALE: q.global_scale,
+                     Role.SHAPE: torch.tensor(q.shape, dtype=torch.int64)}
         out = {f"{module}{row.suffix}": self._encode(row, recipe, canonical[row.role]) for row in self.rows(q.recipe)}
         for row in self.optional.get(q.recipe, ()):
             value = getattr(facts, row.fact, None)
@@ -192,16 +211,21 @@ class Layout:
 
     def input_scale_rows(self, recipe: str) -> tuple[TensorRow, ...]:
         """The optional activation-scale rows a module of `recipe` may carry."""
-        return tuple(r for r in self.optional.get(recipe, ()) if r.role in ("input_scale", "input_global_scale"))
+        return tuple(r for r in self.optional.get(recipe, ()) if r.role in (Role.INPUT_SCALE, Role.INPUT_GLOBAL_SCALE))
 
     @staticmethod
     def _encode(row: TensorRow, recipe: Recipe, t: torch.Tensor) -> torch.Tensor:
-        if row.role == "codes":
+        codec = recipe.scale_codec
+        if row.role == Role.CODES:  # uint8 code bytes viewed as the codec's storage (INT4: I32 words)
             t = t.contiguous().view(recipe.codes_dtype)
-        elif row.role == "block_scale" and recipe.scale_codec.nbytes == 1:
-            t = t.contiguous().view(recipe.scale_codec.disk_dtype)
-        elif row.role == "block_scale":
-            t = t.to(torch.float32)
+        elif row.role == Role.BLOCK_SCALE and codec.nbytes == 1:
+            t = t.contiguous().view(codec.disk_dtype)
+        elif row.role == Role.BLOCK_SCALE:
+            # The scale codec's dtype: F32 scales as F32 (also when read from a BF16 source);
+            # weight-dtype scales (int4) as computed, since the codes were rounded with them.
+            t = t.to(codec.raw_dtype_for(t.dtype))
+        elif row.role == Role.SHAPE:
+            t = t.to(torch.int64)
         else:  # global, input and input_global scales: FP32 in the row's direction
             t = to_direction(t, row.direction)
         return _reshape(t, row.reshape).contiguous()
@@ -209,7 +233,7 @@ class Layout:
     def from_disk(self, module: str, recipe: Recipe, get: GetTensor, names: Mapping[str, object]) -> QuantizedTensor:
         rows = self.rows(recipe.name)
         codes_name = f"{module}{rows[0].suffix}"
-        codes = require_8bit(codes_name, get(codes_name))
+        codes = require_8bit(codes_name, as_code_bytes(get(codes_name), recipe))
         if rows[0].reshape == BLOCKS16:
             codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * codes.shape[-1])
         shape = (*codes.shape[:-1], logical_k(codes, recipe))
@@ -217,36 +241,44 @@ class Layout:
         for row in rows[1:]:
             name = f"{module}{row.suffix}"
             stored = get(name)
-            if row.role == "global_scale":
+            if row.role == Role.GLOBAL_SCALE:
                 s2 = to_direction(stored.to(torch.float32).reshape(()), row.direction)
+            elif row.role == Role.SHAPE:
+                check_shape_row(name, stored, shape)
             elif recipe.scale_codec.nbytes == 1:
                 scale = require_8bit(name, stored)
-            else:
-                scale = stored.to(torch.float32).reshape(recipe.scale_shape(shape))
+            else:  # F32 scales widen to F32; weight-dtype scales keep the dtype their codes were made with
+                scale = require_float(name, stored)
+                scale = scale.to(recipe.scale_codec.raw_dtype_for(scale.dtype)).reshape(recipe.scale_shape(shape))
         return QuantizedTensor(recipe.name, shape, codes, scale, s2, recipe.scale_rule)
 
     def describe(self, module: str, recipe: Recipe) -> list[DiskTensor]:
-        encoding = {"codes": recipe.element.disk_encoding, "block_scale": recipe.scale_encoding}
+        encoding = {Role.CODES: recipe.element.disk_encoding, Role.BLOCK_SCALE: recipe.scale_encoding,
+                    Role.SHAPE: "int64"}
         return [DiskTensor(f"{module}{row.suffix}", row.role, encoding.get(row.role, "f32"),
-                           None if row.role == "codes" else (row.direction or "multiply"))
+                           None if row.role in (Role.CODES, Role.SHAPE) else (row.direction or Direction.MULTIPLY))
                 for row in self.rows(recipe.name)]
 
-    def output_specs(self, module: str, recipe: Recipe, shape: tuple[int, ...]) -> list[tuple[str, torch.dtype, tuple]]:
-        """(name, dtype, shape) of each tensor `to_disk` writes for a `shape` weight, from a
-        meta-device stand-in (no data)."""
+    def output_specs(self, module: str, recipe: Recipe, shape: tuple[int, ...],
+                     weight_dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple]]:
+        """(name, dtype, shape) of each tensor `to_disk` writes for a `shape` weight of
+        `weight_dtype` (what a scale codec of the weight's dtype stores), from a meta-device
+        stand-in (no data)."""
         meta = QuantizedTensor(
             recipe.name, tuple(shape),
             torch.empty(recipe.codes_shape(shape), dtype=torch.uint8, device="meta"),
-            torch.empty(recipe.scale_shape(shape), dtype=recipe.scale_codec.raw_dtype, device="meta"),
+            torch.empty(recipe.scale_shape(shape), dtype=recipe.scale_codec.raw_dtype_for(weight_dtype), device="meta"),
             torch.empty((), dtype=torch.float32, device="meta") if recipe.has_global_scale else None,
             recipe.scale_rule)
         return [(n, t.dtype, tuple(t.shape)) for n, t in self.to_disk(module, meta).items()]
 
     def logical_shape(self, recipe: Recipe, codes_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The [..., N, K] weight shape a stored codes tensor of `recipe` holds."""
+        """The [..., N, K] weight shape a stored codes tensor of `recipe` holds (in its storage
+        dtype: INT4's I32 words hold eight codes each)."""
         if self.rows(recipe.name)[0].reshape == BLOCKS16:
             codes_shape = (*codes_shape[:-2], codes_shape[-2] * codes_shape[-1])
-        return (*codes_shape[:-1], codes_shape[-1] * 8 // recipe.element_bits)
+        storage_bits = 8 * recipe.codes_dtype.itemsize
+        return (*codes_shape[:-1], codes_shape[-1] * storage_bits // recipe.element_bits)
 
     def dense_name(self, module: str) -> tuple[str, bool]:
         """Where a dequantized module is written, and whether it is stored transposed: Linear
@@ -295,3 +327,25 @@ def require_8bit(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.element_size() != 1:
         raise LayoutError(f"{name}: stored as {t.dtype}, expected an 8-bit type (F8_E4M3, I8 or U8)")
     return t.view(torch.uint8)
+
+
+def as_code_bytes(t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """Codes stored in a wider word than a byte (INT4's I32 `weight_packed`, eight codes per
+    little-endian word) as the code bytes they are; any other dtype is left for require_8bit."""
+    if t.dtype == recipe.codes_dtype and t.element_size() > 1:
+        return t.contiguous().view(torch.uint8)
+    return t
+
+
+def require_float(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not t.is_floating_point() or t.element_size() == 1:
+        raise LayoutError(f"{name}: stored as {t.dtype}, expected a float scale (F32, BF16 or F16)")
+    return t
+
+
+def check_shape_row(name: str, stored: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """compressed-tensors' `weight_shape` states the logical shape; it is checked against the one
+    the codes hold, never used in its place (a wrong one would make a loader unpack wrongly)."""
+    if stored.dtype != torch.int64 or stored.reshape(-1).tolist() != list(shape):
+        raise LayoutError(f"{name}: holds {stored.dtype} {stored.reshape(-1).tolist()}, but the codes hold a "
+                          f"{list(shape)} weight")

@@ -1,4 +1,4 @@
-"""compressed-tensors layout (`quant_method: compressed-tensors`): vLLM, SGLang, transformers.
+"""compressed-tensors layout (`quant_method: compressed-tensors`); engines per recipe: quantcli/formats/engines.py.
 
     nvfp4        weight_packed U8 [N, K/2], weight_scale F8_E4M3 [N, K/16],
                  weight_global_scale F32 [1] = 1 / weight_scale_2 (divide)   nvfp4-pack-quantized
@@ -8,8 +8,11 @@
     fp8-channel  weight F8_E4M3, weight_scale F32 [N, 1]                        float-quantized
     fp8-block    weight F8_E4M3, weight_scale F32 [ceil(N/128), ceil(K/128)]    float-quantized
     int8-channel weight I8 [N, K], weight_scale F32 [N, 1]                      int-quantized
+    int4         weight_packed I32 [N, K/8], weight_scale (weight dtype) [N, K/128],
+                 weight_shape I64 [2]                                           pack-quantized
 FP8-family scales are written in FP32 (the producer writes the dense dtype, usually BF16, which
-would round the scale the codes were computed with); consumers cast on load. Activations of
+would round the scale the codes were computed with); consumers cast on load. int4's scales are
+in the weight's dtype, as llm-compressor writes them: its codes were rounded with those values. Activations of
 the fp8 recipes are declared dynamic (per token / per 128-group), which needs no calibration.
 """
 
@@ -18,15 +21,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from quantcli.formats.layouts.base import COLUMN, ONE, Layout, TensorRow
+import torch
 
-_SCALE = TensorRow(".weight_scale", "block_scale", direction="multiply")
-_CODES = TensorRow(".weight", "codes")
-_PACKED = TensorRow(".weight_packed", "codes")
+from quantcli.formats.layouts.base import COLUMN, ONE, Direction, Layout, Role, TensorRow
+
+_SCALE = TensorRow(".weight_scale", Role.BLOCK_SCALE, direction=Direction.MULTIPLY)
+_CODES = TensorRow(".weight", Role.CODES)
+_PACKED = TensorRow(".weight_packed", Role.CODES)
 # The divisor convention: weight_global_scale = 1 / weight_scale_2, one FP32 division.
-_GLOBAL = TensorRow(".weight_global_scale", "global_scale", ONE, "divide")
+_GLOBAL = TensorRow(".weight_global_scale", Role.GLOBAL_SCALE, ONE, Direction.DIVIDE)
 _FLOAT = {"type": "float", "symmetric": True, "dynamic": False}
 _DYNAMIC = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
+# The logical [N, K], which the pack-quantized compressor stores with every packed weight.
+_SHAPE = TensorRow(".weight_shape", Role.SHAPE, dtype=torch.int64)
+# llm-compressor 0.14's W4A16 weights, key for key (QuantizationModifier, scheme="W4A16", with
+# compressed-tensors 0.19; docs/formats.md, "compressed-tensors presets"): compressed-tensors'
+# QuantizationArgs parses it (extra="forbid"), and 0.20 reads the same keys it would write.
+_W4A16 = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 128, "num_bits": 4,
+          "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": None, "strategy": "group",
+          "symmetric": True, "type": "int", "zp_dtype": None}
 
 
 @dataclass(frozen=True)
@@ -47,32 +60,33 @@ SCHEMES = {
                     {"num_bits": 4, **_FLOAT, "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}),
     "mxfp8": Scheme((_CODES, _SCALE), "mxfp8-quantized",
                     {"num_bits": 8, **_FLOAT, "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}),
-    "fp8": Scheme((_CODES, TensorRow(".weight_scale", "block_scale", ONE, "multiply")), "float-quantized",
+    "fp8": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, ONE, Direction.MULTIPLY)), "float-quantized",
                   {"num_bits": 8, **_FLOAT, "strategy": "tensor"}, {**_DYNAMIC, "strategy": "token"}),
-    "fp8-channel": Scheme((_CODES, TensorRow(".weight_scale", "block_scale", COLUMN, "multiply")), "float-quantized",
+    "fp8-channel": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, COLUMN, Direction.MULTIPLY)), "float-quantized",
                           {"num_bits": 8, **_FLOAT, "strategy": "channel"}, {**_DYNAMIC, "strategy": "token"}),
     "fp8-block": Scheme((_CODES, _SCALE), "float-quantized",
                         {"num_bits": 8, **_FLOAT, "strategy": "block", "block_structure": [128, 128]},
                         {**_DYNAMIC, "strategy": "group", "group_size": 128}),
     # W8A8 with dynamic per-token INT8 activations: vLLM's CompressedTensorsW8A8Int8 (an
     # int-quantized group with input_activations null matches no vLLM scheme).
-    "int8-channel": Scheme((_CODES, TensorRow(".weight_scale", "block_scale", COLUMN, "multiply")), "int-quantized",
+    "int8-channel": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, COLUMN, Direction.MULTIPLY)), "int-quantized",
                            {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": "channel"},
                            {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}),
+    # W4A16: vLLM's CompressedTensorsWNA16 (Machete on SM90, Marlin SM75+), SGLang's (Marlin).
+    "int4": Scheme((_PACKED, _SCALE, _SHAPE), "pack-quantized", _W4A16),
 }
 TABLES = {recipe: scheme.tensors for recipe, scheme in SCHEMES.items()}
 FORMAT = {recipe: scheme.format for recipe, scheme in SCHEMES.items()}
 WEIGHTS = {recipe: scheme.weights for recipe, scheme in SCHEMES.items()}
 INPUTS = {recipe: scheme.input_activations for recipe, scheme in SCHEMES.items() if scheme.input_activations}
-# Static activation scales (FORMATS.md B 3.2, 6.2): filled from ModuleFacts when a calibration
-# pass learns them; `input_global_scale` is a divisor like `weight_global_scale`.
-_INPUT = TensorRow(".input_scale", "input_scale", ONE, "multiply", fact="input_scale")
+# Static activation scales (docs/formats.md, "compressed-tensors presets"): filled from ModuleFacts
+# when a calibration pass learns them; `input_global_scale` is a divisor like `weight_global_scale`.
+_INPUT = TensorRow(".input_scale", Role.INPUT_SCALE, ONE, Direction.MULTIPLY, fact="input_scale")
 OPTIONAL = {"fp8": (_INPUT,), "fp8-channel": (_INPUT,),
-            "nvfp4": (TensorRow(".input_global_scale", "input_global_scale", ONE, "divide", fact="input_scale"),)}
+            "nvfp4": (TensorRow(".input_global_scale", Role.INPUT_GLOBAL_SCALE, ONE, Direction.DIVIDE, fact="input_scale"),)}
 
 class CompressedTensorsLayout(Layout):
     name = "compressed-tensors"
-    consumers = "vLLM, SGLang, transformers"
     tables = TABLES
     optional = OPTIONAL
     kv_scales = ("k_scale", "v_scale")  # on the attention module: `...self_attn.k_scale`
@@ -104,7 +118,9 @@ class CompressedTensorsLayout(Layout):
             return None
         w = scheme.get("weights") or {}
         bits, strategy, group = w.get("num_bits"), w.get("strategy"), w.get("group_size")
-        if bits == 4 and group == 32:
+        if w.get("type") == "int" and w.get("symmetric", True) is not True:
+            return None  # zero points (W4A16_ASYM): no recipe decodes them
+        if bits == 4 and group == 32 and w.get("type", "float") == "float":
             return "mxfp4"
         if bits == 8 and strategy == "group" and group == 32:
             return "mxfp8"
@@ -139,13 +155,13 @@ class CompressedTensorsLayout(Layout):
 
     def declare_calibration(self, config: dict, extra: dict[str, dict], groups: Mapping[str, list[str]],
                             static: bool, kv_fp8: bool) -> None:
-        if static:  # FORMATS B 3.2 (FP8 static) and 6.2 (NVFP4 W4A4 preset)
+        if static:  # the FP8 and NVFP4 (W4A4) presets (docs/formats.md, "compressed-tensors presets")
             for group in config["config_groups"].values():
                 recipe = next(r for r, s in SCHEMES.items() if s.format == group["format"]
                               and _same_weights(group["weights"], s.weights))
                 if recipe in STATIC_INPUTS:
                     group["input_activations"] = dict(STATIC_INPUTS[recipe])
-        if kv_fp8:  # FORMATS B 9
+        if kv_fp8:  # docs/formats.md, "FP8 KV-cache scale names"
             config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                          "symmetric": True}
 
@@ -187,7 +203,9 @@ def _group_size_problems(qc: Mapping) -> list[str]:
     (nvfp4 16, mxfp4 and mxfp8 32): loaders would read the scales with the wrong block."""
     from quantcli.recipes import get_recipe
 
-    by_format = {s.format: r for r, s in SCHEMES.items() if s.weights.get("group_size")}
+    # Only formats that fix the group (pack-quantized holds int groups of any size).
+    by_format = {s.format: r for r, s in SCHEMES.items()
+                 if s.weights.get("group_size") and s.weights["type"] == "float"}
     problems = []
     for name, group in (qc.get("config_groups") or {}).items():
         if not isinstance(group, dict):

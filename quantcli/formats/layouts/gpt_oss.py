@@ -1,4 +1,5 @@
-"""gpt-oss layout (`quant_method: mxfp4`): MXFP4 MoE experts for vLLM, SGLang and transformers.
+"""gpt-oss layout (`quant_method: mxfp4`): MXFP4 MoE experts of the GptOss architecture (the
+engines read these names in their gpt-oss model code only: quantcli/formats/engines.py).
 
     mxfp4 on a 3-D expert stack W[E, N, K] (out before in):
         <name>_blocks U8 [E, N, K/32, 16]   (16 bytes = 32 E2M1 codes, low nibble = even k)
@@ -12,14 +13,13 @@ from __future__ import annotations
 from typing import Mapping
 
 from quantcli.errors import LayoutError
-from quantcli.formats.layouts.base import BLOCKS16, Layout, TensorRow
+from quantcli.formats.layouts.base import BLOCKS16, Direction, Layout, Role, TensorRow
 from quantcli.recipes import Recipe
 
-TABLES = {"mxfp4": (TensorRow("_blocks", "codes", BLOCKS16), TensorRow("_scales", "block_scale", direction="multiply"))}
+TABLES = {"mxfp4": (TensorRow("_blocks", Role.CODES, BLOCKS16), TensorRow("_scales", Role.BLOCK_SCALE, direction=Direction.MULTIPLY))}
 
 class GptOssLayout(Layout):
     name = "gpt-oss"
-    consumers = "vLLM, SGLang, transformers (MoE experts only)"
     tables = TABLES
     default_scale_rule = "rceil"
     exclusion_key = "modules_to_not_convert"

@@ -1,13 +1,15 @@
-"""modelopt layout (`quant_method: modelopt`), loaded by vLLM, SGLang and TensorRT-LLM.
+"""modelopt layout (`quant_method: modelopt`); engines per recipe: quantcli/formats/engines.py.
 
     nvfp4        weight U8 [N, K/2], weight_scale F8_E4M3 [N, K/16], weight_scale_2 F32 [] (multiply)
     fp8          weight F8_E4M3 [N, K], weight_scale F32 [], input_scale F32 []   FP8 (static
-                 activations only: written with --activations static; FORMATS.md B 3.1)
+                 activations only: written with --activations static; docs/formats.md,
+                 "ModelOpt FP8 and NVFP4 scales")
     fp8-channel  weight F8_E4M3 [N, K], weight_scale F32 [N]            FP8_PER_CHANNEL_PER_TOKEN
-    fp8-block    weight F8_E4M3 [N, K], weight_scale F32 [N/128, 1, K/128, 1]   FP8_PB_WO
+    fp8-block    weight F8_E4M3 [N, K], weight_scale F32 [N/128, 1, K/128, 1]   fp8_pb_wo (lower case,
+                 as ModelOpt writes it: TensorRT-LLM matches only that spelling, vLLM upper-cases)
     mxfp8        weight F8_E4M3 [N, K], weight_scale U8 E8M0 [N, K/32]  MXFP8 (rule rceil)
     mxfp4        weight U8 [N, K/2], weight_scale U8 E8M0 [N, K/32]      MXFP4 (read only: ModelOpt's
-                 own export, which no serving engine loads; FORMATS.md B 7.5)
+                 own export, which no serving engine loads; docs/formats.md, "ModelOpt MXFP4 export")
 Config: hf_quant_config.json {"producer", "quantization": {quant_algo, kv_cache_quant_algo,
 group_size, exclude_modules}} plus config.json quantization_config in ModelOpt's flat form.
 """
@@ -18,25 +20,26 @@ from typing import Mapping
 
 from quantcli import __version__
 from quantcli.errors import LayoutError
-from quantcli.formats.layouts.base import BLOCK4D, SCALAR, Layout, TensorRow
+from quantcli.formats.layouts.base import BLOCK4D, SCALAR, Direction, Layout, Role, TensorRow
 from quantcli.recipes import Recipe
 
-_CODES = TensorRow(".weight", "codes")
-_SCALE = TensorRow(".weight_scale", "block_scale", direction="multiply")
+_CODES = TensorRow(".weight", Role.CODES)
+_SCALE = TensorRow(".weight_scale", Role.BLOCK_SCALE, direction=Direction.MULTIPLY)
 TABLES = {
-    "nvfp4": (_CODES, _SCALE, TensorRow(".weight_scale_2", "global_scale", SCALAR, "multiply")),
-    "fp8": (_CODES, TensorRow(".weight_scale", "block_scale", SCALAR, "multiply")),
+    "nvfp4": (_CODES, _SCALE, TensorRow(".weight_scale_2", Role.GLOBAL_SCALE, SCALAR, Direction.MULTIPLY)),
+    "fp8": (_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, SCALAR, Direction.MULTIPLY)),
     "fp8-channel": (_CODES, _SCALE),
-    "fp8-block": (_CODES, TensorRow(".weight_scale", "block_scale", BLOCK4D, "multiply")),
+    "fp8-block": (_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, BLOCK4D, Direction.MULTIPLY)),
     "mxfp8": (_CODES, _SCALE),
     "mxfp4": (_CODES, _SCALE),  # read only (unservable)
 }
-# Static activation scales, multipliers (FORMATS.md B 3.1, 6.1): filled from ModuleFacts.
-_INPUT = TensorRow(".input_scale", "input_scale", SCALAR, "multiply", fact="input_scale")
+# Static activation scales, multipliers (docs/formats.md, "ModelOpt FP8 and NVFP4 scales"): filled
+# from ModuleFacts.
+_INPUT = TensorRow(".input_scale", Role.INPUT_SCALE, SCALAR, Direction.MULTIPLY, fact="input_scale")
 OPTIONAL = {"nvfp4": (_INPUT,), "fp8": (_INPUT,), "fp8-channel": (_INPUT,)}
 
 QUANT_ALGO = {"nvfp4": "W4A16_NVFP4", "fp8": "FP8", "fp8-channel": "FP8_PER_CHANNEL_PER_TOKEN",
-              "fp8-block": "FP8_PB_WO", "mxfp8": "MXFP8"}
+              "fp8-block": "fp8_pb_wo", "mxfp8": "MXFP8"}
 ALGO_TO_RECIPE = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8_PER_CHANNEL_PER_TOKEN": "fp8-channel",
                   "FP8_PB_WO": "fp8-block", "MXFP8": "mxfp8", "FP8": "fp8",
                   "MXFP4": "mxfp4", "W4A8_MXFP4_FP8": "mxfp4"}
@@ -45,7 +48,6 @@ GROUP_SIZE = {"nvfp4": 16, "mxfp8": 32}
 
 class ModelOptLayout(Layout):
     name = "modelopt"
-    consumers = "vLLM, SGLang, TensorRT-LLM"
     tables = TABLES
     optional = OPTIONAL
     kv_scales = ("k_proj.k_scale", "v_proj.v_scale")  # relative to the attention module
@@ -118,9 +120,10 @@ class ModelOptLayout(Layout):
     def declare_calibration(self, config: dict, extra: dict[str, dict], groups: Mapping[str, list[str]],
                             static: bool, kv_fp8: bool) -> None:
         section = extra["hf_quant_config.json"]["quantization"]
-        if static and section["quant_algo"] == "W4A16_NVFP4":  # W4A4: FORMATS B 6.1 input_scale
+        # W4A4: an input_scale per Linear (docs/formats.md, "ModelOpt FP8 and NVFP4 scales")
+        if static and section["quant_algo"] == "W4A16_NVFP4":
             section["quant_algo"] = config["quant_algo"] = "NVFP4"
-        if kv_fp8:  # FORMATS B 9
+        if kv_fp8:  # docs/formats.md, "FP8 KV-cache scale names"
             section["kv_cache_quant_algo"] = "FP8"
             config["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
 
@@ -138,7 +141,8 @@ class ModelOptLayout(Layout):
         return f"kv_cache_quant_algo {algo}" if algo.startswith("FP8") else None
 
 
-STATIC_ALGOS = ("NVFP4", "FP8", "W4A8_MXFP4_FP8")  # FORMATS B 3.1, 6.1: input_scale per Linear
+# input_scale per Linear (docs/formats.md, "ModelOpt FP8 and NVFP4 scales")
+STATIC_ALGOS = ("NVFP4", "FP8", "W4A8_MXFP4_FP8")
 DYNAMIC_ALGOS = ("FP8_PER_CHANNEL_PER_TOKEN", "MXFP8")
 
 

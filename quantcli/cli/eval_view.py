@@ -1,0 +1,93 @@
+"""quantcli eval on the terminal: the per-layer table, the model-level metrics and the progress
+bar (one row per block as it finishes: `evaluating ━━━━  12/32 0:00:41 3.4 s/layer`)."""
+
+from __future__ import annotations
+
+import re
+
+from rich.console import Console
+from rich.table import Table
+
+from quantcli.cli.bars import PhaseBar
+from quantcli.cli.name_tables import ERROR
+from quantcli.reports import OMITTED
+
+
+class LayerBar(PhaseBar):
+    """The eval progress callback `bar(done, total, seconds_per_layer)`; with `verbose` one stderr
+    line per block (also without a terminal)."""
+
+    def __init__(self, stderr: Console, show: bool, verbose: bool):
+        super().__init__(stderr, show, "evaluating")
+        self.verbose = verbose
+
+    def __call__(self, done: int, total: int, per_layer: float) -> None:  # type: ignore[override]
+        said = f"{per_layer:.2f} s/layer"
+        super().__call__("evaluating layers", done, total, said)
+        if self.verbose:
+            self.stderr.print(f"layer {done}/{total} done ({said})")
+
+
+def _short(module: str) -> str:
+    """A module's name within its block: `model.layers.3.self_attn.q_proj` -> `self_attn.q_proj`."""
+    return re.sub(r"^.*?\blayers?\.\d+\.", "", module)
+
+
+def _modules_cell(rows, top: int) -> str:
+    return ", ".join(f"{_short(m.module)} {ERROR.format(m.rel_err)}" for m in rows[:top])
+
+
+def _layers_table(report, top: int) -> Table:
+    table = Table(title="per layer: hidden-state error and the modules adding the most error themselves",
+                  title_justify="left")
+    table.add_column("layer", justify="right")
+    table.add_column("hidden rel err", justify="right")
+    table.add_column(f"worst modules (own output rel err), top {top}")
+    for row in report.layers:
+        table.add_row(str(row.layer), ERROR.format(row.hidden_rel_err), _modules_cell(row.worst_modules, top))
+    return table
+
+
+def _metrics_table(report) -> Table:
+    table = Table(title="model output", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    c, e = report.causal, report.encoder
+    if c is not OMITTED:
+        rows = [("tokens scored", str(c.tokens)), ("perplexity, reference", f"{c.perplexity_reference:.4f}"),
+                ("perplexity, quantized", f"{c.perplexity_quantized:.4f}"),
+                ("perplexity ratio", f"{c.perplexity_quantized / c.perplexity_reference:.5f}"),
+                ("KL(ref || quant) mean", ERROR.format(c.kl_mean)), ("KL p99", ERROR.format(c.kl_p99)),
+                ("KL max", ERROR.format(c.kl_max)), ("top-1 agreement", f"{c.top1_agreement:.2%}"),
+                ("logits rel err", ERROR.format(c.logits_rel_err))]
+    else:
+        rows = [("samples", str(e.samples)), ("pooling", f"{'+'.join(e.pooling)} ({e.pooling_source})"),
+                ("embedding cosine mean", f"{e.cosine_mean:.6f}"), ("embedding cosine min", f"{e.cosine_min:.6f}")]
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+def render_eval(report, con: Console, top: int) -> None:
+    recipes = ", ".join(f"{n} {r}" for r, n in report.recipes.items()) or "no quantized module"
+    con.print(f"{report.checkpoint} vs --reference {report.reference}: {report.model_kind}, "
+              f"layout {report.layout or 'dense'} ({recipes})")
+    acts = "; ".join(f"{a.scheme} on {a.modules} modules" for a in report.activations) or "none declared (weight-only)"
+    con.print(f"  activations emulated: {acts}")
+    con.print(f"  KV cache: {report.kv_cache}")
+    con.print(f"  {report.samples} samples, {report.tokens} tokens (at most {report.seq_len} each) on "
+              f"{report.device}, {report.seconds:.1f} s")
+    for note in report.notes:
+        con.print(f"  note: {note}")
+    con.print(_layers_table(report, top))
+    con.print(_metrics_table(report))
+
+
+def render_eval_brief(report, con: Console) -> None:
+    """eval -q: the headline numbers on one line."""
+    c, e = report.causal, report.encoder
+    if c is not OMITTED:
+        con.print(f"ppl {c.perplexity_reference:.4f} -> {c.perplexity_quantized:.4f}  KL mean {ERROR.format(c.kl_mean)} "
+                  f"p99 {ERROR.format(c.kl_p99)}  top-1 {c.top1_agreement:.2%}")
+    else:
+        con.print(f"cosine mean {e.cosine_mean:.6f} min {e.cosine_min:.6f}")

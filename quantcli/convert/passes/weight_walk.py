@@ -1,0 +1,151 @@
+"""Running a weight pass (kinds.WeightPass) on the layer walk (model/layers.py), layer by layer.
+
+Per decoder layer, on every rank over its share of the calibration batches:
+1. observe: each module the pass rounds records one partial statistic per batch from its inputs
+   (model/inputs.py, the observer calibration uses); the ranks fold them batch by batch into
+   sums taken in global batch order (ordered_sum.py), so the lead holds the one-process bits;
+2. the lead hands each module's weight and statistic to the pass, and stages what the layout
+   writes for the result: one file per layer, written atomically (convert/staged.py);
+3. every rank loads the layer's weights decoded from that file (as an engine decodes them) and
+   runs its batches again: the quantized layer's outputs are the next layer's inputs.
+
+--resume: the staged files are the record of finished layers. A finished layer is replayed, not
+redone: loaded from its file and run once, which rebuilds the activations the next layer needs
+with no statistic and no rounding. Storing the activations instead would write the whole buffer
+per layer, and only for the split of batches over ranks that wrote it; a replay costs one forward
+per finished layer and works for any number of ranks. The fresh run decodes the layer from the
+very file a replay reads, so both feed the next layer the same bits.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+import torch
+
+from quantcli.checkpoint.safetensors_io import OutSpec, dtype_name
+from quantcli.convert.passes.kinds import ModuleWork, WeightPass
+from quantcli.convert.passes.ordered_sum import OrderedSum
+from quantcli.convert.reading import ModuleReader
+from quantcli.convert.shard import compute_threads, learned_of
+from quantcli.convert.staged import StagedWeights, check_product
+from quantcli.convert.world import World
+from quantcli.errors import QuantcliError
+from quantcli.formats.decode import decode_module
+from quantcli.formats.facts import NO_FACTS, ModuleFacts
+from quantcli.model.inputs import input_hooks
+from quantcli.model.layers import LayerPass, batches, layer_prefix, load_layer
+
+KILL_ENV = "QUANTCLI_KILL_AFTER_LAYERS"  # crash-safety tests: SIGKILL once this many layers are staged
+
+
+def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, ModuleFacts], world: World) -> StagedWeights:
+    """Stage `wp`'s products for every decoder layer not already staged (--resume)."""
+    plan, cal = reader.plan, reader.plan.options.calibration
+    if cal is None:
+        raise QuantcliError(f"weight pass {wp.name} needs --calibration DATA: it rounds each layer from the "
+                            f"inputs that reach it")
+    if reader.stage is None:
+        raise RuntimeError("internal: a weight pass stages its products in the staging folder")
+    from quantcli.calibrate.run import walk_source
+    from quantcli.model.samples import token_ids
+
+    staged = StagedWeights(reader.stage, wp.name)
+    layers = int(plan.source.config["num_hidden_layers"])
+    finished = world.settle_all(lambda: staged.finished(layers) if world.lead else None)[0]
+    if finished < layers:
+        ids = token_ids(cal, plan.source.root)
+        walk = WeightWalk(wp, reader, facts, world, staged, finished, layers, len(batches(ids, cal.batch)))
+        world.settle(lambda: walk_source(plan, reader.tensors, reader.device, walk, ids, reader.progress,
+                                         part=(world.rank, world.size), verb=f"rounding ({wp.name})"))
+    return staged
+
+
+class WeightWalk(LayerPass):
+    """The LayerPass that runs weight pass `wp` (see the module docstring)."""
+
+    changes_weights = True
+
+    def __init__(self, wp: WeightPass, reader: ModuleReader, facts: dict[str, ModuleFacts], world: World,
+                 staged: StagedWeights, finished: int, layers: int, batches: int):
+        self.wp, self.reader, self.facts, self.world, self.staged = wp, reader, facts, world, staged
+        self.finished, self.batches = finished, batches
+        self.index = {layer_prefix(i): i for i in range(layers)}
+        plan = reader.plan
+        self.taken = {t.name: t for t in plan.tensors if t.action == "quantize" and wp.takes(plan, t)}
+        self.layer_tensors: list = []
+        self.sums: OrderedSum | None = None
+        self.statistics: tuple[dict[str, torch.Tensor], dict[str, int]] = ({}, {})
+
+    def replay(self, prefix: str):
+        i = self.index[prefix]
+        return self._written(i) if i < self.finished else None
+
+    def observe(self, layer, prefix: str, weights, experts) -> list:
+        read = dict.fromkeys(src for n in layer.state_dict() for src in weights.sources(prefix + n, experts))
+        self.layer_tensors = [self.taken[n] for n in read if n in self.taken]
+        modules = {t.module for t in self.layer_tensors}
+        sums = self.sums = OrderedSum(self.world, self.batches, keep=self.world.lead)
+
+        def record(module: str, x: torch.Tensor) -> None:
+            if module in modules:
+                rows = x.detach().reshape(-1, x.shape[-1])
+                if rows.shape[0]:
+                    sums.add(module, self.wp.statistic(rows), rows.shape[0])
+
+        return input_hooks(layer, prefix, weights, experts, record)
+
+    def batch_done(self, j: int) -> None:
+        self.sums.end_batch()
+
+    def layer_done(self, layer, prefix: str, weights, cache) -> None:
+        self.statistics = self.sums.finish()
+        self.sums = None
+
+    def update(self, layer, prefix: str, weights, experts) -> None:
+        i = self.index[prefix]
+        self.world.settle(lambda: self._stage(i) if self.world.lead else None)
+        self.statistics = ({}, {})
+        load_layer(layer, prefix, self._written(i), weights, experts, self.reader.device)
+        if os.environ.get(KILL_ENV) == str(i + 1):
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _stage(self, i: int) -> None:
+        """The lead: round every module of layer `i` the pass takes, stage the layer's file."""
+        plan, reader = self.reader.plan, self.reader
+        sums, rows = self.statistics
+        tensors, products, learned = {}, {}, {}
+        with compute_threads(reader.device):
+            for t in self.layer_tensors:
+                recipe, facts, stat = plan.recipes[t.recipe], self.facts.get(t.module, NO_FACTS), sums.get(t.module)
+                q = self.wp.quantize(ModuleWork(t, recipe, reader.weight(t), None if stat is None else
+                                                stat.to(reader.device), rows.get(t.module, 0), facts, reader.backend))
+                if q.recipe != t.recipe or tuple(q.shape) != t.logical_shape:
+                    raise RuntimeError(f"internal: weight pass {self.wp.name} returned {q.recipe} {list(q.shape)} "
+                                       f"for {t.name}, planned as {t.recipe} {list(t.logical_shape)}")
+                out = plan.layout.to_disk(t.module, q.to("cpu"), facts=facts)
+                check_product(t, {n: OutSpec(n, dtype_name(v.dtype), tuple(v.shape)) for n, v in out.items()},
+                              plan.layout, f"weight pass {self.wp.name}")
+                tensors.update(out)
+                products[t.name] = sorted(out)
+                learned[t.module] = asdict(learned_of(recipe, q, facts))
+        self.staged.write_layer(i, tensors, products, learned)
+
+    def _written(self, i: int):
+        """get(name) for loading layer `i`: its staged products decoded, the rest from the source."""
+        plan, reader = self.reader.plan, self.reader
+        files, products = self.staged.layer_products(i, self.taken, plan.layout)
+
+        def get(name: str) -> torch.Tensor:
+            t = products.get(name)
+            if t is None:
+                return reader.tensors.get(name)
+            recipe = plan.recipes[t.recipe]
+            q = plan.layout.from_disk(t.module, recipe, files.tensor, files.header.tensors)
+            return decode_module(plan.layout, t.module, recipe, q, transpose=t.transpose, backend=reader.backend,
+                                 device=reader.device)
+
+        return get

@@ -1,0 +1,153 @@
+"""quantcli eval: what a quantized checkpoint costs its model, measured end to end on any machine.
+
+The reference and the quantized checkpoint run over the same held-out samples in one layer
+loop (engine.py): the quantized side with weights decoded from codes and scales (sides.py),
+activations and the KV cache quantized as the checkpoint declares (declared.py, fake_quant.py),
+each module's own error measured on the way (emulate.py); then perplexity, KL and top-1 of a
+causal LM or the pooled-embedding cosine of an encoder (metrics.py). Nothing is written.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from quantcli.errors import QuantcliError
+
+
+@dataclass
+class EvalOptions:
+    checkpoint: str
+    reference: str
+    data: str
+    samples: int = 32
+    seq_len: int = 256
+    batch: int = 1
+    device: str = "auto"
+    kv_cache: str = "auto"  # auto | scale-one | none (declared.KV_MODES)
+    revision: str | None = None  # of a Hub --reference
+    top: int = 3  # worst modules listed per layer
+    recipe: str | None = None  # emulate this recipe on `checkpoint` (dense) in memory; then no reference
+    layout: str | None = None
+    scale_rule: str | None = None
+    scale_search: str | None = None
+
+
+@contextmanager
+def _as_eval() -> Iterator[None]:
+    """The shared model code names --calibration in its messages; here the option is --data."""
+    try:
+        yield
+    except QuantcliError as exc:
+        text = re.sub(r"--calibration needs", "quantcli eval needs", str(exc))
+        text = re.sub(r"--calibration:", "eval:", text)
+        raise type(exc)(re.sub(r"--calibration\b", "--data", text)) from None
+
+
+def evaluate(opts: EvalOptions, progress: Callable[[int, int, float], None] | None = None):
+    """The EvalReport of `opts.checkpoint` against `opts.reference` on `opts.data`."""
+    from quantcli.checkpoint.source import open_source
+    from quantcli.checkpoint.tensors import CheckpointTensors
+    from quantcli.convert.device import resolve_device
+    from quantcli.evaluate.sides import Side, check_same_model
+
+    start = time.monotonic()
+    with _as_eval():
+        device = resolve_device(opts.device)
+        if opts.recipe:
+            ref_src = quant_src = open_source(opts.checkpoint, opts.revision)
+        else:
+            ref_src, quant_src = open_source(opts.reference, opts.revision), open_source(opts.checkpoint)
+        with CheckpointTensors(ref_src) as rt, CheckpointTensors(quant_src) as qt:
+            ref = Side(f"--reference {ref_src.label}", ref_src, rt, device)
+            quant = _recipe_side(opts, quant_src, qt, device) if opts.recipe else Side(quant_src.label, quant_src, qt,
+                                                                                       device)
+            check_same_model(ref, quant)
+            report = _run(opts, ref, quant, device, progress)
+    report.seconds = round(time.monotonic() - start, 3)
+    return report
+
+
+def _recipe_side(opts: EvalOptions, source, tensors, device: torch.device):
+    """`source` with `opts.recipe` applied in memory, planned exactly as convert plans it."""
+    from quantcli.evaluate.sides import RecipeSide
+    from quantcli.planning.conversion import plan_conversion
+    from quantcli.planning.options_file import conversion_options
+
+    options = conversion_options(recipe=opts.recipe, layout=opts.layout, ignore=[], config=None,
+                                 scale_rule=opts.scale_rule, scale_search=opts.scale_search)
+    plan = plan_conversion(source, options)
+    if plan.layout is None:
+        raise QuantcliError(f"--recipe {opts.recipe}: a dequantizing recipe; eval emulates a quantization recipe")
+    return RecipeSide(f"{source.label} (--recipe {opts.recipe}, emulated)", source, tensors, device, plan)
+
+
+def _run(opts: EvalOptions, ref, quant, device: torch.device, progress):
+    from quantcli.evaluate import report as rep
+    from quantcli.evaluate.declared import activation_steps
+    from quantcli.evaluate.engine import Emulation, walk
+    from quantcli.evaluate.metrics import Causal, Encoder, pooling_config
+    from quantcli.evaluate.stack import CAUSAL, build_stack
+    from quantcli.model.layers import batches
+
+    stack = build_stack(ref.source.config, ref.names, ref.label)
+    scales = quant.calibrated()
+    steps = activation_steps(quant.layout, quant.config, quant.modules, scales, quant.label) if scales else {}
+    kv, kv_said = _kv(opts, stack, quant, scales)
+    ids, notes = _samples(opts, ref, quant, stack)
+    input_batches = batches(ids, opts.batch)
+    if stack.kind == CAUSAL:
+        finish = Causal(ref, quant, input_batches, steps.get("lm_head"))
+    else:
+        finish = Encoder(*pooling_config([ref.source.root, quant.source.root]))
+    walked = walk(stack, ref, quant, input_batches, device, Emulation(steps, kv), finish, progress)
+    if not quant.quantized:
+        notes.append(f"{quant.label} holds no quantized module: both sides run the same kind of weights")
+    metrics = {"causal" if stack.kind == CAUSAL else "encoder": walked.final}
+    return rep.EvalReport(
+        checkpoint=quant.label, reference=ref.source.label, model_kind=stack.kind,
+        layout=quant.layout.name if quant.layout else None, recipes=rep.recipes(quant.modules),
+        activations=rep.emulated(steps), kv_cache=kv_said, samples=len(ids), tokens=sum(len(s) for s in ids),
+        seq_len=opts.seq_len, device=str(device), layers=rep.layer_rows(walked, opts.top),
+        worst_modules=rep.overall_worst(walked, max(opts.top, 10)), notes=notes, **metrics)
+
+
+def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
+    from quantcli.evaluate.declared import kv_steps
+    from quantcli.evaluate.stack import CAUSAL
+    from quantcli.model.weights import WeightMap
+
+    if stack.kind != CAUSAL and opts.kv_cache == "scale-one":
+        raise QuantcliError("--kv-cache scale-one: an encoder keeps no KV cache; drop the option")
+    names = WeightMap(quant.names)
+    attentions = [names.checkpoint_module(stack.layer_prefix(i) + "self_attn") for i in range(len(stack.layers))]
+    kv = kv_steps(scales, opts.kv_cache, attentions, quant.label) if stack.kind == CAUSAL else {}
+    if not kv:
+        return {}, "not quantized" + (" (--kv-cache none)" if opts.kv_cache == "none" else
+                                      " (the checkpoint declares no FP8 KV cache)")
+    if opts.kv_cache == "scale-one":
+        return kv, f"FP8 E4M3, scale 1.0 ({len(kv)} attention layers)"
+    return kv, f"FP8 E4M3, the checkpoint's k/v scales ({scales.kv_cache}; {len(kv)} attention layers)"
+
+
+def _samples(opts: EvalOptions, ref, quant, stack) -> tuple[list[list[int]], list[str]]:
+    from quantcli.formats.facts import Calibration
+    from quantcli.model.samples import check_token_ids, data_digest, read_samples, token_ids
+
+    cal = Calibration(opts.data, opts.samples, opts.seq_len, opts.batch)
+    check_token_ids(read_samples(cal), cal, stack.config.vocab_size)
+    ids = token_ids(cal, ref.source.root)
+    if not ids:
+        raise QuantcliError(f"--data {opts.data}: every sample tokenized to nothing")
+    notes = []
+    manifest = quant.detected.manifest if quant.detected else None
+    recorded = (manifest.calibration or {}) if manifest else {}
+    if recorded.get("data_sha256") and recorded["data_sha256"] == data_digest(cal):
+        notes.append(f"--data {opts.data} is the data {quant.label} was calibrated on (its manifest's "
+                     f"data_sha256): evaluating on calibration data flatters the result")
+    return ids, notes

@@ -1,0 +1,116 @@
+"""The layer loop: the reference and the quantized checkpoint over the same batches, one block at
+a time. Per block: the reference's weights are loaded and its batches run (its outputs replace
+its inputs in the reference buffer); then the quantized weights are loaded into the same module
+and its batches run with the checkpoint's activation and KV-cache quantization, each module's
+own error measured against the reference weights still in hand; the block's hidden-state error
+is taken; both weight sets go (back to the meta device, tensors released). Peak memory: two
+blocks' weights + two activation buffers + a constant, whatever the depth."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from quantcli.errors import QuantcliError
+from quantcli.evaluate.emulate import ErrorSum, attach, detach
+from quantcli.evaluate.fake_quant import KvQuantCache
+from quantcli.evaluate.stack import Stack, cache_kwarg, capture
+from quantcli.memory import fix_mmap_threshold
+from quantcli.model.buffer import ActivationBuffer, budget_bytes
+from quantcli.model.weights import WeightMap, experts_blocks
+
+
+@dataclass
+class Emulation:
+    steps: dict  # checkpoint module -> fake_quant.ActQuant
+    kv: dict  # checkpoint attention module -> (k_scale, v_scale)
+
+
+@dataclass
+class Walked:
+    """What the loop measured; `finish` is called with both buffers before they are freed."""
+
+    layers: list[ErrorSum] = field(default_factory=list)
+    modules: list[dict[str, ErrorSum]] = field(default_factory=list)
+    final: object = None
+
+
+def load_block(layer, prefix: str, side, weights: WeightMap) -> dict[str, torch.Tensor]:
+    """Assign `side`'s FP32 parameters of one block (shapes checked); returns them by name."""
+    experts = experts_blocks(layer, prefix, weights)
+    params = {}
+    for name, meta in layer.state_dict().items():
+        t = weights.tensor(prefix + name, side.get, experts)
+        if tuple(t.shape) != tuple(meta.shape):
+            raise QuantcliError(f"{side.label}: {prefix}{name} has shape {list(t.shape)}, but its config.json "
+                                f"makes it {list(meta.shape)}; the checkpoint does not match its architecture")
+        params[name] = t.to(torch.float32)
+    layer.load_state_dict(params, assign=True)
+    return params
+
+
+def release_block(layer, prefix: str, side, weights: WeightMap) -> None:
+    experts = experts_blocks(layer, prefix, weights)
+    for name in layer.state_dict():
+        for src in weights.sources(prefix + name, experts):
+            side.release(src)
+
+
+def _run(layer, buffer: ActivationBuffer, captured: list, cache=None) -> None:
+    key = cache_kwarg(layer) if cache is not None else None
+    for j, (args, kwargs) in enumerate(captured):
+        kw = {**kwargs, key: cache} if key else kwargs
+        out = layer(buffer.read(j), *args, **kw)
+        buffer.write(j, out[0] if isinstance(out, tuple) else out)
+
+
+def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, captured: list, emu: Emulation,
+           walked: Walked) -> None:
+    layer, prefix = stack.layers[i], stack.layer_prefix(i)
+    (ref, quant), (ref_map, quant_map), (ref_buf, quant_buf) = sides, maps, bufs
+    ref_params = load_block(layer, prefix, ref, ref_map)
+    _run(layer, ref_buf, captured)
+    load_block(layer, prefix, quant, quant_map)
+    errors: dict[str, ErrorSum] = {}
+    handles = attach(layer, prefix, quant_map, experts_blocks(layer, prefix, quant_map), ref_params, emu.steps,
+                     errors)
+    attention = quant_map.checkpoint_module(prefix + "self_attn")
+    cache = KvQuantCache(*emu.kv[attention]) if attention in emu.kv else None
+    try:
+        _run(layer, quant_buf, captured, cache)
+    finally:
+        detach(layer, handles)
+    hidden = ErrorSum()
+    for j in range(len(captured)):
+        hidden.add(quant_buf.read(j), ref_buf.read(j))
+    walked.layers.append(hidden)
+    walked.modules.append(errors)
+    layer.to("meta")
+    del ref_params
+    release_block(layer, prefix, ref, ref_map)
+    release_block(layer, prefix, quant, quant_map)
+
+
+def walk(stack: Stack, ref, quant, input_batches: list[torch.Tensor], device: torch.device, emu: Emulation,
+         finish, progress=None) -> Walked:
+    """Run both sides over `input_batches`; `finish(stack, buffers)` computes the model-level
+    metrics from the last block's outputs; `progress(done, total, seconds_per_block)`."""
+    fix_mmap_threshold()  # else freed blocks stay in the heap as fragments: memory grows with depth
+    shapes = [(*b.shape, stack.config.hidden_size) for b in input_batches]
+    maps = (WeightMap(ref.names), WeightMap(quant.names))
+    walked, start = Walked(), time.monotonic()
+    with torch.inference_mode(), ActivationBuffer(shapes, device, budget_bytes()) as ref_buf, \
+            ActivationBuffer(shapes, device, budget_bytes()) as quant_buf:
+        captured, names = capture(stack, ref.get, device, input_batches, ref_buf)
+        capture(stack, quant.get, device, input_batches, quant_buf)
+        for side in (ref, quant):
+            for name in names:
+                side.release(name)
+        for i in range(len(stack.layers)):
+            _block(stack, i, (ref, quant), maps, (ref_buf, quant_buf), captured, emu, walked)
+            if progress is not None:
+                progress(i + 1, len(stack.layers), (time.monotonic() - start) / (i + 1))
+        walked.final = finish(stack, (ref_buf, quant_buf), len(captured))
+    return walked

@@ -1,0 +1,72 @@
+"""The eval report as data (serialized by quantcli.reports.to_json; schema quantcli/schemas/eval.json)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from quantcli.evaluate.metrics import CausalMetrics, EncoderMetrics
+from quantcli.reports import OMITTED
+
+
+@dataclass
+class ModuleError:
+    module: str
+    rel_err: float  # the module's own output error (quantcli/evaluate/emulate.py)
+
+
+@dataclass
+class LayerError:
+    layer: int
+    hidden_rel_err: float  # ||h_q - h_ref|| / ||h_ref|| of the block's output, over every token
+    worst_modules: list[ModuleError]
+
+
+@dataclass
+class Emulated:
+    scheme: str
+    modules: int
+
+
+@dataclass
+class EvalReport:
+    checkpoint: str
+    reference: str
+    model_kind: str  # causal-lm | encoder
+    layout: str | None
+    recipes: dict[str, int]  # recipe -> quantized modules
+    activations: list[Emulated]  # activation quantization emulated, per scheme
+    kv_cache: str
+    samples: int
+    tokens: int
+    seq_len: int
+    device: str
+    layers: list[LayerError]
+    worst_modules: list[ModuleError]  # over the whole model, largest own error first
+    causal: CausalMetrics = OMITTED
+    encoder: EncoderMetrics = OMITTED
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def module_rows(errors: dict, top: int) -> list[ModuleError]:
+    ranked = sorted(errors.items(), key=lambda kv: (-kv[1].rel, kv[0]))
+    return [ModuleError(m, e.rel) for m, e in ranked[:top]]
+
+
+def layer_rows(walked, top: int) -> list[LayerError]:
+    return [LayerError(i, h.rel, module_rows(mods, top)) for i, (h, mods) in enumerate(zip(walked.layers,
+                                                                                           walked.modules))]
+
+
+def overall_worst(walked, top: int) -> list[ModuleError]:
+    merged = {m: e for mods in walked.modules for m, e in mods.items()}
+    return module_rows(merged, top)
+
+
+def emulated(steps: dict) -> list[Emulated]:
+    return [Emulated(label, n) for label, n in sorted(Counter(s.label for s in steps.values()).items())]
+
+
+def recipes(modules: dict[str, str]) -> dict[str, int]:
+    return dict(sorted(Counter(modules.values()).items()))

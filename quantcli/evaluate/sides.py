@@ -1,0 +1,149 @@
+"""One side of an evaluation: a checkpoint read as the model's FP32 parameters.
+
+Dense tensors are read as stored; every quantized module (any layout `detect` recognises, from
+quantcli or another producer) is decoded from its codes and scales, so the quantized side runs
+the weights an engine multiplies by. Tensors are read one at a time and released after use
+(`release`), which keeps memory to the layer in hand."""
+
+from __future__ import annotations
+
+import torch
+
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.errors import QuantcliError
+from quantcli.formats.activation_scales import CalibratedScales, calibrated_scales
+from quantcli.formats.decode import decode_module
+from quantcli.formats.detect import config_with_extras, detect
+
+# Config keys two checkpoints of one model share (the architecture and its shapes).
+SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+              "num_key_value_heads", "vocab_size", "num_local_experts", "num_experts", "head_dim")
+
+
+class Side:
+    """`get(name)`: the FP32 parameter `name` on `device`; a quantized module's `.weight` is its
+    decoded weight. `names`: every parameter name it can give."""
+
+    def __init__(self, label: str, source, tensors: CheckpointTensors, device: torch.device):
+        self.label, self.source, self.tensors, self.device = label, source, tensors, device
+        found = detect(source)
+        self.detected = found if found is not None and found.modules else None
+        self.layout = self.detected.layout if self.detected else None
+        self.modules: dict[str, str] = dict(self.detected.modules) if self.detected else {}
+        manifest = self.detected.manifest if self.detected else None
+        self.rules = {m.module: m.scale_rule for m in manifest.modules} if manifest else {}
+        self.config = config_with_extras(source, self.detected.extra_files) if self.detected else dict(source.config)
+        self.names = set(tensors.where) | {f"{m}.weight" for m in self.modules}
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.modules)
+
+    def _module(self, name: str) -> str | None:
+        module = name[: -len(".weight")] if name.endswith(".weight") else name
+        return module if module in self.modules else None
+
+    def _recipe(self, module: str):
+        rule = self.rules.get(module)
+        return self.layout.recipe_for(self.modules[module], rule if rule in ("floor", "even", "rceil") else None)
+
+    def get(self, name: str) -> torch.Tensor:
+        module = self._module(name)
+        if module is None:
+            return self.tensors.get(name).to(self.device, torch.float32)
+        recipe = self._recipe(module)
+        try:
+            q = self.layout.from_disk(module, recipe, self.tensors.get, self.tensors.where)
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise QuantcliError(f"{self.label}: {module} cannot be decoded as {self.layout.name} "
+                                f"{recipe.name}: {exc}") from None
+        return decode_module(self.layout, module, recipe, q, device=self.device)
+
+    def release(self, name: str) -> None:
+        module = self._module(name)
+        if module is None:
+            if name in self.tensors:
+                self.tensors.release(name)
+            return
+        for d in self.layout.describe(module, self._recipe(module)):
+            if d.name in self.tensors:
+                self.tensors.release(d.name)
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The stored shape of a dense tensor, or the logical shape of a quantized module's weight."""
+        module = self._module(name)
+        if module is None:
+            return tuple(self.tensors.info(name).shape) if name in self.tensors else None
+        codes = self.layout.describe(module, self._recipe(module))[0].name
+        return tuple(self.layout.logical_shape(self._recipe(module), tuple(self.tensors.info(codes).shape)))
+
+    def calibrated(self) -> CalibratedScales | None:
+        """The activation scheme, input scales and KV-cache scales the checkpoint declares."""
+        if self.layout is None:
+            return None
+        return calibrated_scales(self.layout, self.config, self.modules, self.tensors.where, self.tensors)
+
+
+def check_same_model(ref: Side, quant: Side) -> None:
+    """Reference and checkpoint are one architecture with the same shapes, or a one-line refusal."""
+    a, b = ref.source.config, quant.source.config
+    differ = [k for k in SHAPE_KEYS if a.get(k) != b.get(k)]
+    if differ:
+        said = ", ".join(f"{k} {a.get(k)} vs {b.get(k)}" for k in differ)
+        raise QuantcliError(f"--reference {ref.label} and {quant.label} are not the same model ({said}); "
+                            f"eval compares a checkpoint with the model it was made from")
+
+
+class RecipeSide(Side):
+    """A dense checkpoint with a conversion plan applied in memory: every tensor the plan
+    quantizes is quantized with its recipe (fused groups sharing one global scale, as convert
+    does) and decoded back, nothing written. `get` returns what `convert` then decoding would."""
+
+    def __init__(self, label: str, source, tensors: CheckpointTensors, device: torch.device, plan):
+        super().__init__(label, source, tensors, device)
+        if self.quantized:
+            raise QuantcliError(f"--recipe: {label} is already quantized ({self.layout.name}); emulate a recipe on "
+                                f"the dense model, or evaluate this checkpoint with --reference SRC")
+        self.plan = plan
+        self.planned = {t.name: t for t in plan.tensors if t.quantized}
+        if any(t.transpose for t in self.planned.values()):
+            raise QuantcliError(f"--recipe: {label} stores transposed expert stacks, which eval does not emulate")
+        self.groups = plan.fused_groups()
+        self.modules = {t.module: t.recipe for t in self.planned.values()}
+        self.layout = plan.layout
+        self._amax: dict[str, torch.Tensor] = {}
+
+    def _group_amax(self, group: str) -> torch.Tensor:
+        from quantcli.kernels import tensor_amax
+
+        if group not in self._amax:
+            self._amax[group] = torch.stack([tensor_amax(self.tensors.get(t.name), name=t.name).cpu()
+                                             for t in self.groups[group]]).amax()
+        return self._amax[group]
+
+    def get(self, name: str) -> torch.Tensor:
+        from quantcli.formats.facts import NO_FACTS, ModuleFacts
+
+        t = self.planned.get(name)
+        if t is None:
+            return self.tensors.get(name).to(self.device, torch.float32)
+        recipe = self.plan.recipes[t.recipe]
+        facts = ModuleFacts(group_amax=self._group_amax(t.fused_group)) \
+            if t.fused_group and recipe.has_global_scale else NO_FACTS
+        q = recipe.quantize(name, self.tensors.get(name).to(self.device), facts=facts)
+        return recipe.dequantize(q).to(torch.float32)
+
+    def release(self, name: str) -> None:
+        if name in self.tensors:
+            self.tensors.release(name)
+
+    def declared_config(self) -> dict:
+        """The config the conversion would write (with ModelOpt's hf_quant_config merged in)."""
+        groups, excluded = self.plan.modules_by_recipe(), self.plan.excluded_names()
+        config = {**self.source.config, "quantization_config": self.layout.quantization_config(groups, excluded)}
+        extra = self.layout.extra_files(groups, excluded).get("hf_quant_config.json")
+        return {**config, "hf_quant_config": extra} if extra else config
+
+    def calibrated(self) -> CalibratedScales | None:
+        self.config = self.declared_config()
+        return CalibratedScales(self.layout.activation_scheme(self.config), None)

@@ -1,0 +1,139 @@
+"""The engines table's conditions settled on one checkpoint: inspect runs them on the files, the
+model card and the convert summary on the output just written. A condition no file settles (a
+GPU generation) is left standing and said; one the files settle becomes a yes or a no with the
+reason (which module's shape, which architecture, which spelling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from quantcli.formats.engines import ENGINES, LOADS, NO, UNCHECKED, verdicts
+from quantcli.formats.fused import FUSED_SETS, fused_group_of
+
+# SGLang 0.5.23 classes that load through LlamaForCausalLM's loader, which renames every
+# `.weight_scale_inv` to `.weight_scale` (models/llama.py, mistral.py, ministral3.py, llama4.py,
+# teleflm.py): their block-FP8 and MXFP8 scales in `weight_scale_inv` are then never loaded.
+LLAMA_FAMILY = ("LlamaForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM", "IQuestCoderForCausalLM",
+                "Llama4ForCausalLM", "MistralForCausalLM", "Ministral3ForCausalLM", "TeleFLMForCausalLM")
+YES, IF = "yes", "if"
+_ORDER = {NO: 0, UNCHECKED: 1, IF: 2, YES: 3}  # combining recipes: the weakest verdict wins
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the checks read: the quantized modules, config.json (with hf_quant_config merged, as
+    detect.config_with_extras does) and whether calibrated static input scales are present."""
+
+    modules: Mapping[str, tuple[str, tuple[int, ...]]]  # module -> (recipe, logical weight shape [..., N, K])
+    config: Mapping = field(default_factory=dict)
+    static: bool = False
+
+    def of(self, recipe: str) -> dict[str, tuple[int, ...]]:
+        return {m: shape for m, (r, shape) in self.modules.items() if r == recipe and len(shape) >= 2}
+
+
+@dataclass
+class EngineLoad:
+    """One engine's verdict on a checkpoint."""
+
+    engine: str
+    loads: str  # yes | if (a GPU the files cannot vouch for) | no | not checked
+    reason: str  # the condition and that it holds, why not, or what is left to the GPU
+    rules: str  # the consumer code the verdict rests on (engines.TABLE)
+
+
+def _shape_offenders(shapes: Mapping[str, tuple[int, ...]], bad: Callable[[tuple[int, ...]], bool]) -> str | None:
+    found = sorted(m for m, s in shapes.items() if bad(s))
+    if not found:
+        return None
+    m = found[0]
+    return f"{len(found)} of {len(shapes)} weights checked fail, e.g. {m} ({'x'.join(map(str, shapes[m][-2:]))})"
+
+
+def _fused(shapes: Mapping[str, tuple[int, ...]], but_last: bool) -> str | None:
+    groups: dict[str, list[str]] = {}
+    for m in shapes:
+        g = fused_group_of(m)
+        if g:
+            groups.setdefault(g, []).append(m)
+    parts = []
+    for members in groups.values():
+        order = next(s for s in FUSED_SETS if members[0].rpartition(".")[2] in s)
+        members.sort(key=lambda m: order.index(m.rpartition(".")[2]))
+        parts += members[:-1] if but_last and len(members) > 1 else members
+    return _shape_offenders({m: shapes[m] for m in parts}, lambda s: s[-2] % 128 != 0)
+
+
+def _architecture(config: Mapping) -> str:
+    archs = config.get("architectures") or []
+    return str(archs[0]) if archs else f"model_type {config.get('model_type')!r}"
+
+
+def _quant_algo(config: Mapping) -> object:
+    section = (config.get("hf_quant_config") or {}).get("quantization") or config.get("quantization_config") or {}
+    return section.get("quant_algo")
+
+
+CHECKS: dict[str, Callable[[Facts, str], str | None]] = {
+    "nk128": lambda f, r: _shape_offenders(f.of(r), lambda s: s[-1] % 128 != 0 or s[-2] % 128 != 0),
+    "k128": lambda f, r: _shape_offenders(f.of(r), lambda s: s[-1] % 128 != 0),
+    "fused_n128": lambda f, r: _fused(f.of(r), but_last=False),
+    "fused_n128_but_last": lambda f, r: _fused(f.of(r), but_last=True),
+    "static": lambda f, r: None if f.static else "the checkpoint has no static input scales",
+    "gpt_oss": lambda f, r: (None if f.config.get("model_type") == "gpt_oss"
+                             else f"the architecture is {_architecture(f.config)}"),
+    "not_llama": lambda f, r: (f"{_architecture(f.config)} is Llama-family"
+                               if set(f.config.get("architectures") or []) & set(LLAMA_FAMILY) else None),
+    "pb_wo_lower": lambda f, r: (None if _quant_algo(f.config) == "fp8_pb_wo"
+                                 else f"quant_algo is {_quant_algo(f.config)!r}"),
+}
+
+
+def judge(recipe: str, layout: str, facts: Facts) -> list[EngineLoad]:
+    """Each engine's verdict on the modules of `recipe` in a `layout` checkpoint."""
+    found = verdicts(recipe, layout)
+    if not found:  # a pair quantcli reads but never writes (ModelOpt's own MXFP4 export)
+        return [EngineLoad(e, NO, f"no engine loads {recipe} in the {layout} layout", "") for e in ENGINES]
+    out = []
+    for engine, v in ((e, found[e]) for e in ENGINES):
+        if v.status == LOADS:
+            out.append(EngineLoad(engine, YES, v.note, v.cites()))
+        elif v.status in (NO, UNCHECKED):
+            out.append(EngineLoad(engine, v.status, v.condition, v.cites()))
+        else:
+            failed = [why for key in v.checks if (why := CHECKS[key](facts, recipe))]
+            if failed:
+                out.append(EngineLoad(engine, NO, f"needs {v.condition}: " + "; ".join(failed), v.cites()))
+            elif v.hardware:
+                settled = f" (checked here, the rest of: {v.condition})" if v.checks else ""
+                out.append(EngineLoad(engine, IF, f"needs {v.hardware}{settled}", v.cites()))
+            else:
+                out.append(EngineLoad(engine, YES, f"checked here: {v.condition}", v.cites()))
+    return out
+
+
+def judge_checkpoint(layout: str, facts: Facts) -> list[EngineLoad]:
+    """Each engine's verdict on every recipe the checkpoint holds: an engine loads a checkpoint
+    when it loads each of its recipes (a mixed compressed-tensors checkpoint)."""
+    recipes = sorted({r for r, _ in facts.modules.values()})
+    per_recipe = {r: judge(r, layout, facts) for r in recipes}
+    out = []
+    for i, engine in enumerate(ENGINES):
+        found = [(r, per_recipe[r][i]) for r in recipes]
+        worst = min((j.loads for _, j in found), key=_ORDER.__getitem__, default=NO)
+        said = [(r, j) for r, j in found if j.loads == worst and j.reason]
+        reason = "; ".join(dict.fromkeys(f"{r}: {j.reason}" if len(recipes) > 1 else j.reason for r, j in said))
+        rules = "; ".join(dict.fromkeys(j.rules for _, j in found))
+        out.append(EngineLoad(engine, worst, reason, rules))
+    return out
+
+
+def loads_in_line(loads: list[EngineLoad]) -> str:
+    """`vLLM, SGLang (needs an SM100+ GPU ...)`: the engines that load it, and what each still needs."""
+    parts = [j.engine if j.loads == YES else f"{j.engine} ({j.reason})" for j in loads if j.loads in (YES, IF)]
+    return ", ".join(parts) or "no engine"
+
+
+__all__ = ["CHECKS", "EngineLoad", "Facts", "IF", "LLAMA_FAMILY", "YES", "judge", "judge_checkpoint",
+           "loads_in_line"]

@@ -1,0 +1,154 @@
+"""Command-line papercuts (issue 21 item 17): one suggestion for a misspelled option, plain words
+for a value of the wrong type, combinations that would be ignored refused, JSON errors under
+--json, -V, examples in --help, and progress names that keep the layer index."""
+
+from __future__ import annotations
+
+import pytest
+from faults import assert_one_line_error
+
+
+def test_a_misspelled_option_gets_the_one_closest_suggestion(run_cli, tmp_path):
+    line = assert_one_line_error(*run_cli("convert", tmp_path, tmp_path / "o", "--recpie", "nvfp4"),
+                                 "--recpie", "did you mean --recipe?")
+    assert " or " not in line  # was: --recipe or --resume or --device
+    line = assert_one_line_error(*run_cli("convert", tmp_path, tmp_path / "o", "--zzzzzz", "x"), "--zzzzzz")
+    assert "did you mean" not in line  # nothing is close
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["verify", "q", "--top", "abc"], "--top 'abc': not an integer"),
+    (["verify", "q", "--top=abc"], "--top 'abc': not an integer"),
+    (["verify", "q", "--top", "-1"], "--top '-1': must be at least 0"),
+    (["convert", "s", "d", "--workers", "0"], "--workers '0': must be at least 1"),
+])
+def test_a_bad_value_is_said_in_plain_words(run_cli, argv, said):
+    line = assert_one_line_error(*run_cli(*argv), said)
+    assert "Input should be" not in line and "unable to parse" not in line
+
+
+# ---------------------------------------------------------------- options that would be ignored: refused
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from quantcli.testing import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("pc") / "llama", hidden=64, layers=1, shards=1)
+
+
+@pytest.mark.parametrize("flag", ["--calibration-samples", "--calibration-seq-len", "--calibration-batch"])
+def test_calibration_sizes_without_calibration_are_refused(llama, tmp_path, run_cli, flag):
+    code, out, err = run_cli("convert", llama, tmp_path / "o", "--recipe", "nvfp4", flag, "0", "--dry-run")
+    assert_one_line_error(code, out, err, f"{flag} 0", "only used with --calibration")
+
+
+def test_calibration_sizes_from_a_recipe_file_without_calibration_are_refused(llama, tmp_path, run_cli):
+    cfg = tmp_path / "r.toml"
+    cfg.write_text('recipe = "nvfp4"\ncalibration_samples = 8\n')
+    code, out, err = run_cli("convert", llama, tmp_path / "o", "--config", cfg, "--dry-run")
+    assert_one_line_error(code, out, err, "calibration_samples in --config", "only used with --calibration")
+
+
+@pytest.mark.parametrize("argv", [["inspect", "{SRC}", "-q", "-v"], ["verify", "{SRC}", "--quiet", "--verbose"],
+                                  ["convert", "{SRC}", "{DST}", "--recipe", "nvfp4", "-v", "-q", "--dry-run"]])
+def test_quiet_and_verbose_together_are_refused(llama, tmp_path, run_cli, argv):
+    args = [str(llama) if a == "{SRC}" else str(tmp_path / "o") if a == "{DST}" else a for a in argv]
+    assert_one_line_error(*run_cli(*args), "-q and -v together", "choose one")
+    assert not (tmp_path / "o").exists()
+
+
+def test_verify_revision_without_reference_is_refused(llama, run_cli):
+    assert_one_line_error(*run_cli("verify", llama, "--revision", "main"), "--revision", "--reference SRC")
+
+
+# ---------------------------------------------------------------- errors under --json
+
+
+def error_document(run_cli, *args, code: int = 2) -> dict:
+    import json
+
+    from test_json_schema import validate
+
+    got, out, err = run_cli(*map(str, args))
+    assert got == code, (out, err)
+    doc = validate("error", json.loads(out))
+    assert doc["error"]["exit_code"] == code and err.strip() == "error: " + doc["error"]["message"]
+    return doc
+
+
+def test_errors_under_json_put_an_error_document_on_stdout(llama, tmp_path, run_cli, monkeypatch):
+    doc = error_document(run_cli, "inspect", tmp_path / "nope", "--json")
+    assert doc["command"] == "inspect" and doc["error"]["kind"] == "bad input or usage"
+    doc = error_document(run_cli, "convert", llama, tmp_path / "o", "--recpie", "nvfp4", "--json")
+    assert doc["command"] == "convert" and "did you mean --recipe" in doc["error"]["message"]
+    assert error_document(run_cli, "conevrt", "--json")["command"] is None
+    import quantcli.cli.commands
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(quantcli.cli.commands, "run_inspect", bug)
+    doc = error_document(run_cli, "inspect", llama, "--json", code=3)
+    assert doc["error"]["kind"] == "internal error" and "RuntimeError: a bug" in doc["error"]["message"]
+
+
+def test_without_json_an_error_leaves_stdout_empty(tmp_path, run_cli):
+    code, out, err = run_cli("inspect", tmp_path / "nope")
+    assert code == 2 and out == "" and err.startswith("error: ")
+
+
+# ---------------------------------------------------------------- progress names keep the layer index
+
+
+@pytest.mark.parametrize("room", range(12, 40))
+def test_a_long_name_keeps_its_layer_index_and_leaf(room):
+    from quantcli.cli.bars import elide
+
+    short = elide("model.layers.12.self_attn.o_proj.weight", room)
+    assert len(short) <= room and "12." in short and "o_proj" in short, short
+    assert elide("lm_head.weight", room) in ("lm_head", "lm_head.weight")
+
+
+def test_the_convert_bar_at_80_columns_names_the_layer(monkeypatch):
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from quantcli.cli.bars import ConvertBar
+
+    plan = SimpleNamespace(by_shard=lambda: {}, bytes_in=1, options=SimpleNamespace(calibration=None))
+    bar = ConvertBar(plan, Console(file=io.StringIO(), width=80), show_bar=False, verbose=False)
+    text = bar._describe("shard 1/4", "model.layers.12.self_attn.o_proj.weight")
+    assert "12." in text and "o_proj" in text and len(text) <= 80 - bar.bar_width - 48, text
+
+
+# ---------------------------------------------------------------- -V and the examples in --help
+
+
+@pytest.mark.parametrize("flag", ["-V", "--version"])
+def test_version_has_a_short_flag(run_cli, flag):
+    from quantcli import __version__
+
+    assert run_cli(flag) == (0, f"quantcli {__version__}\n", "")
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify", "recipes", "layouts", "push"])
+def test_each_help_ends_with_examples_that_parse(run_cli, command):
+    import shlex
+
+    import typer
+
+    from quantcli.cli.app import app
+    from quantcli.cli.usage import EXAMPLES
+
+    code, out, err = run_cli(command, "--help")
+    assert code == 0 and "Examples:" in out
+    group = typer.main.get_command(app)
+    for example in EXAMPLES[command]:
+        args = shlex.split(example.replace("\\\n", " "))
+        assert args[:2] == ["quantcli", command] and example.split("\n")[0] in out
+        sub = group.get_command(None, command)
+        sub.make_context(command, args[2:])  # every option and value is one the command takes
+        assert max(len(line) for line in example.split("\n")) <= 76, example  # fits 80 columns, indented

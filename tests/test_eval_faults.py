@@ -1,0 +1,183 @@
+"""quantcli eval refuses what it cannot compare or emulate in one line (exit 2), is clean on
+Ctrl-C (exit 130, one line, no temporary files left), and prints its table, its one-line -q
+summary and notes (evaluating on the calibration data)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quantcli.testing import make_llama, make_moe
+
+pytest.importorskip("transformers")
+
+
+def _jsonl(path: Path, ids) -> Path:
+    path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in ids))
+    return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("evalf")
+    _jsonl(root / "eval.jsonl", [[(5 * i + 3 * j) % 512 for j in range(12)] for i in range(3)])
+    make_llama(root / "llama", hidden=64, layers=2, shards=1)
+    make_llama(root / "wide", hidden=128, layers=2, shards=1)
+    make_moe(root / "moe", hidden=64, layers=2, shards=1)
+    return root
+
+
+def _ok(run_cli, *args) -> str:
+    code, out, err = run_cli(*map(str, args))
+    assert code == 0, err
+    return out
+
+
+def _fails(run_cli, *args) -> str:
+    code, out, err = run_cli(*map(str, args))
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def nvfp4(root, tmp_path_factory) -> Path:
+    from quantcli.cli.app import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", str(root / "llama"), str(root / "llama-nvfp4"), "--recipe", "nvfp4", "-q"])
+    assert exc.value.code == 0
+    return root / "llama-nvfp4"
+
+
+def _eval(*args) -> tuple:
+    return ("eval", *args, "--device", "cpu")
+
+
+def test_reference_of_another_architecture_or_shape(run_cli, root, nvfp4):
+    line = _fails(run_cli, *_eval(nvfp4, "--reference", root / "moe", "--data", root / "eval.jsonl"))
+    assert "not the same model" in line and "model_type mixtral vs llama" in line
+    line = _fails(run_cli, *_eval(nvfp4, "--reference", root / "wide", "--data", root / "eval.jsonl"))
+    assert "hidden_size 128 vs 64" in line
+
+
+def test_data_the_tokenizer_cannot_read(run_cli, root, nvfp4):
+    (root / "text.txt").write_text("one sample\nanother one\n")
+    line = _fails(run_cli, *_eval(nvfp4, "--reference", root / "llama", "--data", root / "text.txt"))
+    assert line.startswith("error: --data ") and "tokenizer" in line
+    (root / "rows.csv").write_text("a,b\n")
+    assert "unknown kind '.csv'" in _fails(run_cli, *_eval(nvfp4, "--reference", root / "llama", "--data",
+                                                              root / "rows.csv"))
+    _jsonl(root / "big.jsonl", [[1, 2, 9999]])
+    assert "outside the model's vocabulary" in _fails(run_cli, *_eval(nvfp4, "--reference", root / "llama", "--data",
+                                                                      root / "big.jsonl"))
+
+
+def test_a_format_that_cannot_be_emulated(run_cli, root):
+    _ok(run_cli, "convert", root / "llama", root / "mx", "--recipe", "mxfp8", "--layout", "modelopt", "-q")
+    line = _fails(run_cli, *_eval(root / "mx", "--reference", root / "llama", "--data", root / "eval.jsonl"))
+    assert "modelopt quant_algo MXFP8" in line and "cannot emulate" in line
+    _ok(run_cli, "convert", root / "llama", root / "asym", "--recipe", "fp8-channel", "-q")
+    config = json.loads((root / "asym" / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["input_activations"]["symmetric"] = False
+    (root / "asym" / "config.json").write_text(json.dumps(config))
+    assert "asymmetric" in _fails(run_cli, *_eval(root / "asym", "--reference", root / "llama", "--data",
+                                                  root / "eval.jsonl"))
+
+
+def test_declared_fp8_kv_cache_without_scales(run_cli, root, nvfp4, tmp_path):
+    import shutil
+
+    dst = tmp_path / "kv"
+    shutil.copytree(nvfp4, dst)
+    hq = json.loads((dst / "hf_quant_config.json").read_text())
+    hq["quantization"]["kv_cache_quant_algo"] = "FP8"
+    (dst / "hf_quant_config.json").write_text(json.dumps(hq))
+    line = _fails(run_cli, *_eval(dst, "--reference", root / "llama", "--data", root / "eval.jsonl"))
+    assert "declares an FP8 KV cache" in line and "k_proj.k_scale is missing" in line and "scale-one" in line
+    doc = json.loads(_ok(run_cli, *_eval(dst, "--reference", root / "llama", "--data", root / "eval.jsonl",
+                                         "--kv-cache", "scale-one", "--json")))
+    assert doc["kv_cache"] == "FP8 E4M3, scale 1.0 (2 attention layers)"
+    doc = json.loads(_ok(run_cli, *_eval(dst, "--reference", root / "llama", "--data", root / "eval.jsonl",
+                                         "--kv-cache", "none", "--json")))
+    assert doc["kv_cache"].startswith("not quantized (--kv-cache none)")
+
+
+def test_ctrl_c_is_one_line_and_leaves_no_temporary_files(run_cli, root, nvfp4, monkeypatch, tmp_path):
+    from quantcli.evaluate import engine
+
+    monkeypatch.setenv("QUANTCLI_CALIBRATION_BUFFER_GIB", "0")  # both buffers in temporary files
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    real = engine._block
+    seen = []
+
+    def interrupted(stack, i, *args):
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        if i == 1:
+            raise KeyboardInterrupt
+        return real(stack, i, *args)
+
+    monkeypatch.setattr(engine, "_block", interrupted)
+    code, out, err = run_cli(*_eval(nvfp4, "--reference", root / "llama", "--data", root / "eval.jsonl"))
+    assert (code, out, err.strip()) == (130, "", "interrupted")
+    assert len(seen[0]) == 2 and all(n.startswith("quantcli-calibration-") for n in seen[0])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_table_quiet_line_and_calibration_data_note(run_cli, root):
+    _ok(run_cli, "convert", root / "llama", root / "w4a4", "--recipe", "nvfp4", "--activations", "static",
+        "--calibration", root / "eval.jsonl", "-q")
+    out = _ok(run_cli, *_eval(root / "w4a4", "--reference", root / "llama", "--data", root / "eval.jsonl"))
+    assert "NVFP4 W4A4" in out and "perplexity, quantized" in out and "top-1 agreement" in out
+    assert "is the data" in out and "calibrated on" in out
+    assert "self_attn." in out or "mlp." in out  # the worst modules, named within their block
+    quiet = _ok(run_cli, *_eval(root / "w4a4", "--reference", root / "llama", "--data", root / "eval.jsonl", "-q"))
+    assert quiet.startswith("ppl ") and len(quiet.strip().splitlines()) == 1
+    code, out, err = run_cli(*_eval(root / "w4a4", "--reference", root / "llama", "--data", root / "eval.jsonl", "-q",
+                                    "-v"))
+    assert code == 0 and [line.split(" (")[0] for line in err.strip().splitlines()] == ["layer 1/2 done",
+                                                                                        "layer 2/2 done"]
+
+
+def test_encoder_has_no_kv_cache(run_cli, root, tmp_path):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=128, max_position_embeddings=64)
+    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(tmp_path / "bert")
+    _ok(run_cli, "convert", tmp_path / "bert", tmp_path / "bert-fp8", "--recipe", "fp8-channel", "-q")
+    line = _fails(run_cli, *_eval(tmp_path / "bert-fp8", "--reference", tmp_path / "bert", "--data", root / "eval.jsonl",
+                                  "--kv-cache", "scale-one"))
+    assert "encoder keeps no KV cache" in line
+    doc = json.loads(_ok(run_cli, *_eval(tmp_path / "bert-fp8", "--reference", tmp_path / "bert", "--data",
+                                         root / "eval.jsonl", "--json")))
+    assert doc["encoder"]["pooling_source"].startswith("default") and 0.99 < doc["encoder"]["cosine_min"] <= 1
+    assert doc["activations"] == [{"scheme": "FP8 dynamic per token", "modules": 6}]
+
+
+def test_other_architectures_are_refused_by_name():
+    from quantcli.errors import QuantcliError
+    from quantcli.evaluate.stack import build_stack
+
+    distil = {"model_type": "distilbert", "architectures": ["DistilBertModel"], "vocab_size": 100, "dim": 32,
+              "n_layers": 1, "n_heads": 2, "hidden_dim": 64}
+    with pytest.raises(QuantcliError, match="has embeddings but no encoder.layer blocks"):
+        build_stack(distil, {"embeddings.word_embeddings.weight"}, "ckpt")
+    with pytest.raises(QuantcliError, match="neither a causal LM .* nor a BERT-like encoder"):
+        build_stack({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, {"lm_head.weight"}, "ckpt")
+
+
+def test_recipe_and_reference_options_are_checked(run_cli, root, nvfp4):
+    data = ("--data", root / "eval.jsonl")
+    assert "drop one of them" in _fails(run_cli, *_eval(root / "llama", "--recipe", "nvfp4", "--reference",
+                                                        root / "llama", *data))
+    assert "give --reference SRC" in _fails(run_cli, *_eval(nvfp4, *data))
+    assert "--layout need --recipe" in _fails(run_cli, *_eval(nvfp4, "--layout", "modelopt", *data))
+    assert "already quantized" in _fails(run_cli, *_eval(nvfp4, "--recipe", "fp8", *data))
