@@ -7,8 +7,9 @@ decoding). Here one 256-entry table per byte does it, built from the codec's own
 of two 4-bit codes (E2M1, INT4) indexes a table of int64 words, each the two FP32 values of its
 nibbles (low nibble first, as a little-endian int64 reads them), an 8-bit code a table of FP32
 values (E4M3 NaN for 0x7F / 0xFF, as the cast gives). Then the same multiply by the same FP32
-scale as the reference, so the values are the reference's bits (tests/test_cpu_kernels.py). `band` yields the rows of a quantized tensor that whole blocks
-cover, so a caller can decode a tensor a band at a time on the chunk pool.
+scale as the reference, so the values are the reference's bits (tests/test_cpu_kernels.py).
+`bands` yields the rows of a quantized tensor that whole blocks cover, so a caller can decode a
+tensor a band at a time on the chunk pool.
 """
 
 from __future__ import annotations

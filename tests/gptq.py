@@ -33,15 +33,17 @@ def _element_scales(q, spec, n: int, k: int) -> torch.Tensor:
     return s.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
 
 
-def gptq(w: torch.Tensor, x: torch.Tensor, recipe, damp: float = 0.01) -> QuantizedTensor:
-    """GPTQ codes and scales of the 2-D weight `w` for inputs `x` [tokens, K], in quantcli's form."""
+def gptq(w: torch.Tensor, x: torch.Tensor, recipe, damp: float = 0.01,
+         global_amax: torch.Tensor | None = None) -> QuantizedTensor:
+    """GPTQ codes and scales of the 2-D weight `w` for inputs `x` [tokens, K], in quantcli's form
+    (`global_amax`: a fused group's, for NVFP4's global scale)."""
     spec = recipe.spec
     W = w.float().clone()
     n, k = W.shape
     H = 2 * x.T.double() @ x.double() / x.shape[0]
     H += damp * H.diag().mean() * torch.eye(k, dtype=H.dtype)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
-    s2 = R.global_scale_for(w, spec, None)
+    s2 = R.global_scale_for(w, spec, global_amax)
     if spec.geometry == GROUP:
         scales = torch.empty(spec.scale_shape((n, k)), dtype=spec.scale.raw_dtype)
         S = torch.empty(n, k)

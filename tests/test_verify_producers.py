@@ -212,9 +212,11 @@ def _inputs(k: int) -> torch.Tensor:
     return correlated_inputs(k, tokens=512, seed=k)
 
 
-def gptq_checkpoint(src: Path, dst: Path, recipe_name: str, gptq_modules: tuple[str, ...]) -> Path:
-    """The source in the compressed-tensors layout: `gptq_modules` GPTQ-rounded on correlated
-    inputs, the others round-to-nearest (fused groups sharing their global scale, as engines need)."""
+def gptq_checkpoint(src: Path, dst: Path, recipe_name: str, gptq_modules: tuple[str, ...],
+                    inputs: dict[str, torch.Tensor] | None = None) -> Path:
+    """The source in the compressed-tensors layout: `gptq_modules` GPTQ-rounded on `inputs` (default:
+    correlated synthetic ones), the others round-to-nearest (fused groups sharing their global
+    scale, as engines need)."""
     from quantcli.formats.facts import ModuleFacts
     from quantcli.formats.fused import fused_group_of
 
@@ -229,10 +231,11 @@ def gptq_checkpoint(src: Path, dst: Path, recipe_name: str, gptq_modules: tuple[
         groups[g] = torch.maximum(groups.get(g, torch.zeros(())), tensors[f"{m}.weight"].float().abs().amax())
     for m in modules:
         w = tensors.pop(f"{m}.weight")
+        amax = groups[fused_group_of(m) or m]
         if m in gptq_modules:
-            q = gptq(w, _inputs(w.shape[1]), recipe)
+            q = gptq(w, (inputs or {}).get(m, _inputs(w.shape[1])), recipe, global_amax=amax)
         else:
-            q = recipe.quantize(m, w, facts=ModuleFacts(group_amax=groups[fused_group_of(m) or m]))
+            q = recipe.quantize(m, w, facts=ModuleFacts(group_amax=amax))
         tensors.update({n: t.contiguous() for n, t in layout.to_disk(m, q).items()})
     dst.mkdir(parents=True)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
@@ -296,3 +299,48 @@ def test_corrupted_gptq_outputs_fail_naming_the_module(corruption, gptq_made, so
     bad = _edited(gptq_made[recipe], tmp_path / "bad", edit)
     code, doc = verify_json(run_cli, bad, "--reference", sources["llama"])
     assert code == 1 and {f["tensor"] for f in doc["faults"]} == {module}, doc["faults"]
+
+
+# ---------------------------------------------------------------- --calibration: judged by layer outputs
+
+
+def _captured_inputs(src: Path, data: Path, modules: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Each module's inputs on the calibration data, as verify's rerun sees them (same token ids)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantcli.formats.facts import Calibration
+    from quantcli.model.samples import token_ids
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    seen: dict[str, list[torch.Tensor]] = {m: [] for m in modules}
+    hooks = [model.get_submodule(m).register_forward_pre_hook(
+        lambda _, args, m=m: seen[m].append(args[0].reshape(-1, args[0].shape[-1]).detach())) for m in modules]
+    with torch.no_grad():
+        for ids in token_ids(Calibration(str(data)), src):
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return {m: torch.cat(xs) for m, xs in seen.items()}
+
+
+def test_calibration_judges_gptq_by_layer_outputs(tmp_path, run_cli):
+    """GPTQ on the calibration data's own activations: its layer-output error is below that of
+    rounding to its scales, so it passes; the same checkpoint with swapped nibbles fails on it."""
+    pytest.importorskip("transformers")
+    from test_calibrate_verify import _tokenizer, _words
+
+    src = make_llama(tmp_path / "llama", hidden=64, layers=1, shards=1)
+    _tokenizer(src)
+    data = tmp_path / "cal.txt"
+    data.write_text("\n".join(_words(i, 24) for i in range(16)) + "\n")
+    good = gptq_checkpoint(src, tmp_path / "gptq", "nvfp4", (DOWN, UP), _captured_inputs(src, data, (DOWN, UP)))
+    code, out, err = run_cli("verify", good, "--reference", src, "--calibration", data, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["passed"], doc["faults"]
+    judged = {t["tensor"]: t for t in doc["tensors"]}
+    assert all(judged[m]["output_rel_err"] < judged[m]["output_rounded_rel_err"] for m in (DOWN, UP))
+    bad = _edited(good, tmp_path / "bad", _set(f"{UP}.weight_packed", lambda c: (c >> 4) | (c << 4)))
+    code, out, _ = run_cli("verify", bad, "--reference", src, "--calibration", data, "--json")
+    faults = json.loads(out)["faults"]
+    assert code == 1 and {f["tensor"] for f in faults} == {UP}
+    assert any("layer-output error" in f["fault"] for f in faults)

@@ -76,14 +76,17 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
                                      progress=progress)
         direction_check(decoded_cache, qt, det, found)
         scales = calibrated_check(source, det, config, modules, qt, found)
-        stats = None
+        stats, outputs = None, {}
         if calibration is not None:
             weighted = any(m.scale_search_weights for m in det.manifest.modules) if det.manifest else False
-            stats = recalibrated_check(source, scales, reference, revision, calibration, dev, found, weighted)
+            targets = {m: (r, q) for m, (r, q) in decoded_cache.items() if len(q.shape) == 2}
+            stats, outputs = recalibrated_check(source, scales, reference, revision, calibration, dev, found, weighted,
+                                                det.layout, targets)
         if reference is not None:
             rows, reference_kind = reference_checks(reference, revision, det, decoded_cache, qt, pattern, exact,
                                                     limits, dev, found, progress,
-                                                    channel_ms=stats.channel_ms if stats is not None else None)
+                                                    channel_ms=stats.channel_ms if stats is not None else None,
+                                                    outputs=outputs)
     return build_report(source, det.layout.name, reference, reference_kind, len(modules), found, rows,
                         notes=tuple(found.notes))
 

@@ -138,10 +138,11 @@ class Comparison:
     when --exact asked for its bytes."""
 
     def __init__(self, module, recipe, q, w, limits: Limits, prior=None, channel_ms=None, exact: bool = False,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, output: tuple[float, float] | None = None):
         self.module, self.recipe, self.q, self.w, self.limits = module, recipe, q, w, limits
         self.prior, self.channel_ms, self.exact, self.ours = prior, channel_ms, exact, None
         self.dtype = dtype  # what quantcli's own quantization is made in (int4: its scales' dtype)
+        self.output = output  # --calibration: (layer-output error, that of rounding to the stored scales)
 
     def run(self, group_amax: dict) -> tuple[TensorRow, list[str], int]:
         """(row, fault reasons, decoded values that are not finite)."""
@@ -162,7 +163,7 @@ class Comparison:
         if source is not None:
             yards.append(_yardstick(source[1], module, w, group_amax))
         st = block_stats(w, self.q.to(w.device).result, recipe.spec, tuple(yards))
-        verdict = judge(st, recipe, tuple(w.shape))
+        verdict = judge(st, recipe, tuple(w.shape), self.output)
         row, reasons = self._row(st, verdict, source)
         return row, reasons, st.nonfinite
 
@@ -176,6 +177,8 @@ class Comparison:
                         tensor=self.module, recipe=self.recipe.name, limit_rel_err=verdict.error_limit,
                         limit_basis=ROUNDING_BASIS, gain=verdict.gain, gain_allowed=verdict.gain_allowed,
                         blocks=verdict.blocks, blocks_off=verdict.blocks_off)
+        if verdict.output_rel_err is not None:
+            row.output_rel_err, row.output_rounded_rel_err = verdict.output_rel_err, verdict.output_rounded_rel_err
         if st.yard:
             row.baseline_rel_err = rel(st.yard[0])
             if self.recipe.scale_search != "none" and len(st.yard) > 1 + (source is not None):

@@ -73,6 +73,10 @@ class TensorRow:
     gain_allowed: float = OMITTED
     blocks: int = OMITTED
     blocks_off: int = OMITTED
+    # --calibration: layer-output error on the calibration data, and that of the reference rounded to
+    # nearest under the checkpoint's own scales (the bound, outputs.py)
+    output_rel_err: float = OMITTED
+    output_rounded_rel_err: float = OMITTED
     passed: bool = False
 
 

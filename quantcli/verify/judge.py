@@ -38,6 +38,9 @@ from quantcli.kernels.blockstats import BlockStats
 from quantcli.kernels.spec import BLOCK, FP8_BLOCK, GROUP, TENSOR
 
 ERROR_FACTOR = 1.5
+# --calibration: a Linear's layer-output error at most this much above that of the reference
+# rounded to nearest under the checkpoint's own scales (outputs.py; ties and BF16 quotients: ~1 %)
+OUTPUT_MARGIN = 0.25
 BLOCK_Z = 1.5
 BLOCK_T = 3.0
 SCALE_CLIP = 4.0
@@ -56,6 +59,8 @@ class Verdict:
     blocks: int
     blocks_off: int
     reasons: list[str] = field(default_factory=list)
+    output_rel_err: float | None = None  # --calibration: layer-output error of the checkpoint
+    output_rounded_rel_err: float | None = None  # ... and of the reference rounded to its scales
 
 
 def tensor_metrics(st: BlockStats) -> tuple[float, float, float]:
@@ -70,7 +75,9 @@ def tensor_metrics(st: BlockStats) -> tuple[float, float, float]:
     return rel, sqnr, min(1.0, max(-1.0, cos)) if math.isfinite(cos) else cos
 
 
-def judge(st: BlockStats, recipe, shape: tuple[int, ...]) -> Verdict:
+def judge(st: BlockStats, recipe, shape: tuple[int, ...], output: tuple[float, float] | None = None) -> Verdict:
+    """`output` (--calibration): the module's layer-output error and that of the reference rounded
+    to nearest under its stored scales; it replaces the weight-error rule."""
     rel, sqnr, cos = tensor_metrics(st)
     ss, sh, hh, se = (float(t.double().sum()) for t in (st.ss, st.sh, st.hh, st.se))
     gain_allowed = sh / ss if ss > 0 else 0.0
@@ -86,13 +93,25 @@ def judge(st: BlockStats, recipe, shape: tuple[int, ...]) -> Verdict:
     if not abs(gain - 1) <= gain_allowed:
         v.reasons.append(f"decodes to {gain:.4g} x its reference overall; rounding to the stored scales allows "
                          f"1 +- {gain_allowed:.3g}: {_gain_cause(gain)}")
-    if not rel <= v.error_limit:
+    if output is not None:
+        v.output_rel_err, v.output_rounded_rel_err = output
+        v.reasons += _output_reasons(*output)
+    elif not rel <= v.error_limit:
         v.reasons.append(f"relative error {rel:.4g} is above {v.error_limit:.4g}, {ERROR_FACTOR:g} x the most that "
                          f"rounding to the stored scales can give: the codes do not encode the reference (scrambled, "
                          f"swapped nibbles, another tensor's, or quantized from other weights)")
     v.blocks_off, block_reason = _blocks(st, recipe, shape)
     v.reasons += [r for r in (block_reason, _scales(st, recipe, shape)) if r]
     return v
+
+
+def _output_reasons(checkpoint: float, rounded: float) -> list[str]:
+    limit = (1 + OUTPUT_MARGIN) * rounded + 1e-6
+    if checkpoint <= limit:
+        return []
+    return [f"layer-output error {checkpoint:.4g} on the calibration data is above {limit:.4g}, that of the "
+            f"reference rounded to nearest under the stored scales ({rounded:.4g}) plus {OUTPUT_MARGIN:.0%}: the "
+            f"codes do not encode the reference"]
 
 
 def _gain_cause(gain: float) -> str:

@@ -138,6 +138,7 @@ class _Comparison:
         self.entries = {m.module: m for m in det.manifest.modules} if det.manifest else {}
         self.group_amax: dict = {}
         self.channel_ms = None  # module -> mean squared input per channel, from --calibration
+        self.outputs: dict = {}  # module -> outputs.OutputError, from --calibration
 
     def consumed_names(self, module: str, recipe) -> list[str]:
         """Names of both sides' tensors that this module's comparison accounts for."""
@@ -199,7 +200,9 @@ class _Comparison:
         # int4's stored scales carry the dtype it was quantized in (convert casts a decoded source to the
         # model's): quantcli's own quantization is made in it too
         dtype = q.scale.dtype if recipe.scale_codec.dtype is None else None
-        job = Comparison(module, recipe, q, w, self.limits, prior, ms, self.exact, dtype)
+        out = self.outputs.get(module)
+        output = (out.rel(out.checkpoint), out.rel(out.rounded)) if out is not None else None
+        job = Comparison(module, recipe, q, w, self.limits, prior, ms, self.exact, dtype, output)
         row, reasons, nonfinite = job.run(self.group_amax)
         if nonfinite:
             self.found.fault(FINITE, module, nonfinite_fault(nonfinite))
@@ -237,16 +240,18 @@ class _Comparison:
 
 def reference_checks(reference: str, revision: str | None, det, decoded_cache: dict, qt: CheckpointTensors,
                      pattern: str | None, exact: bool, limits: Limits, dev, found: Findings,
-                     progress: Progress = no_progress, channel_ms=None) -> tuple[list[TensorRow], str]:
+                     progress: Progress = no_progress, channel_ms=None, outputs: dict | None = None
+                     ) -> tuple[list[TensorRow], str]:
     """Every read-back module against the reference, then the tensors neither side quantizes.
     `channel_ms(module)`: a calibration rerun's mean squared input per channel, for modules whose
-    scale search it weighted (None: no --calibration)."""
+    scale search it weighted (None: no --calibration); `outputs`: its layer-output errors per
+    module (outputs.py), which judge those modules."""
     rows = []
     ref_source = open_source(reference, revision)
     with CheckpointTensors(ref_source) as rt:
         ref = Reference(reference, ref_source, rt, dev)
         job = _Comparison(det, ref, qt, exact, limits, dev, found)
-        job.channel_ms = channel_ms
+        job.channel_ms, job.outputs = channel_ms, outputs or {}
         progress("comparing", 0, len(decoded_cache), "(fused groups' amax)")
         job.group_amax = reference_group_amax(decoded_cache, ref, job.entries, dev)
         consumed = set()
