@@ -15,12 +15,13 @@ from quantcli.kernels.spec import FP8_BLOCK, GROUP, ROW, TENSOR
 from quantcli.recipes import QuantizedTensor
 
 
-def _fake_quant(x: torch.Tensor, scale: torch.Tensor, element) -> torch.Tensor:
-    v = x / scale
+def _fake_quant(x: torch.Tensor, scale: torch.Tensor, spec, dtype: torch.dtype) -> torch.Tensor:
+    v = spec.scale.scaled(x, scale, dtype)  # (a weight-dtype scale rounds the quotient to it)
+    element = spec.element
     if element.name == "e2m1":
         return R.decode_e2m1(R.encode_e2m1(v.contiguous())) * scale
-    if element.name == "int8":
-        return v.round().clamp(-128, 127) * scale
+    if element.name.startswith("int"):
+        return v.round().clamp(element.code_min, element.code_max) * scale
     return v.clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
 
 
@@ -45,7 +46,7 @@ def gptq(w: torch.Tensor, x: torch.Tensor, recipe, damp: float = 0.01,
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
     s2 = R.global_scale_for(w, spec, global_amax)
     if spec.geometry == GROUP:
-        scales = torch.empty(spec.scale_shape((n, k)), dtype=spec.scale.raw_dtype)
+        scales = torch.empty(spec.scale_shape((n, k)), dtype=spec.scale.raw_dtype_for(w.dtype))
         S = torch.empty(n, k)
     else:
         first = R.quantize(w, spec)
@@ -53,13 +54,13 @@ def gptq(w: torch.Tensor, x: torch.Tensor, recipe, damp: float = 0.01,
     Q = torch.zeros_like(W)
     for i in range(k):
         if spec.geometry == GROUP and i % spec.group == 0:
-            stored, denom = R.encode_scale(W[:, i:i + spec.group].abs().amax(-1), spec, s2)
+            stored, denom = R.encode_scale(W[:, i:i + spec.group].abs().amax(-1), spec, s2, w.dtype)
             scales[:, i // spec.group] = stored
             S[:, i:i + spec.group] = denom[:, None]
-        Q[:, i] = _fake_quant(W[:, i], S[:, i], spec.element)
+        Q[:, i] = _fake_quant(W[:, i], S[:, i], spec, w.dtype)
         err = (W[:, i] - Q[:, i]) / Hinv[i, i]
         W[:, i + 1:] -= err[:, None] * Hinv[i, i + 1:][None, :]
-    codes = R.encode_elements(Q / S, spec.element)
+    codes = R.encode_elements(spec.scale.scaled(Q, S, w.dtype), spec.element)
     return QuantizedTensor(recipe.name, (n, k), codes, scales, s2, recipe.scale_rule)
 
 
