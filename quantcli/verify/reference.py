@@ -13,7 +13,14 @@ from quantcli.formats.fused import fused_group_of
 from quantcli.kernels import tensor_amax
 from quantcli.planning.plan import TRANSPOSED_EXPERTS, matches
 from quantcli.recipes import RECIPES
-from quantcli.verify.compare import IDENTICAL, Comparison, compare_identical, exact_match, requantized_prior
+from quantcli.verify.compare import (
+    IDENTICAL,
+    Comparison,
+    compare_identical,
+    exact_match,
+    requantized_prior,
+    same_bytes,
+)
 from quantcli.verify.findings import (
     FINITE,
     REF_ERROR,
@@ -299,7 +306,7 @@ def _unquantized_identical(rt: CheckpointTensors, qt: CheckpointTensors, consume
         if ri.dtype != qi.dtype or ri.shape != qi.shape:
             found.fault(REF_IDENTICAL, name, f"changed from {ri.dtype}{list(ri.shape)} to {qi.dtype}"
                                              f"{list(qi.shape)} (a lossy cast or a different model)")
-        elif rt.raw(name) != qt.raw(name):
+        elif not same_bytes(rt.raw(name), qt.raw(name)):
             found.fault(REF_IDENTICAL, name, "unquantized tensor differs from the reference (not bit-identical)")
         rt.release(name)
         qt.release(name)
