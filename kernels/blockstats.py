@@ -45,25 +45,24 @@ class Yardstick:
 
 @dataclass
 class BlockStats:
-    """Per judging block, in the scale tensor's order (FP32; sum them in FP64)."""
+    """Per judging block, in the scale tensor's order (FP32; sum them in FP64), of the source and
+    the error both times `prescale` (a power of two that keeps squares of huge values finite)."""
 
     ss: torch.Tensor
     se: torch.Tensor
     ee: torch.Tensor
     sh: torch.Tensor  # sum |s| h
-    hh: torch.Tensor  # sum h^2
-    amax: torch.Tensor
-    scale: torch.Tensor  # the block's effective FP32 scale (times the global scale)
-    count: torch.Tensor  # elements per block (edge tiles are smaller)
     # derived per block (0 for an all-zero source block): the norm of the error along the source
     # beyond what rounding can put there, (|se / ss| - sh / ss)+ sqrt(ss); the norm across it,
     # sqrt(ee - se^2 / ss); the block amax over the largest value its scale decodes
     along: torch.Tensor
     across: torch.Tensor
     clip: torch.Tensor
-    max_abs: float = 0.0  # max |decode - source|
+    hh: float = 0.0  # sum h^2 over the tensor
+    max_abs: float = 0.0  # max |decode - source| (not prescaled)
     nonfinite: int = 0  # decoded values that are NaN or Inf
-    yard: list[float] = field(default_factory=list)  # sum of squared errors per yardstick
+    yard: list[float] = field(default_factory=list)  # sum of squared errors per yardstick (not prescaled)
+    prescale: float = 1.0
 
     @property
     def blocks(self) -> int:
@@ -146,17 +145,6 @@ def _block_scale(band: Band, global_scale, spec: QuantSpec, rows: int) -> torch.
     return s.reshape(1).expand(rows) if s.dim() == 0 else s.reshape(-1)
 
 
-def _counts(spec: QuantSpec, rows: int, k: int) -> torch.Tensor | float:
-    """Elements per judging block of a band: whole groups and rows; edge tiles are smaller."""
-    if spec.geometry == GROUP:
-        return float(spec.group)
-    if spec.geometry != BLOCK:
-        return float(k)
-    side = [torch.tensor([min(FP8_BLOCK, d - i) for i in range(0, d, FP8_BLOCK)], dtype=torch.float32)
-            for d in (rows, k)]
-    return torch.outer(*side).reshape(-1)
-
-
 def _yard_error(y: Yardstick, x: torch.Tensor, f: torch.Tensor, band: Band, shape) -> float:
     """Sum of squared errors of the yardstick on this band's rows."""
     from quantcli.kernels import quantize  # the dispatcher (a band is one chunk: it runs inline)
@@ -172,22 +160,24 @@ def _yard_error(y: Yardstick, x: torch.Tensor, f: torch.Tensor, band: Band, shap
     return float(torch.dot(o.view(-1), o.view(-1)))
 
 
-ROWS = ("ss", "se", "ee", "sh", "hh", "amax", "scale", "count", "along", "across", "clip")  # the table's rows
+ROWS = ("ss", "se", "ee", "sh", "along", "across", "clip")  # the table's rows
+# Values are prescaled below 2^48: their squares summed over a band (2^20 elements) stay finite in FP32.
+PRESCALE_TOP = 48
 
 
-def _derived(put: dict, top: float) -> None:
+def _derived(put: dict, scale: torch.Tensor, amax: torch.Tensor, top: float) -> None:
     """The derived rows (see BlockStats) from the sums, on the band's own thread."""
     ss, se = put["ss"], put["se"]
     inv = torch.where(ss > 0, 1 / ss, torch.zeros_like(ss))
     gain = se * inv  # gain - 1
     torch.mul(gain.abs().sub_(put["sh"] * inv).clamp_min_(0), ss.sqrt(), out=put["along"])
     torch.sub(put["ee"], se * gain, out=put["across"]).clamp_min_(0).sqrt_()
-    limit = put["scale"] * top
-    torch.where(limit > 0, put["amax"] / limit, torch.zeros_like(limit), out=put["clip"])
+    limit = scale * top
+    torch.where(limit > 0, amax / limit, torch.zeros_like(limit), out=put["clip"])
 
 
 def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yardsticks, shape,
-                table: torch.Tensor) -> dict:
+                table: torch.Tensor, prescale: float) -> dict:
     """Fill `table` [len(ROWS), this band's blocks]; returns the band's scalars."""
     rows, k = x.shape
     dev = x.device
@@ -196,26 +186,33 @@ def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yard
     lo, hi = torch.aminmax(e)
     max_abs = float(torch.maximum(-lo, hi))  # NaN propagates: finite here means every value is
     nonfinite = 0 if math.isfinite(max_abs) else int((~torch.isfinite(e)).sum())
+    yard = [_yard_error(y, x, f, band, shape) for y in yardsticks]
+    scale = _block_scale(band, global_scale, spec, rows)
+    if prescale != 1.0:  # exact: a power of two
+        for t in (f, e, scale):
+            t.mul_(prescale)
     p = _buffer("vp", rows * k, dev).view(rows, k)
     put = dict(zip(ROWS, table))
     put["ee"].copy_(_per_block(torch.mul(e, e, out=p), spec, "sum"))
     put["se"].copy_(_per_block(torch.mul(f, e, out=p), spec, "sum"))
     put["ss"].copy_(_per_block(torch.mul(f, f, out=p), spec, "sum"))
     a = torch.abs(f, out=p)
-    put["amax"].copy_(_per_block(a, spec, "amax"))
-    scale = _block_scale(band, global_scale, spec, rows)
-    put["scale"].copy_(scale)
+    amax = _per_block(a, spec, "amax")
     h = _max_error(a, scale, spec, _buffer("vd", rows * k, dev).view(rows, k))  # e is no longer needed
+    hh = float(torch.dot(h.view(-1), h.view(-1)))
     put["sh"].copy_(_per_block(a.mul_(h), spec, "sum"))
-    put["hh"].copy_(_per_block(h.mul_(h), spec, "sum"))
-    counts = _counts(spec, rows, k)
-    if isinstance(counts, torch.Tensor):
-        put["count"].copy_(counts)
-    else:
-        put["count"].fill_(counts)
-    _derived(put, spec.element.max)
-    return {"yard": [_yard_error(y, x, f, band, shape) for y in yardsticks], "max_abs": max_abs,
-            "nonfinite": nonfinite}
+    _derived(put, scale, amax, spec.element.max)
+    return {"yard": yard, "max_abs": max_abs, "nonfinite": nonfinite, "hh": hh}
+
+
+def _prescale(q: QuantResult, spec: QuantSpec) -> float:
+    """2^-k with the largest value the scales can decode brought under 2^PRESCALE_TOP (1 for any
+    ordinary weight; non-finite scales are the finiteness check's)."""
+    scales = scale_values(q.scale, q.global_scale, spec)
+    top = float(scales.abs().max()) * spec.element.max if scales.numel() else 0.0
+    if not math.isfinite(top) or top < 2.0**PRESCALE_TOP:
+        return 1.0
+    return 2.0 ** -(math.frexp(top)[1] - PRESCALE_TOP)
 
 
 def _blocks_in(band: Band, spec: QuantSpec, k: int) -> int:
@@ -244,13 +241,15 @@ def block_stats(x: torch.Tensor, q: QuantResult, spec: QuantSpec, yardsticks: tu
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + size)
+    prescale = _prescale(q, spec)
 
     def one(i: int) -> dict:
         b = work[i]
         return _band_stats(mats[b.matrix, b.start:b.stop], b, q.global_scale, spec, yardsticks, shape,
-                           table[:, starts[i]:starts[i + 1]])
+                           table[:, starts[i]:starts[i + 1]], prescale)
 
     parts = list(_map(one, list(range(len(work)))))
-    return BlockStats(*table.cpu(), max_abs=max((p["max_abs"] for p in parts), default=0.0),
+    return BlockStats(*table.cpu(), hh=sum(p["hh"] for p in parts),
+                      max_abs=max((p["max_abs"] for p in parts), default=0.0),
                       nonfinite=sum(p["nonfinite"] for p in parts),
-                      yard=[sum(p["yard"][i] for p in parts) for i in range(len(yardsticks))])
+                      yard=[sum(p["yard"][i] for p in parts) for i in range(len(yardsticks))], prescale=prescale)

@@ -197,7 +197,7 @@ class Comparison:
             if self.recipe.scale_search != "none" and len(st.yard) > 1 + (source is not None):
                 row.absmax_rel_err = rel(st.yard[1])
         if source is not None:  # both quantizations' errors: the old bound (see requantized_bound)
-            return row, requantized_bound(row, int(st.count.double().sum()), source[0], rel(st.yard[-1]),
+            return row, requantized_bound(row, self.w.numel(), source[0], rel(st.yard[-1]),
                                           self.prior[1], self.limits)
         reasons = list(verdict.reasons)
         if self.limits.margin is not None:  # --threshold margin=: also hold it to quantcli's own error

@@ -80,7 +80,8 @@ def judge(st: BlockStats, recipe, shape: tuple[int, ...], output: tuple[float, f
     """`output` (--calibration): the module's layer-output error and that of the reference rounded
     to nearest under its stored scales; it replaces the weight-error rule."""
     rel, sqnr, cos = tensor_metrics(st)
-    ss, sh, hh, se = (float(t.double().sum()) for t in (st.ss, st.sh, st.hh, st.se))
+    ss, sh, se = (float(t.double().sum()) for t in (st.ss, st.sh, st.se))
+    hh = st.hh
     gain_allowed = sh / ss if ss > 0 else 0.0
     bound = math.sqrt(hh / ss) if ss > 0 else 0.0
     gain = 1 + se / ss if ss > 0 else 1.0
@@ -151,9 +152,9 @@ def _scales(st: BlockStats, recipe, shape) -> str | None:
     if not count:
         return None
     worst = int(torch.argmax(st.clip))
-    return (f"{count} block scale(s) too small for the reference: {block_name(worst, recipe, shape)} has amax "
-            f"{float(st.amax[worst]):.4g}, {float(st.clip[worst]):.3g} x the largest value its scale decodes "
-            f"(producers clip at most {SCALE_CLIP:g} x)")
+    return (f"{count} block scale(s) too small for the reference: {block_name(worst, recipe, shape)} has an amax "
+            f"{float(st.clip[worst]):.3g} x the largest value its scale decodes (producers clip at most "
+            f"{SCALE_CLIP:g} x)")
 
 
 def block_name(index: int, recipe, shape: tuple[int, ...]) -> str:
