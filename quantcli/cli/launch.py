@@ -10,12 +10,10 @@ import os
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
+from quantcli.cli.exits import SPAWNED_RANK
 from quantcli.convert.world import World, open_world, rank_timeout
 
 ADDR = "127.0.0.1"
-# Set in the environment of the ranks --workers spawns: they say nothing when interrupted
-# (rank 0 says it once for the job), and they are started with SIGINT ignored.
-SPAWNED_RANK = "QUANTCLI_SPAWNED_RANK"
 
 
 def launched() -> bool:
