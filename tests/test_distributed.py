@@ -289,9 +289,3 @@ def test_merged_calibration_stats_are_the_max_and_leave_unreached_experts_absent
         assert merged.inputs == {"a": 4.0, "e0": 2.0, "e1": 0.25}
         assert merged.keys == {"attn": 0.75} and merged.values == {"attn": 3.0}
         assert merged.expert_roles["e2"] == "x:down"
-
-
-def test_more_workers_than_shards_refused_before_any_rank_starts(one_shard_moe, tmp_path, run_cli):
-    code, _, err = run_cli("convert", str(one_shard_moe), str(tmp_path / "o"), "--recipe", "nvfp4", "--workers", "3")
-    assert code == 2 and "--workers 3" in err and "has 1 shard(s)" in err and "use --workers 1" in err
-    assert len(err.strip().splitlines()) == 1 and not list(tmp_path.glob("o*"))

@@ -138,7 +138,7 @@ def test_table_quiet_line_and_calibration_data_note(run_cli, root):
     assert "self_attn." in out or "mlp." in out  # the worst modules, named within their block
     quiet = _ok(run_cli, *_eval(root / "w4a4", "--reference", root / "llama", "--data", root / "eval.jsonl", "-q"))
     assert quiet.startswith("ppl ") and len(quiet.strip().splitlines()) == 1
-    code, out, err = run_cli(*_eval(root / "w4a4", "--reference", root / "llama", "--data", root / "eval.jsonl", "-q",
+    code, out, err = run_cli(*_eval(root / "w4a4", "--reference", root / "llama", "--data", root / "eval.jsonl",
                                     "-v"))
     assert code == 0 and [line.split(" (")[0] for line in err.strip().splitlines()] == ["layer 1/2 done",
                                                                                         "layer 2/2 done"]
