@@ -94,6 +94,12 @@ def test_sensitivity_table_and_bad_values(run_cli, root):
     assert code == 0, err
     assert "sensitivity" in out and "KL mean" in out and "top-1 agreement" in out
     code, _, err = run_cli("eval", root / "llama", "--recipe", RECIPE, "--data", root / "eval.jsonl",
+                           "--device", "cpu", "--sensitivity", "3", "-v", "--json")
+    assert code == 0, err
+    lines = [line.split(" (")[0] for line in err.strip().splitlines()]
+    assert lines == ["layer 1/2 done", "layer 2/2 done", "sensitivity of 3 modules: layer 1/2 done",
+                     "sensitivity of 3 modules: layer 2/2 done"], err
+    code, _, err = run_cli("eval", root / "llama", "--recipe", RECIPE, "--data", root / "eval.jsonl",
                            "--sensitivity", "some")
     assert code == 2 and "--sensitivity 'some'" in err
 

@@ -21,11 +21,13 @@ class LayerBar(PhaseBar):
         super().__init__(stderr, show, "evaluating")
         self.verbose = verbose
 
-    def __call__(self, done: int, total: int, per_layer: float) -> None:  # type: ignore[override]
+    def __call__(self, done: int, total: int, per_layer: float,  # type: ignore[override]
+                 phase: str | None = None) -> None:
+        """`phase`: None for the main walk, else what a later walk (--sensitivity) is doing."""
         said = f"{per_layer:.2f} s/layer"
-        super().__call__("evaluating layers", done, total, said)
+        super().__call__(phase or "evaluating layers", done, total, said)
         if self.verbose:
-            self.stderr.print(f"layer {done}/{total} done ({said})")
+            self.stderr.print(f"{phase + ': ' if phase else ''}layer {done}/{total} done ({said})")
 
 
 def _short(module: str) -> str:

@@ -53,7 +53,7 @@ def _as_eval() -> Iterator[None]:
         raise type(exc)(re.sub(r"--calibration\b", "--data", text)) from None
 
 
-def evaluate(opts: EvalOptions, progress: Callable[[int, int, float], None] | None = None):
+def evaluate(opts: EvalOptions, progress: Callable[..., None] | None = None):
     """The EvalReport of `opts.checkpoint` against `opts.reference` on `opts.data`."""
     from quantcli.checkpoint.source import open_source
     from quantcli.checkpoint.tensors import CheckpointTensors
@@ -111,7 +111,7 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress):
         finish = Encoder(*pooling_config([ref.source.root, quant.source.root]))
     walked = walk(stack, ref, quant, input_batches, device, Emulation(steps, kv), finish, progress)
     ranked = _sensitivity(opts, stack, (ref, quant), input_batches, device, steps, walked,
-                          None if stack.kind == CAUSAL else finish)
+                          None if stack.kind == CAUSAL else finish, progress)
     if not quant.quantized:
         notes.append(f"{quant.label} holds no quantized module: both sides run the same kind of weights")
     metrics = {"causal" if stack.kind == CAUSAL else "encoder": walked.final}
@@ -125,7 +125,7 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress):
 
 
 def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, device: torch.device, steps: dict,
-                 walked, pooled) -> list:
+                 walked, pooled, progress) -> list:
     """The chosen modules ranked by the model output error with each alone quantized (sensitivity.py)."""
     from quantcli.evaluate import report as rep
     from quantcli.evaluate.sensitivity import walk_sensitivity
@@ -138,7 +138,7 @@ def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, de
     chosen: dict[int, list[str]] = {}
     for module, (layer, _) in candidates.items():
         chosen.setdefault(layer, []).append(module)
-    scores = walk_sensitivity(stack, *sides, input_batches, device, steps, chosen, pooled)
+    scores = walk_sensitivity(stack, *sides, input_batches, device, steps, chosen, pooled, progress)
     return rep.sensitivity_rows(candidates, scores)
 
 

@@ -15,6 +15,7 @@ cosine (encoder)."""
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -95,10 +96,11 @@ def _block(stack: Stack, i: int, sides: tuple, maps: tuple, ref_buf, bufs: dict,
 
 
 def walk_sensitivity(stack: Stack, ref, quant, input_batches: list[torch.Tensor], device: torch.device,
-                     steps: dict, chosen: dict[int, list[str]], pooled=None) -> dict[str, Score]:
+                     steps: dict, chosen: dict[int, list[str]], pooled=None, progress=None) -> dict[str, Score]:
     """{module: Score} for `chosen` ({block index: checkpoint modules in it}); `pooled` is the
-    encoder's metrics.Encoder (None for a causal LM)."""
+    encoder's metrics.Encoder (None for a causal LM); `progress(done, total, seconds_per_block, phase)`."""
     fix_mmap_threshold()
+    phase, start = f"sensitivity of {sum(len(m) for m in chosen.values())} modules", time.monotonic()
     shapes = [(*b.shape, stack.config.hidden_size) for b in input_batches]
     maps = (WeightMap(ref.names), WeightMap(quant.names))
     share = budget_bytes() // (1 + sum(len(m) for m in chosen.values()))
@@ -111,6 +113,8 @@ def walk_sensitivity(stack: Stack, ref, quant, input_batches: list[torch.Tensor]
         for i in range(len(stack.layers)):
             new = {m: held.enter_context(ActivationBuffer(shapes, device, share)) for m in chosen.get(i, [])}
             _block(stack, i, (ref, quant), maps, ref_buf, bufs, new, captured, steps)
+            if progress is not None:
+                progress(i + 1, len(stack.layers), (time.monotonic() - start) / (i + 1), phase)
         if stack.kind == CAUSAL:
             return _causal_scores(stack, ref, input_batches, ref_buf, bufs)
         return {m: Score(1.0 - pooled(stack, (ref_buf, buf), len(captured)).cosine_mean, None)
