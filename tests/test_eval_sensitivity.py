@@ -128,3 +128,35 @@ def test_encoder_one_minus_cosine_equals_a_forward_with_only_that_module_quantiz
                 for s in _ids()]
         assert row["top1_agreement"] is None and row["output_error"] > 0
         assert row["output_error"] == pytest.approx(1 - sum(cos) / len(cos), rel=REL), row["module"]
+
+
+def test_declared_input_quantization_goes_with_the_module(run_cli, root):
+    """--reference with a dynamic-FP8 checkpoint: the module alone runs its decoded weight and its
+    input through compressed-tensors' fake-quantize, everything else the reference."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from tests.test_eval import _ct_hooks, _linears, _tensors
+
+    dst = root / "llama-fp8ch"
+    code, _, err = run_cli("convert", root / "llama", dst, "--recipe", "fp8-channel", "-q")
+    assert code == 0, err
+    code, out, err = run_cli("eval", dst, "--reference", root / "llama", "--data", root / "eval.jsonl",
+                             "--device", "cpu", "--json", "--sensitivity", "1")
+    assert code == 0, err
+    doc = validate("eval", json.loads(out))
+    assert doc["activations"] == [{"scheme": "FP8 dynamic per token", "modules": 14}]
+    (row,) = doc["sensitivity"]
+    module, tensors = row["module"], _tensors(dst)
+    ref, quant = (transformers.AutoModelForCausalLM.from_pretrained(root / "llama", dtype=torch.float32).eval()
+                  for _ in range(2))
+    with torch.no_grad():  # fp8-channel decoded: E4M3 codes times the per-row scale
+        quant.get_submodule(module).weight.copy_(tensors[f"{module}.weight"].float()
+                                                 * tensors[f"{module}.weight_scale"].float())
+    token = QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True, symmetric=True)
+    _ct_hooks(_linears(quant), {module: token})
+    kl, n = 0.0, 0
+    with torch.no_grad():
+        for s in _ids():
+            a, b = (torch.log_softmax(m(input_ids=torch.tensor([s])).logits[0, :-1].double(), -1) for m in (ref, quant))
+            kl, n = kl + float((a.exp() * (a - b)).sum()), n + a.shape[0]
+    assert kl > 0 and row["output_error"] == pytest.approx(kl / n, rel=REL)
