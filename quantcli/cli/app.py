@@ -64,6 +64,7 @@ from quantcli.cli.options import (
     Revision,
     Tensors,
     Token,
+    count_or_all,
     layout_names,
     one_of,
     recipe_names,
@@ -242,6 +243,9 @@ def eval_command(
         metavar="RULE", callback=one_of("--scale-rule", "MX scale rule", scale_rule_names),
         help="With --recipe: the MX scale exponent rule.")] = None,
     scale_search: Annotated[Optional[str], typer.Option(metavar="METHOD", callback=one_of("--scale-search", "scale search", lambda: ["none", "mse"]), help="With --recipe: none or mse block scales.")] = None,
+    sensitivity: Annotated[Optional[str], typer.Option(
+        metavar="N|all", callback=count_or_all,
+        help="Also rank the N modules with the largest own error (or all) by the model output error with each alone quantized: KL mean and top-1 (causal LM), 1 - pooled cosine (encoder). Costs one extra model pass per module ranked.")] = None,
     revision: Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision of a --reference repo id.")] = None,
     device: Device = "auto",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets one line of headline numbers.")] = False,
@@ -257,8 +261,8 @@ def eval_command(
     raise typer.Exit(run_eval(checkpoint, reference=reference, data=data, samples=samples, seq_len=seq_len,
                               batch=batch, kv_cache=kv_cache, top=top, revision=revision, device=device,
                               quiet=quiet, verbose=verbose, json_out=json_out,
-                              emulate=dict(recipe=recipe, layout=layout, scale_rule=scale_rule,
-                                           scale_search=scale_search)))
+                              sensitivity=sensitivity, emulate=dict(recipe=recipe, layout=layout,
+                                                                    scale_rule=scale_rule, scale_search=scale_search)))
 
 
 app.command(name="push", cls=Command, epilog=examples("push"))(push_command)  # quantcli/cli/push_command.py

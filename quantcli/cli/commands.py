@@ -363,9 +363,9 @@ def _push(folder: Path, hub: dict, api, quiet: bool):
 
 def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int, seq_len: int, batch: int,
              kv_cache: str, top: int, revision: str | None, device: str, quiet: bool, verbose: bool, json_out: bool,
-             emulate: dict) -> int:
+             emulate: dict, sensitivity: str | None = None) -> int:
     from quantcli.cli.eval_view import LayerBar, render_eval, render_eval_brief
-    from quantcli.evaluate import EvalOptions, evaluate
+    from quantcli.evaluate import ALL, EvalOptions, evaluate
 
     if emulate["recipe"] and reference:
         raise QuantcliError("--recipe with --reference: --recipe emulates the recipe on DST itself (a dense model, "
@@ -375,7 +375,8 @@ def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int,
         raise QuantcliError(f"{' '.join(given) + ' need --recipe; ' if given else ''}give --reference SRC (the "
                             f"model DST was made from), or --recipe RECIPE to emulate a recipe on DST in memory")
     opts = EvalOptions(checkpoint, reference or checkpoint, data, samples=samples, seq_len=seq_len, batch=batch,
-                       device=device, kv_cache=kv_cache, revision=revision, top=top, **emulate)
+                       device=device, kv_cache=kv_cache, revision=revision, top=top,
+                       sensitivity=ALL if sensitivity == "all" else int(sensitivity or 0), **emulate)
     show = sys.stderr.isatty() and not quiet and not json_out
     with LayerBar(_console(stderr=True), show, verbose) as bar:
         report = evaluate(opts, bar)

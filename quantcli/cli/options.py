@@ -82,3 +82,10 @@ Token = Annotated[Optional[str], typer.Option(metavar="TOKEN", help=(
     "token)."))]
 CacheDir = Annotated[Optional[Path], typer.Option(metavar="DIR", help=(
     "Hugging Face Hub cache folder for Hub sources (default: HF_HUB_CACHE)."))]
+
+
+def count_or_all(value: Optional[str]) -> Optional[str]:
+    """eval --sensitivity: a number of modules (0: off) or `all`."""
+    if value is None or value.strip().lower() == "all" or value.strip().isdigit():
+        return None if value is None else value.strip().lower()
+    raise UsageError(f"--sensitivity {value!r}: expected a number of modules (0: off) or all")
