@@ -14,8 +14,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-
 from measure_scale_search import EVAL, embed, linears, load, model_dir, output_error  # scripts/ on sys.path
+
 from quantcli.kernels import reference as R
 
 BLOCK = 128

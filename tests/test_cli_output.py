@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 
 import pytest
+from test_grouping import expand
 
 from quantcli.testing import make_llama, make_moe
-from test_grouping import expand
 
 SNAPSHOTS = Path(__file__).parent / "data" / "snapshots"
 REPRS = ("{'", "[(", "<list", "<str>", "<path>", "<int>", "OMITTED")
@@ -262,8 +262,9 @@ def test_relayout_summary_says_carried_over_and_already_dense(run_cli, monkeypat
 
 
 def test_calibration_scalars_are_bytes_not_params():
-    from quantcli.inspect import FormatTotals, _count_scales
     from types import SimpleNamespace
+
+    from quantcli.inspect import FormatTotals, _count_scales
 
     by_format: dict[str, FormatTotals] = {}
     kv = [SimpleNamespace(k_scale=0.1, v_scale=None)]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcli.formats.layouts import DEFAULT_LAYOUT
 from quantcli.checkpoint.source import open_source
+from quantcli.formats.layouts import DEFAULT_LAYOUT
 
 RECIPES = ["fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4"]
 

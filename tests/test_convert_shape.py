@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import assert_one_line_error, tree_state
 
 import quantcli.convert.job as job_mod
-from quantcli.convert import PROGRESS_NAME, convert_shard, learn_facts
-from quantcli.convert.reading import ModuleReader
-from quantcli.planning.plan import Options
-from quantcli.planning.conversion import plan_conversion
 from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.convert import PROGRESS_NAME, convert_shard, learn_facts
+from quantcli.convert.reading import ModuleReader
+from quantcli.planning.conversion import plan_conversion
+from quantcli.planning.plan import Options
 from quantcli.testing import make_llama
-
-from faults import assert_one_line_error, tree_state
 
 
 @pytest.fixture(scope="module")

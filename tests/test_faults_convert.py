@@ -20,16 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import assert_nothing_left, assert_one_line_error, run_subprocess, tree_state
 
 import quantcli.convert.job as job_mod
 import quantcli.convert.shard as shard_mod
+from quantcli.checkpoint.safetensors_io import ShardWriter, write_file
+from quantcli.convert import LOCK_NAME, PROGRESS_NAME, StagingLock
 from quantcli.convert.progress import ProgressFile
 from quantcli.errors import CheckpointError
-from quantcli.convert import LOCK_NAME, PROGRESS_NAME, StagingLock
-from quantcli.checkpoint.safetensors_io import ShardWriter, write_file
 from quantcli.testing import make_llama
-
-from faults import assert_nothing_left, assert_one_line_error, run_subprocess, tree_state
 
 RECIPE = "nvfp4"  # fused q/k/v and gate/up groups: the fused-amax pass runs too
 

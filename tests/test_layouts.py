@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
+from quantcli.checkpoint.manifest import Manifest
 from quantcli.errors import LayoutError
 from quantcli.formats.layouts import LAYOUTS, get_layout, layout_for
-from quantcli.checkpoint.manifest import Manifest
 from quantcli.recipes import get_recipe
 
 

@@ -7,10 +7,11 @@ from fractions import Fraction
 import pytest
 import torch
 
-from quantcli.kernels import chunks, cpu, reference as ref
-from quantcli.recipes import RECIPES, get_recipe
 from quantcli.errors import RecipeError
 from quantcli.formats.facts import ModuleFacts
+from quantcli.kernels import chunks, cpu
+from quantcli.kernels import reference as ref
+from quantcli.recipes import RECIPES, get_recipe
 
 E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from huggingface_hub import HfApi, ModelCard
-
 from faults import assert_one_line_error
+from huggingface_hub import HfApi, ModelCard
+from test_json_schema import validate
+
 from quantcli.formats.engines import TABLE, loads_in
 from quantcli.testing import make_llama
-from test_json_schema import validate
 
 REPO = "me/llama-nvfp4"
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcli.formats.layouts import get_layout
 from quantcli.checkpoint.safetensors_io import write_file
 from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.formats.layouts import get_layout
 
 PAIRS = [("nvfp4", "modelopt"), ("nvfp4", "compressed-tensors"), ("mxfp4", "compressed-tensors"),
          ("mxfp8", "compressed-tensors"), ("mxfp8", "modelopt"), ("mxfp8", "fp8"), ("fp8", "fp8"),
@@ -79,7 +79,7 @@ def test_relayout_into_a_layout_without_the_recipe_is_refused(quantized, tmp_pat
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=[f"{r}-{l}" for r, l in PAIRS])
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{r}-{lay}" for r, lay in PAIRS])
 def test_every_layout_to_fp32_and_bf16_matches_its_dequantize(pair, quantized, tmp_path, run_cli):
     recipe_name, layout_name = pair
     src = quantized[pair]

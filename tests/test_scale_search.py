@@ -10,9 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantcli.formats.facts import ModuleFacts
-from quantcli.kernels import dequantize, quantize, triton_available
+from quantcli.kernels import dequantize, quantize, search, triton_available
 from quantcli.kernels import reference as R
-from quantcli.kernels import search
 from quantcli.recipes import RECIPES
 from quantcli.testing import make_llama
 
