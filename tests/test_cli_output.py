@@ -217,7 +217,8 @@ def test_layouts_engines_come_from_one_table(run_cli, monkeypatch):
     from quantcli.formats.engines import TABLE, loads_in
 
     doc = json.loads(run_cli("layouts", "--json")[1])
-    pairs = {(r, layout["name"]): tuple(engines) for layout in doc["layouts"] for r, engines in layout["loads_in"].items()}
+    pairs = {(r, layout["name"]): tuple(engines)
+             for layout in doc["layouts"] for r, engines in layout["loads_in"].items()}
     assert pairs == {pair: loads_in(*pair) for pair in TABLE}
     for layout in doc["layouts"]:
         assert set(layout["engines"]) == {e for (_, name) in TABLE if name == layout["name"] for e in loads_in(_, name)}

@@ -61,7 +61,8 @@ def test_shards_in_any_order_give_the_same_bytes_and_results(llama, tmp_path, ru
         mods = {t.module for t in plan.tensors if t.shard == shard and t.quantized}
         assert set(result.found.globals) == mods and mods
     manifest = json.loads((tmp_path / "cli" / "quantcli_manifest.json").read_text())
-    written = {m["module"]: d["value"] for m in manifest["modules"] for d in m["tensors"] if d["role"] == "global_scale"}
+    written = {m["module"]: d["value"] for m in manifest["modules"] for d in m["tensors"]
+               if d["role"] == "global_scale"}
     assert written == {m: v for r in forward.values() for m, v in r.found.globals.items()}
 
 

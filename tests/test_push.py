@@ -179,7 +179,8 @@ def test_card_base_model_only_from_a_hub_id_and_the_source_card_is_kept(llama, t
     shutil.copytree(llama, src)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "_name_or_path": str(tmp_path / "local" / "model")}))
-    (src / "README.md").write_text("---\nlicense: mit\nbase_model: other/parent\ntags:\n- chat\n---\n\n# Mine\n\nHello.\n")
+    (src / "README.md").write_text("---\nlicense: mit\nbase_model: other/parent\ntags:\n- chat\n---\n\n"
+                                   "# Mine\n\nHello.\n")
     code, _, err = run_cli("convert", src, tmp_path / "out", "--recipe", "fp8-block", "--quiet")
     assert code == 0, err
     card = ModelCard((tmp_path / "out" / "README.md").read_text())

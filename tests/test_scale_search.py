@@ -310,7 +310,8 @@ def test_weighted_search_is_recorded_and_verify_exact_reproduces_it_with_the_cal
     data = tmp_path / "cal.txt"
     data.write_text("\n".join(_words(i) for i in range(6)) + "\n")
     dst = tmp_path / "w"
-    code, _, err = run_cli("convert", src, dst, "--recipe", "nvfp4", "--scale-search", "mse", "--calibration", data, "-q")
+    code, _, err = run_cli("convert", src, dst, "--recipe", "nvfp4", "--scale-search", "mse",
+                           "--calibration", data, "-q")
     assert code == 0, err
     modules = json.loads((dst / "quantcli_manifest.json").read_text())["modules"]
     assert {(m["scale_search"], m.get("scale_search_weights")) for m in modules} == {("mse", "input_channel_ms")}
