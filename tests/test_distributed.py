@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import assert_nothing_left, tree_state
 from safetensors.torch import load_file, save_file
 
-from faults import assert_nothing_left, tree_state
 from quantcli.convert.world import assign_shards
 from quantcli.testing import make_llama, make_moe
 
@@ -188,9 +188,9 @@ def test_every_recipe_runs_on_several_ranks():
 
 def test_a_fused_group_split_over_ranks_gets_one_global_scale(runs):
     """The llama source deals q/k/v over shards that LPT gives to different ranks (2 and 3)."""
+    from quantcli.checkpoint.source import open_source
     from quantcli.planning.conversion import plan_conversion
     from quantcli.planning.options_file import conversion_options
-    from quantcli.checkpoint.source import open_source
 
     plan = plan_conversion(open_source(str(runs["src"]["llama"])), conversion_options(
         recipe="nvfp4", layout=None, ignore=[], config=None, scale_rule=None))

@@ -153,8 +153,8 @@ def test_encoder_has_no_kv_cache(run_cli, root, tmp_path):
                                      intermediate_size=128, max_position_embeddings=64)
     transformers.BertModel(config, add_pooling_layer=False).save_pretrained(tmp_path / "bert")
     _ok(run_cli, "convert", tmp_path / "bert", tmp_path / "bert-fp8", "--recipe", "fp8-channel", "-q")
-    line = _fails(run_cli, *_eval(tmp_path / "bert-fp8", "--reference", tmp_path / "bert", "--data", root / "eval.jsonl",
-                                  "--kv-cache", "scale-one"))
+    line = _fails(run_cli, *_eval(tmp_path / "bert-fp8", "--reference", tmp_path / "bert",
+                                  "--data", root / "eval.jsonl", "--kv-cache", "scale-one"))
     assert "encoder keeps no KV cache" in line
     doc = json.loads(_ok(run_cli, *_eval(tmp_path / "bert-fp8", "--reference", tmp_path / "bert", "--data",
                                          root / "eval.jsonl", "--json")))

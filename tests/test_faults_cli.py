@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from faults import assert_nothing_left, assert_one_line_error, tree_state
+from safetensors.torch import save_file
 
 
 def _write_checkpoint(out: Path, shards: int, layers_per_shard: int, dim: int) -> Path:
@@ -97,9 +96,9 @@ def test_help_exits_0(argv, run_cli):
 
 def test_help_lists_equal_the_registries():
     from quantcli.cli import options as cli
+    from quantcli.formats.layouts import LAYOUTS
     from quantcli.kernels import BACKENDS
     from quantcli.kernels.spec import SCALE_RULES
-    from quantcli.formats.layouts import LAYOUTS
     from quantcli.recipes import DENSE_RECIPES, RECIPES
 
     assert list(cli.RECIPE_NAMES) == [*RECIPES, *DENSE_RECIPES]

@@ -107,7 +107,7 @@ def render_eval_brief(report, con: Console) -> None:
     """eval -q: the headline numbers on one line."""
     c, e = report.causal, report.encoder
     if c is not OMITTED:
-        con.print(f"ppl {c.perplexity_reference:.4f} -> {c.perplexity_quantized:.4f}  KL mean {ERROR.format(c.kl_mean)} "
-                  f"p99 {ERROR.format(c.kl_p99)}  top-1 {c.top1_agreement:.2%}")
+        con.print(f"ppl {c.perplexity_reference:.4f} -> {c.perplexity_quantized:.4f}  "
+                  f"KL mean {ERROR.format(c.kl_mean)} p99 {ERROR.format(c.kl_p99)}  top-1 {c.top1_agreement:.2%}")
     else:
         con.print(f"cosine mean {e.cosine_mean:.6f} min {e.cosine_min:.6f}")

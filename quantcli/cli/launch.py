@@ -37,7 +37,8 @@ def rank_world(device: str, workers: int = 1, argv: list[str] | None = None,
 
 
 @contextlib.contextmanager
-def spawn_ranks(entry: Callable[[list[str]], Any], argv: list[str], workers: int) -> Iterator[tuple[Any, dict[str, str]]]:
+def spawn_ranks(entry: Callable[[list[str]], Any], argv: list[str],
+                workers: int) -> Iterator[tuple[Any, dict[str, str]]]:
     """Serve the store, start ranks 1..workers-1, yield (store, rank 0's environment); on leaving,
     wait for them (a rank still running after the others' timeout is terminated)."""
     import torch.distributed as dist

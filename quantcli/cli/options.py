@@ -72,9 +72,11 @@ def device(value: str) -> str:
                      "(use auto, cpu, cuda or cuda:N)")
 
 
-Revision = Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision (branch, tag or commit) of a repo id.")]
+Revision = Annotated[Optional[str], typer.Option(
+    metavar="REV", help="Hub revision (branch, tag or commit) of a repo id.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON document instead of tables.")]
-Tensors = Annotated[Optional[str], typer.Option(metavar="PATTERN", help="Only tensors/modules matching PATTERN: a name, a parent module, a glob or re:REGEX.")]
+Tensors = Annotated[Optional[str], typer.Option(
+    metavar="PATTERN", help="Only tensors/modules matching PATTERN: a name, a parent module, a glob or re:REGEX.")]
 Device = Annotated[str, typer.Option(metavar="DEVICE", callback=device, help="auto, cpu, cuda or cuda:N.",
                                      autocompletion=completer(["auto", "cpu", "cuda"]))]
 Token = Annotated[Optional[str], typer.Option(metavar="TOKEN", help=(

@@ -27,7 +27,8 @@ class ModuleSensitivity:
     module: str
     layer: int
     own_rel_err: float  # the module's own output error (as in worst_modules)
-    output_error: float  # the model output error with this module alone quantized: causal LM KL mean, encoder 1 - cosine
+    output_error: float  # the model output error with this module alone quantized: causal LM KL mean,
+    #                      encoder 1 - cosine
     top1_agreement: float | None  # causal LM: next-token top-1 agreement with the reference; encoder: None
 
 
