@@ -1,6 +1,6 @@
 """Pure-torch quantizers and dequantizers: the reference every Triton kernel must match bit for bit.
 
-Numerics follow FORMATS.md A.2: FP32 arithmetic, clamp before every narrowing cast, RNE for
+Numerics follow docs/formats.md, "Numerics": FP32 arithmetic, clamp before every narrowing cast, RNE for
 E4M3 (PyTorch's cast) and E2M1 (ties to the even code, saturating at 6), low nibble first,
 NVFP4 with ModelOpt's op order, MX scale exponents from the FP32 bit pattern per `scale_rule`,
 INT4 with compressed-tensors' eager arithmetic in the weight's dtype. The arithmetic of each

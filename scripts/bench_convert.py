@@ -102,7 +102,8 @@ def main() -> None:
     src = work / "src"
     # Built in a child process: ru_maxrss survives fork+exec, so a big parent would inflate every
     # child's measured peak.
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from bench_convert import make_checkpoint;"
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "from bench_convert import make_checkpoint;"
             f"from pathlib import Path; make_checkpoint(Path({str(src)!r}), {args.size_gb}, {args.shards})")
     subprocess.run([sys.executable, "-c", code], check=True)
     total = sum(p.stat().st_size for p in src.glob("*.safetensors"))

@@ -14,8 +14,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-
 from measure_scale_search import EVAL, embed, linears, load, model_dir, output_error  # scripts/ on sys.path
+
 from quantcli.kernels import reference as R
 
 BLOCK = 128
@@ -87,7 +87,8 @@ def main() -> None:
     model, tok = load(model_dir(args.model))
     original = {k: v.clone() for k, v in model.state_dict().items()}
     ref_hidden, ref_emb = embed(model, tok, EVAL)
-    print("\n| model | recipe | scales | weight rel err | 1 - cosine | hidden-state rel err |\n|---|---|---|---|---|---|")
+    print("\n| model | recipe | scales | weight rel err | 1 - cosine | hidden-state rel err |\n"
+          "|---|---|---|---|---|---|")
     for recipe, geo in geometries.items():
         for label, shrink in (("absmax", 0), (f"shrink 0..{args.shrink} %", args.shrink)):
             state, pairs = dict(original), []

@@ -80,7 +80,8 @@ def embed(model, tok, sentences):
 
 
 def linears(model) -> dict[str, torch.nn.Linear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and default_exclusion(n, {}) is None}
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and default_exclusion(n, {}) is None}
 
 
 def channel_ms(model, tok) -> dict[str, torch.Tensor]:

@@ -98,7 +98,8 @@ def test_mixtral_expert_scales_equal_reference(mixtral, tmp_path, run_cli):
         leaf = module.rpartition(".")[2]
         group = {"q_proj": ("q_proj", "k_proj", "v_proj"), "w1": ("w1", "w3"), "w3": ("w1", "w3")}.get(leaf, (leaf,))
         parent = module.rpartition(".")[0]
-        shared = max(ref[f"{parent}.{m}"] for m in group if f"{parent}.{m}" in ref) if leaf not in ("k_proj", "v_proj") \
+        shared = max(ref[f"{parent}.{m}"] for m in group if f"{parent}.{m}" in ref) \
+            if leaf not in ("k_proj", "v_proj") \
             else max(ref[f"{parent}.{m}"] for m in ("q_proj", "k_proj", "v_proj"))
         assert _close(float(t[f"{module}.input_scale"]), shared / 2688.0), module
         checked += 1

@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 
 import pytest
+from test_grouping import expand
 
 from quantcli.testing import make_llama, make_moe
-from test_grouping import expand
 
 SNAPSHOTS = Path(__file__).parent / "data" / "snapshots"
 REPRS = ("{'", "[(", "<list", "<str>", "<path>", "<int>", "OMITTED")
@@ -217,7 +217,8 @@ def test_layouts_engines_come_from_one_table(run_cli, monkeypatch):
     from quantcli.formats.engines import TABLE, loads_in
 
     doc = json.loads(run_cli("layouts", "--json")[1])
-    pairs = {(r, layout["name"]): tuple(engines) for layout in doc["layouts"] for r, engines in layout["loads_in"].items()}
+    pairs = {(r, layout["name"]): tuple(engines)
+             for layout in doc["layouts"] for r, engines in layout["loads_in"].items()}
     assert pairs == {pair: loads_in(*pair) for pair in TABLE}
     for layout in doc["layouts"]:
         assert set(layout["engines"]) == {e for (_, name) in TABLE if name == layout["name"] for e in loads_in(_, name)}
@@ -262,8 +263,9 @@ def test_relayout_summary_says_carried_over_and_already_dense(run_cli, monkeypat
 
 
 def test_calibration_scalars_are_bytes_not_params():
-    from quantcli.inspect import FormatTotals, _count_scales
     from types import SimpleNamespace
+
+    from quantcli.inspect import FormatTotals, _count_scales
 
     by_format: dict[str, FormatTotals] = {}
     kv = [SimpleNamespace(k_scale=0.1, v_scale=None)]

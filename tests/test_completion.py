@@ -29,7 +29,7 @@ def test_a_command_name_completes(run_cli, monkeypatch, instruction):
 
 def test_nothing_typed_lists_every_command(run_cli, monkeypatch):
     code, words, err = complete(run_cli, monkeypatch, "quantcli ")
-    assert code == 0 and err == "" and words == ["convert", "inspect", "verify", "recipes", "layouts", "push"]
+    assert code == 0 and err == "" and words == ["convert", "inspect", "verify", "recipes", "layouts", "eval", "push"]
 
 
 def test_options_and_their_values_complete(run_cli, monkeypatch):

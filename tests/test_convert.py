@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcli.formats.layouts import DEFAULT_LAYOUT
 from quantcli.checkpoint.source import open_source
+from quantcli.formats.layouts import DEFAULT_LAYOUT
 
 RECIPES = ["fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4"]
 
@@ -34,7 +34,8 @@ def check_output(src: Path, out: Path, recipe: str, layout: str):
     config = json.loads((out / "config.json").read_text())
     qc = config["quantization_config"]
     excluded = set(json.loads((out / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]) \
-        if layout == "modelopt" else set(qc.get("ignore") or qc.get("ignored_layers") or qc.get("modules_to_not_convert"))
+        if layout == "modelopt" \
+        else set(qc.get("ignore") or qc.get("ignored_layers") or qc.get("modules_to_not_convert"))
     assert linear_modules(src) <= quantized | excluded  # every Linear is quantized or listed
     assert "lm_head" in excluded and excluded
     assert not any(".gate" in m and m.endswith("gate") for m in quantized)  # routers stay dense
@@ -94,7 +95,8 @@ def test_ct_outputs_load_in_transformers_with_close_logits(tiny_llama, tmp_path,
     floors = {"fp8-block": 0.995, "fp8-channel": 0.995, "mxfp8": 0.99, "nvfp4": 0.95, "mxfp4": 0.93, "fp8": 0.99}
     for recipe, floor in floors.items():
         out = tmp_path / recipe
-        assert run_cli("convert", tiny_llama, out, "--recipe", recipe, "--layout", "compressed-tensors", "--quiet")[0] == 0
+        assert run_cli("convert", tiny_llama, out, "--recipe", recipe, "--layout", "compressed-tensors",
+                       "--quiet")[0] == 0
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                      quantization_config=CompressedTensorsConfig(run_compressed=False))
         with torch.no_grad():
@@ -106,7 +108,8 @@ def test_ct_outputs_load_in_transformers_with_close_logits(tiny_llama, tmp_path,
 
 def test_two_runs_byte_identical_and_triton_backend_matches(tiny_llama, tmp_path, run_cli):
     for name, backend in (("a", "torch"), ("b", "torch"), ("c", "triton")):
-        assert run_cli("convert", tiny_llama, tmp_path / name, "--recipe", "nvfp4", "--backend", backend, "--quiet")[0] == 0
+        assert run_cli("convert", tiny_llama, tmp_path / name, "--recipe", "nvfp4", "--backend", backend,
+                       "--quiet")[0] == 0
     a, b, c = (tree_digest(tmp_path / n) for n in "abc")
     assert a == b == c
 
@@ -257,7 +260,8 @@ def test_fp8_block_layout_loads_through_transformers_finegrained_fp8(tiny_llama,
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        cos = float(torch.nn.functional.cosine_similarity(model(ids).logits.flatten(), ref(ids).logits.flatten(), dim=0))
+        cos = float(torch.nn.functional.cosine_similarity(model(ids).logits.flatten(), ref(ids).logits.flatten(),
+                                                          dim=0))
     assert 0.99 < cos < 1.0  # weight_scale_inv applied (multiply), and really quantized
 
 

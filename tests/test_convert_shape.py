@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import assert_one_line_error, tree_state
 
 import quantcli.convert.job as job_mod
-from quantcli.convert import PROGRESS_NAME, convert_shard, learn_facts
-from quantcli.convert.reading import ModuleReader
-from quantcli.planning.plan import Options
-from quantcli.planning.conversion import plan_conversion
 from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.convert import PROGRESS_NAME, convert_shard, learn_facts
+from quantcli.convert.reading import ModuleReader
+from quantcli.planning.conversion import plan_conversion
+from quantcli.planning.plan import Options
 from quantcli.testing import make_llama
-
-from faults import assert_one_line_error, tree_state
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +61,8 @@ def test_shards_in_any_order_give_the_same_bytes_and_results(llama, tmp_path, ru
         mods = {t.module for t in plan.tensors if t.shard == shard and t.quantized}
         assert set(result.found.globals) == mods and mods
     manifest = json.loads((tmp_path / "cli" / "quantcli_manifest.json").read_text())
-    written = {m["module"]: d["value"] for m in manifest["modules"] for d in m["tensors"] if d["role"] == "global_scale"}
+    written = {m["module"]: d["value"] for m in manifest["modules"] for d in m["tensors"]
+               if d["role"] == "global_scale"}
     assert written == {m: v for r in forward.values() for m, v in r.found.globals.items()}
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fast_codecs import BOUNDARIES, _bits_around
 
-from quantcli.kernels import chunks, cpu, reference as ref
+from quantcli.kernels import chunks, cpu
+from quantcli.kernels import reference as ref
 from quantcli.kernels.spec import NonFiniteInput
 from quantcli.recipes import RECIPES, get_recipe
-
-from test_fast_codecs import BOUNDARIES, _bits_around
 
 SHAPES = [(64, 256), (3, 40, 160), (130, 384), (1, 32), (2, 129, 256), (256, 96)]
 

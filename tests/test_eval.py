@@ -216,7 +216,8 @@ def test_static_fp8_and_fp8_kv_cache_equal_fake_quantize(run_cli, root, monkeypa
     static = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
     quant = _model(dense)
     _ct_hooks(_linears(quant), {m: static for m in modules}, {m: float(tensors[f"{m}.input_scale"]) for m in modules})
-    kv = {i: (float(tensors[f"model.layers.{i}.self_attn.k_scale"]), float(tensors[f"model.layers.{i}.self_attn.v_scale"]))
+    kv = {i: (float(tensors[f"model.layers.{i}.self_attn.k_scale"]),
+              float(tensors[f"model.layers.{i}.self_attn.v_scale"]))
           if mode == "auto" else (1.0, 1.0) for i in range(2)}
     _kv_patch(monkeypatch, quant, kv)
     _check(doc, _expected(_model(root / "llama"), quant, _ids(0)))
@@ -255,8 +256,9 @@ class _LoopExperts(torch.nn.Module):
 
 
 def test_moe_experts_with_static_fp8_inputs_equal_a_token_loop(run_cli, root):
-    dst, dense = _convert(run_cli, root, "moe", "moe-fp8-static", "--recipe", "fp8-channel", "--layout", "compressed-tensors",
-                          "--activations", "static", "--calibration", root / "cal.jsonl")
+    dst, dense = _convert(run_cli, root, "moe", "moe-fp8-static", "--recipe", "fp8-channel",
+                          "--layout", "compressed-tensors", "--activations", "static",
+                          "--calibration", root / "cal.jsonl")
     doc = _eval(run_cli, dst, root / "moe", root / "eval.jsonl")
     modules = _quantized_linears(dst)
     assert any(".experts.0.w2" in m for m in modules) and doc["activations"][0]["modules"] == len(modules)
@@ -331,7 +333,8 @@ def test_each_activation_scheme_equals_compressed_tensors_bit_for_bit(kind):
         gs = torch.tensor([2688 / float(x.abs().amax())]) if kind == "nvfp4" else None
         scale, zp = compute_dynamic_scales_and_zp(x, qa, module=None, global_scale=gs)
         want = ct_forward.fake_quantize(x, scale, zp, qa, global_scale=gs)
-        ours = ActQuant(kind, float(gs) if gs is not None else 0.0, group=args.get("group_size", 0) if kind != "nvfp4" else 0)
+        ours = ActQuant(kind, float(gs) if gs is not None else 0.0,
+                        group=args.get("group_size", 0) if kind != "nvfp4" else 0)
     assert torch.equal(ours(x), want)
 
 

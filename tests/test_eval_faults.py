@@ -138,7 +138,7 @@ def test_table_quiet_line_and_calibration_data_note(run_cli, root):
     assert "self_attn." in out or "mlp." in out  # the worst modules, named within their block
     quiet = _ok(run_cli, *_eval(root / "w4a4", "--reference", root / "llama", "--data", root / "eval.jsonl", "-q"))
     assert quiet.startswith("ppl ") and len(quiet.strip().splitlines()) == 1
-    code, out, err = run_cli(*_eval(root / "w4a4", "--reference", root / "llama", "--data", root / "eval.jsonl", "-q",
+    code, out, err = run_cli(*_eval(root / "w4a4", "--reference", root / "llama", "--data", root / "eval.jsonl",
                                     "-v"))
     assert code == 0 and [line.split(" (")[0] for line in err.strip().splitlines()] == ["layer 1/2 done",
                                                                                         "layer 2/2 done"]
@@ -153,8 +153,8 @@ def test_encoder_has_no_kv_cache(run_cli, root, tmp_path):
                                      intermediate_size=128, max_position_embeddings=64)
     transformers.BertModel(config, add_pooling_layer=False).save_pretrained(tmp_path / "bert")
     _ok(run_cli, "convert", tmp_path / "bert", tmp_path / "bert-fp8", "--recipe", "fp8-channel", "-q")
-    line = _fails(run_cli, *_eval(tmp_path / "bert-fp8", "--reference", tmp_path / "bert", "--data", root / "eval.jsonl",
-                                  "--kv-cache", "scale-one"))
+    line = _fails(run_cli, *_eval(tmp_path / "bert-fp8", "--reference", tmp_path / "bert",
+                                  "--data", root / "eval.jsonl", "--kv-cache", "scale-one"))
     assert "encoder keeps no KV cache" in line
     doc = json.loads(_ok(run_cli, *_eval(tmp_path / "bert-fp8", "--reference", tmp_path / "bert", "--data",
                                          root / "eval.jsonl", "--json")))

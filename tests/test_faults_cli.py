@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from faults import assert_nothing_left, assert_one_line_error, tree_state
+from safetensors.torch import save_file
 
 
 def _write_checkpoint(out: Path, shards: int, layers_per_shard: int, dim: int) -> Path:
@@ -97,9 +96,9 @@ def test_help_exits_0(argv, run_cli):
 
 def test_help_lists_equal_the_registries():
     from quantcli.cli import options as cli
+    from quantcli.formats.layouts import LAYOUTS
     from quantcli.kernels import BACKENDS
     from quantcli.kernels.spec import SCALE_RULES
-    from quantcli.formats.layouts import LAYOUTS
     from quantcli.recipes import DENSE_RECIPES, RECIPES
 
     assert list(cli.RECIPE_NAMES) == [*RECIPES, *DENSE_RECIPES]
@@ -225,6 +224,38 @@ def test_interrupt_outside_convert_says_interrupted(interrupt, exit_code, small_
     code, out, err = run_cli("inspect", small_src)
     assert code == exit_code and err.strip() == "interrupted" and "Traceback" not in err
     assert signal.getsignal(signal.SIGTERM) == handler_before  # main() put the old handler back
+
+
+
+def test_interrupt_path_imports_nothing(small_src, monkeypatch, run_cli):
+    """A Ctrl-C can land while torch is half imported; the handler then must not import anything
+    (it once imported cli/launch.py, hence torch, and died on the half-built module: exit 1 and a
+    torch traceback). Poisoned modules stand in for the half-imported ones."""
+    import quantcli.cli.commands
+
+    def interrupted(*args, **kwargs):
+        for name in ("quantcli.cli.launch", "quantcli.convert.destination"):
+            monkeypatch.setitem(sys.modules, name, None)  # importing them now raises ImportError
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(quantcli.cli.commands, "run_inspect", interrupted)
+    code, out, err = run_cli("inspect", small_src)
+    assert code == 130 and err.strip() == "interrupted", err
+
+
+def test_interrupt_while_the_command_line_imports_is_one_line(tmp_path):
+    """The console script imports quantcli.cli first; a Ctrl-C while the rest (torch, ...) loads
+    prints `interrupted` and exits 130 (an import hook raises the interrupt, deterministically)."""
+    code = ("import sys, importlib.abc\n"
+            "class Interrupt(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'quantcli.cli.app':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "from quantcli.cli import entry\n"
+            "entry()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and proc.stderr == "interrupted\n", proc.stderr
 
 
 # ---------------------------------------------------------------- --threshold ranges (read before QUANT is opened)

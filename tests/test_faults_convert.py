@@ -20,16 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import assert_nothing_left, assert_one_line_error, run_subprocess, tree_state
 
 import quantcli.convert.job as job_mod
 import quantcli.convert.shard as shard_mod
+from quantcli.checkpoint.safetensors_io import ShardWriter, write_file
+from quantcli.convert import LOCK_NAME, PROGRESS_NAME, StagingLock
 from quantcli.convert.progress import ProgressFile
 from quantcli.errors import CheckpointError
-from quantcli.convert import LOCK_NAME, PROGRESS_NAME, StagingLock
-from quantcli.checkpoint.safetensors_io import ShardWriter, write_file
 from quantcli.testing import make_llama
-
-from faults import assert_nothing_left, assert_one_line_error, run_subprocess, tree_state
 
 RECIPE = "nvfp4"  # fused q/k/v and gate/up groups: the fused-amax pass runs too
 
@@ -428,7 +427,8 @@ def test_triton_without_cuda_and_cuda_device_refused_up_front(llama, tmp_path, r
     assert_nothing_left(dst)
 
 
-# ------------------------------------------------------------------ the plan: empty tensors, patterns that match nothing
+# ------------------------------------------------------------------ the plan: empty tensors,
+#                                                                    patterns that match nothing
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4"])
@@ -453,7 +453,8 @@ def test_zero_size_linear_passes_through_as_excluded(tmp_path, run_cli, recipe):
 
 def test_pattern_that_matches_nothing_is_a_warning(llama, tmp_path, run_cli):
     cfg = tmp_path / "r.toml"
-    cfg.write_text('recipe = "fp8"\ntargets = ["*proj"]\n[[override]]\npattern = "*nothing_here*"\nrecipe = "fp8-block"\n')
+    cfg.write_text('recipe = "fp8"\ntargets = ["*proj"]\n[[override]]\npattern = "*nothing_here*"\n'
+                   'recipe = "fp8-block"\n')
     code, out, err = run_cli("convert", llama, tmp_path / "o", "--config", cfg, "--ignore", "*q_porj", "--quiet")
     assert code == 0, err
     assert "'*q_porj' matches no Linear or expert module" in err and "'*nothing_here*'" in err

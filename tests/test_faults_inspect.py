@@ -13,11 +13,11 @@ import json
 
 import pytest
 import torch
-
-from quantcli.formats import patterns
-from quantcli.errors import QuantcliError
-from quantcli.checkpoint.safetensors_io import write_file
 from faults import assert_one_line_error, tree_state
+
+from quantcli.checkpoint.safetensors_io import write_file
+from quantcli.errors import QuantcliError
+from quantcli.formats import patterns
 
 # (pattern, name, the rule that covers it or None)
 RULES = [

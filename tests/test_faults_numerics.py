@@ -14,6 +14,7 @@ import glob
 
 import pytest
 import torch
+from faults import assert_one_line_error
 
 from quantcli.errors import RecipeError
 from quantcli.formats.facts import ModuleFacts
@@ -21,8 +22,6 @@ from quantcli.kernels import NonFiniteInput, tensor_amax, triton_available
 from quantcli.kernels import reference as ref
 from quantcli.kernels.spec import E8M0_MAX_FINITE_BYTE, FP8_BLOCK
 from quantcli.recipes import RECIPES, get_recipe
-
-from faults import assert_one_line_error
 
 FMAX = torch.finfo(torch.float32).max
 NAME = "model.layers.0.mlp.down_proj.weight"

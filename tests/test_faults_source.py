@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from faults import assert_nothing_left, assert_one_line_error, tree_state
-from quantcli.errors import CheckpointError
+
 from quantcli.checkpoint.safetensors_io import read_header, write_file
 from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.errors import CheckpointError
 
 W = "model.layers.0.mlp.down_proj.weight"  # a Linear weight every recipe quantizes
 CONFIG = {"model_type": "llama"}  # the least config.json an engine needs (convert refuses a source without)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import assert_nothing_left, assert_one_line_error, tree_state
 from safetensors.torch import load_file, save_file
 
-from faults import assert_nothing_left, assert_one_line_error, tree_state
 from quantcli.testing import make_llama
 
 MODULE = "model.layers.0.self_attn.q_proj"

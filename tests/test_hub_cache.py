@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from faults import assert_nothing_left, assert_one_line_error, tree_state
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -56,7 +56,8 @@ def test_scheme_facts():
     assert RECIPE.codes_dtype == torch.int8 and RECIPE.storage_bytes((16, 64)) == 16 * 64 + 16 * 4
     assert RECIPE.manifest_fields()["element"] == "int8"
     assert RECIPE.manifest_fields()["scale_rule"] == "amax/127.5"
-    assert layouts_for("int8-channel") == ["compressed-tensors"] and DEFAULT_LAYOUT["int8-channel"] == "compressed-tensors"
+    assert layouts_for("int8-channel") == ["compressed-tensors"] \
+        and DEFAULT_LAYOUT["int8-channel"] == "compressed-tensors"
 
 
 def test_compressed_tensors_layout_round_trip():
@@ -70,7 +71,8 @@ def test_compressed_tensors_layout_round_trip():
     assert torch.equal(back.codes, q.codes) and torch.equal(back.scale, q.scale) and back.shape == q.shape
     assert [(d.role, d.encoding, d.direction) for d in layout.describe("m", RECIPE)] == [
         ("codes", "int8", None), ("block_scale", "f32", "multiply")]
-    assert layout.module_recipe("m", disk, {"quantization_config": layout.quantization_config({"int8-channel": ["m"]}, [])}) \
+    assert layout.module_recipe("m", disk,
+                                {"quantization_config": layout.quantization_config({"int8-channel": ["m"]}, [])}) \
         == "int8-channel"
 
 
@@ -89,7 +91,8 @@ def test_convert_inspect_verify_relayout_dequantize(converted, run_cli):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     group = qc["config_groups"]["group_0"]
     assert qc["format"] == group["format"] == "int-quantized"
-    assert group["weights"] == {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": "channel"}
+    assert group["weights"] == {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False,
+                                "strategy": "channel"}
     assert group["input_activations"] == {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
                                           "strategy": "token"}
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -131,7 +134,8 @@ def test_reads_a_checkpoint_compressed_tensors_wrote(converted, run_cli):
     save_file(state, str(dst / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = QuantizationConfig(config_groups={"group_0": scheme}, format="int-quantized",
-                                                       ignore=["lm_head"], quant_method="compressed-tensors").model_dump()
+                                                       ignore=["lm_head"],
+                                                       quant_method="compressed-tensors").model_dump()
     (dst / "config.json").write_text(json.dumps(config, default=str))
     code, text, err = run_cli("inspect", dst, "--json")
     assert code == 0, err

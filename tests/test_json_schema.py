@@ -144,7 +144,8 @@ def test_recipes_and_layouts_json_validate(run_cli):
     recipes = validate("recipes", run_json(run_cli, "recipes"))
     assert recipes["command"] == "recipes" and {r["name"] for r in recipes["recipes"]} >= {"nvfp4", "fp8"}
     schemes = {s["scheme"]: s for s in recipes["llm_compressor"]}
-    assert schemes["NVFP4"]["options"] == "--recipe nvfp4 --layout compressed-tensors --activations static --calibration DATA"
+    assert schemes["NVFP4"]["options"] == ("--recipe nvfp4 --layout compressed-tensors --activations static "
+                                           "--calibration DATA")
     layouts = validate("layouts", run_json(run_cli, "layouts"))
     assert layouts["loadability"]["compressed-tensors"]["nvfp4"] == "loads"
     assert layouts["layouts"][0]["verdicts"]["nvfp4"][0]["rules"][0].startswith("vllm-project/vllm 0.33.0 ")

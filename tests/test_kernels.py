@@ -7,8 +7,19 @@ import pytest
 import torch
 
 from quantcli.kernels import QuantResult, dequantize, quantize, tensor_amax, triton_available
-from quantcli.kernels.spec import (BLOCK, E2M1, E4M3, E4M3_GLOBAL_SCALE, E8M0_SCALE, F32_SCALE, GROUP, INT8, ROW,
-                                   TENSOR, QuantSpec)
+from quantcli.kernels.spec import (
+    BLOCK,
+    E2M1,
+    E4M3,
+    E4M3_GLOBAL_SCALE,
+    E8M0_SCALE,
+    F32_SCALE,
+    GROUP,
+    INT8,
+    ROW,
+    TENSOR,
+    QuantSpec,
+)
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -44,7 +44,8 @@ def compiled(tmp_path_factory) -> dict:
 
 
 def test_every_variant_compiles_for_hopper_and_blackwell(compiled):
-    failed = [f"sm_{r['arch']} {r['labels'][0]}: {r['kernel']}: {r['error']}" for r in compiled["results"] if not r["ok"]]
+    failed = [f"sm_{r['arch']} {r['labels'][0]}: {r['kernel']}: {r['error']}"
+              for r in compiled["results"] if not r["ok"]]
     assert not failed, "\n\n".join(failed)
     for arch in ARCHS:
         assert any(r["arch"] == arch for r in compiled["results"])

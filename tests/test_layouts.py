@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
+from quantcli.checkpoint.manifest import Manifest
 from quantcli.errors import LayoutError
 from quantcli.formats.layouts import LAYOUTS, get_layout, layout_for
-from quantcli.checkpoint.manifest import Manifest
 from quantcli.recipes import get_recipe
 
 
@@ -71,9 +71,11 @@ def test_gpt_oss_shapes():
 
 
 def test_refused_pairs_name_the_layouts_that_load():
-    with pytest.raises(LayoutError, match="--layout modelopt cannot hold recipe mxfp4.*layouts that do: compressed-tensors, gpt-oss"):
+    with pytest.raises(LayoutError, match="--layout modelopt cannot hold recipe mxfp4.*"
+                                          "layouts that do: compressed-tensors, gpt-oss"):
         layout_for("mxfp4", "modelopt")
-    with pytest.raises(LayoutError, match="cannot hold recipe fp8 .*layouts that do: modelopt, compressed-tensors, fp8"):
+    with pytest.raises(LayoutError, match="cannot hold recipe fp8 .*"
+                                          "layouts that do: modelopt, compressed-tensors, fp8"):
         layout_for("fp8", "gpt-oss")
     # modelopt holds per-tensor fp8 (quant_algo FP8) only with static activation scales
     with pytest.raises(LayoutError, match="modelopt holds recipe fp8 only with static activation scales.*"
@@ -97,7 +99,8 @@ def test_configs_have_the_keys_loaders_need():
     assert ct["format"] == "nvfp4-pack-quantized" and ct["ignore"] == ["lm_head"]
     assert ct["config_groups"]["group_0"]["weights"]["group_size"] == 16
     fp8 = get_layout("fp8").quantization_config({"fp8-block": ["a"]}, ["lm_head"])
-    assert fp8 == {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
+    assert fp8 == {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                   "weight_block_size": [128, 128],
                    "ignored_layers": ["lm_head"], "modules_to_not_convert": ["lm_head"]}
 
 

@@ -7,10 +7,11 @@ from fractions import Fraction
 import pytest
 import torch
 
-from quantcli.kernels import chunks, cpu, reference as ref
-from quantcli.recipes import RECIPES, get_recipe
 from quantcli.errors import RecipeError
 from quantcli.formats.facts import ModuleFacts
+from quantcli.kernels import chunks, cpu
+from quantcli.kernels import reference as ref
+from quantcli.recipes import RECIPES, get_recipe
 
 E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
 
@@ -251,7 +252,8 @@ def test_lossless_on_representable_values():
     idx = torch.randint(0, len(grid), (16, 64))
     x = grid[idx]
     x[:, 0::16] = 6.0  # every 16/32-block holds the max, so the scale is exact
-    assert torch.equal(get_recipe("mxfp4", scale_rule="rceil").dequantize(get_recipe("mxfp4", scale_rule="rceil").quantize("w", x)), x)
+    assert torch.equal(get_recipe("mxfp4", scale_rule="rceil").dequantize(
+        get_recipe("mxfp4", scale_rule="rceil").quantize("w", x)), x)
     nv = x * 448.0  # amax 2688 -> s2 = 1, block scale 448
     r = get_recipe("nvfp4")
     assert torch.equal(r.dequantize(r.quantize("w", nv)), nv)

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantcli.checkpoint.safetensors_io import write_file
 from quantcli.formats.layouts import layouts_for
 from quantcli.recipes import RECIPES
-from quantcli.checkpoint.safetensors_io import write_file
 
 PINS = Path(__file__).parent / "data" / "output_pins.json"
 # Files whose content names the machine or the version, not the conversion.
@@ -136,8 +136,9 @@ def conversions() -> list[tuple[str, str, str, str]]:
 
 @pytest.fixture(scope="module")
 def all_outputs(tmp_path_factory) -> dict[str, dict[str, str]]:
-    from quantcli.cli.app import main
     import sys
+
+    from quantcli.cli.app import main
 
     root = tmp_path_factory.mktemp("pins")
     sources = {k: str(v) for k, v in make_sources(root / "src").items()}

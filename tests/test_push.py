@@ -10,12 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from huggingface_hub import HfApi, ModelCard
-
 from faults import assert_one_line_error
+from huggingface_hub import HfApi, ModelCard
+from test_json_schema import validate
+
 from quantcli.formats.engines import TABLE, loads_in
 from quantcli.testing import make_llama
-from test_json_schema import validate
 
 REPO = "me/llama-nvfp4"
 
@@ -179,7 +179,8 @@ def test_card_base_model_only_from_a_hub_id_and_the_source_card_is_kept(llama, t
     shutil.copytree(llama, src)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "_name_or_path": str(tmp_path / "local" / "model")}))
-    (src / "README.md").write_text("---\nlicense: mit\nbase_model: other/parent\ntags:\n- chat\n---\n\n# Mine\n\nHello.\n")
+    (src / "README.md").write_text("---\nlicense: mit\nbase_model: other/parent\ntags:\n- chat\n---\n\n"
+                                   "# Mine\n\nHello.\n")
     code, _, err = run_cli("convert", src, tmp_path / "out", "--recipe", "fp8-block", "--quiet")
     assert code == 0, err
     card = ModelCard((tmp_path / "out" / "README.md").read_text())

@@ -45,7 +45,8 @@ def test_unmarked_block_and_unclosed_fence_are_refused(readme_check):
 def test_session_runs_marked_blocks_in_order_and_stops_at_the_first_failure(readme_check, tmp_path):
     readme = ("<!-- readme-check: run -->\n```bash\ncd sub 2>/dev/null || mkdir sub\necho one > log\n```\n"
               "<!-- readme-check: skip (placeholders) -->\n```bash\necho SRC >> log\n```\n"
-              "- item\n\n  <!-- readme-check: run -->\n  ```bash\n  echo two >> log\n  false\n  echo three >> log\n  ```\n")
+              "- item\n\n  <!-- readme-check: run -->\n  ```bash\n  echo two >> log\n  false\n"
+              "  echo three >> log\n  ```\n")
     blocks = readme_check.bash_blocks(readme)
     assert [(b.line, b.run, b.why) for b in blocks] == [(2, True, ""), (7, False, "placeholders"), (13, True, "")]
     script = tmp_path / "s.sh"

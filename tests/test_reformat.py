@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcli.formats.layouts import get_layout
 from quantcli.checkpoint.safetensors_io import write_file
 from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.formats.layouts import get_layout
 
 PAIRS = [("nvfp4", "modelopt"), ("nvfp4", "compressed-tensors"), ("mxfp4", "compressed-tensors"),
          ("mxfp8", "compressed-tensors"), ("mxfp8", "modelopt"), ("mxfp8", "fp8"), ("fp8", "fp8"),
@@ -48,7 +48,8 @@ def convert(run_cli, src, dst, *args):
 
 @pytest.mark.parametrize("recipe, a, b", [("nvfp4", "modelopt", "compressed-tensors"),
                                           ("fp8-block", "fp8", "compressed-tensors"),
-                                          ("mxfp8", "modelopt", "fp8"), ("fp8-channel", "modelopt", "compressed-tensors")])
+                                          ("mxfp8", "modelopt", "fp8"),
+                                          ("fp8-channel", "modelopt", "compressed-tensors")])
 def test_relayout_is_lossless_both_ways(recipe, a, b, quantized, tmp_path, run_cli):
     src = quantized[(recipe, a)]
     s1 = convert(run_cli, src, tmp_path / "b", "--recipe", recipe, "--layout", b)
@@ -79,7 +80,7 @@ def test_relayout_into_a_layout_without_the_recipe_is_refused(quantized, tmp_pat
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=[f"{r}-{l}" for r, l in PAIRS])
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{r}-{lay}" for r, lay in PAIRS])
 def test_every_layout_to_fp32_and_bf16_matches_its_dequantize(pair, quantized, tmp_path, run_cli):
     recipe_name, layout_name = pair
     src = quantized[pair]
@@ -181,11 +182,13 @@ def test_inexact_reciprocal_is_noted_with_the_value_written(tmp_path, run_cli):
     codes = torch.randint(0, 256, (16, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     write_file(src / "model.safetensors", {
         "model.layers.0.mlp.up_proj.weight": codes,
-        "model.layers.0.mlp.up_proj.weight_scale": torch.full((16, 4), 0x60, dtype=torch.uint8).view(torch.float8_e4m3fn),
+        "model.layers.0.mlp.up_proj.weight_scale":
+            torch.full((16, 4), 0x60, dtype=torch.uint8).view(torch.float8_e4m3fn),
         "model.layers.0.mlp.up_proj.weight_scale_2": s2.reshape(()),
         "lm_head.weight": torch.zeros(4, 64, dtype=torch.bfloat16)})
     lay = get_layout("modelopt")
-    (src / "hf_quant_config.json").write_text(json.dumps(lay.extra_files({"nvfp4": ["x"]}, ["lm_head"])["hf_quant_config.json"]))
+    (src / "hf_quant_config.json").write_text(json.dumps(
+        lay.extra_files({"nvfp4": ["x"]}, ["lm_head"])["hf_quant_config.json"]))
     qc = lay.quantization_config({"nvfp4": ["x"]}, ["lm_head"])
     (src / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
     s = convert(run_cli, src, tmp_path / "ct", "--recipe", "nvfp4", "--layout", "compressed-tensors")
@@ -233,4 +236,5 @@ def test_reformat_dry_run_and_resume_after_kill(quantized, tmp_path, run_cli):
     s = convert(run_cli, src, tmp_path / "o", "--recipe", "nvfp4", "--layout", "modelopt", "--resume")
     assert s["shards_resumed"] == 1
     assert tensors_of(tmp_path / "o") == tensors_of(tmp_path / "clean")
-    assert (tmp_path / "o" / "quantcli_manifest.json").read_text() == (tmp_path / "clean" / "quantcli_manifest.json").read_text()
+    assert (tmp_path / "o" / "quantcli_manifest.json").read_text() \
+        == (tmp_path / "clean" / "quantcli_manifest.json").read_text()

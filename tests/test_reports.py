@@ -97,5 +97,5 @@ def test_verify_json_is_the_report_serialized(tmp_path, run_cli):
     # without --exact the rows carry no exact/scale-rule keys at all
     assert doc["tensors"] and all("exact_identical_fraction" not in r and "scale_rule_matches" not in r
                                   for r in doc["tensors"])
-    assert [c["check"] for c in doc["checks"]][:2] == ["manifest agrees with the safetensors headers",
-                                                       "config keys the consumer needs are present"]
+    assert [c["check"] for c in doc["checks"]][:2] == ["config keys the consumer needs are present",
+                                                       "manifest agrees with the safetensors headers"]

@@ -10,9 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantcli.formats.facts import ModuleFacts
-from quantcli.kernels import dequantize, quantize, triton_available
+from quantcli.kernels import dequantize, quantize, search, triton_available
 from quantcli.kernels import reference as R
-from quantcli.kernels import search
 from quantcli.recipes import RECIPES
 from quantcli.testing import make_llama
 
@@ -311,7 +310,8 @@ def test_weighted_search_is_recorded_and_verify_exact_reproduces_it_with_the_cal
     data = tmp_path / "cal.txt"
     data.write_text("\n".join(_words(i) for i in range(6)) + "\n")
     dst = tmp_path / "w"
-    code, _, err = run_cli("convert", src, dst, "--recipe", "nvfp4", "--scale-search", "mse", "--calibration", data, "-q")
+    code, _, err = run_cli("convert", src, dst, "--recipe", "nvfp4", "--scale-search", "mse",
+                           "--calibration", data, "-q")
     assert code == 0, err
     modules = json.loads((dst / "quantcli_manifest.json").read_text())["modules"]
     assert {(m["scale_search"], m.get("scale_search_weights")) for m in modules} == {("mse", "input_channel_ms")}

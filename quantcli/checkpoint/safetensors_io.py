@@ -262,7 +262,8 @@ class TensorReader:
     def tensor(self, name: str) -> torch.Tensor:
         info = self.header.tensors[name]
         if info.dtype not in DTYPES:
-            raise CheckpointError(f"{self.header.path}: tensor {name!r} has dtype {info.dtype}, which torch cannot read")
+            raise CheckpointError(f"{self.header.path}: tensor {name!r} has dtype {info.dtype}, "
+                                  "which torch cannot read")
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=DTYPES[info.dtype])
         with warnings.catch_warnings():  # read-only on purpose: nothing writes into a source

@@ -89,7 +89,8 @@ class Source:
     def describe(self) -> dict:
         """Where the source came from: a path, or a Hub repo id, the revision asked for (None:
         the default branch) and the commit that resolved to (the snapshot that was read)."""
-        where = {"path": None if self.repo_id else str(self.root if not self.single_file else self.root / self.shards[0]),
+        where = {"path": None if self.repo_id else
+                 str(self.root if not self.single_file else self.root / self.shards[0]),
                  "repo_id": self.repo_id, "revision": self.revision}
         return {**where, "commit": self.commit} if self.repo_id else where
 
@@ -211,7 +212,8 @@ def open_local(path: Path, label: str) -> Source:
     if path.is_file():
         if not path.name.endswith(".safetensors"):
             if path.name.endswith(PICKLE_SUFFIXES):
-                raise CheckpointError(f"{label}: is a pickle file; quantcli never unpickles. Convert it to safetensors first")
+                raise CheckpointError(f"{label}: is a pickle file; quantcli never unpickles. "
+                                      "Convert it to safetensors first")
             raise CheckpointError(f"{label}: not a .safetensors file")
         _refuse_one_shard(path, label)
         header = read_header(path)
@@ -303,7 +305,8 @@ def open_source(src: str, revision: str | None = None) -> Source:
     hub = REPO_ID.match(src) and not src.startswith((".", "/"))  # could name a Hub repo
     if path.parent.is_dir() and str(path.parent) not in ("", "."):  # `demo/` is here: a local path
         raise CheckpointError(f"{src}: no such file or folder in {path.parent.as_posix()}/" + (
-            f" (to read the Hub repo {src} instead, run from a folder without {path.parent.as_posix()}/)" if hub else ""))
+            f" (to read the Hub repo {src} instead, run from a folder without "
+            f"{path.parent.as_posix()}/)" if hub else ""))
     if hub:
         return open_hub(src, revision)
     raise CheckpointError(f"{src}: no such file or folder, and not a Hub repo id (owner/name)")

@@ -64,6 +64,7 @@ from quantcli.cli.options import (
     Revision,
     Tensors,
     Token,
+    count_or_all,
     layout_names,
     one_of,
     recipe_names,
@@ -96,7 +97,8 @@ def _root(version: Annotated[bool, typer.Option("--version", "-V", callback=_ver
 @app.command(cls=Command, epilog=examples("convert"))
 def convert(
     ctx: typer.Context,
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Source: checkpoint folder, .safetensors file or Hub repo id.")],
+    src: Annotated[str, typer.Argument(
+        metavar="SRC", help="Source: checkpoint folder, .safetensors file or Hub repo id.")],
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Destination folder (created; written atomically).")],
     recipe: Recipe = None,
     layout: Layout = None,
@@ -151,12 +153,19 @@ def inspect(
     path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint folder, .safetensors file or Hub repo id.")],
     revision: Revision = None,
     tensors: Tensors = None,
-    stats: Annotated[bool, typer.Option("--stats", help="Read the data: scale ranges, zero blocks, saturation, NaN/Inf.")] = False,
-    kv_cache: Annotated[bool, typer.Option("--kv-cache", help="Print the KV-cache byte account from config.json.")] = False,
-    kv_budget: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for the KV cache in --kv-cache, e.g. 40GiB.  [default: 80GiB]")] = None,
-    per_tensor: Annotated[bool, typer.Option("--per-tensor", help="One row per module instead of one per layer pattern.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only the layout and bits/param lines (problems and warnings on stderr).")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: one row per module (as --per-tensor).")] = False,
+    stats: Annotated[bool, typer.Option(
+        "--stats", help="Read the data: scale ranges, zero blocks, saturation, NaN/Inf.")] = False,
+    kv_cache: Annotated[bool, typer.Option(
+        "--kv-cache", help="Print the KV-cache byte account from config.json.")] = False,
+    kv_budget: Annotated[Optional[str], typer.Option(
+        metavar="SIZE", help="Memory for the KV cache in --kv-cache, e.g. 40GiB.  [default: 80GiB]")] = None,
+    per_tensor: Annotated[bool, typer.Option(
+        "--per-tensor", help="One row per module instead of one per layer pattern.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=(
+        "No progress bar; stdout gets only the layout and bits/param lines "
+        "(problems and warnings on stderr)."))] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Per-tensor detail: one row per module (as --per-tensor).")] = False,
     token: Token = None, cache_dir: CacheDir = None,
     json_out: JsonOut = False,
 ) -> None:
@@ -174,17 +183,26 @@ def inspect(
 @app.command(cls=Command, epilog=examples("verify"))
 def verify(
     quant: Annotated[str, typer.Argument(metavar="QUANT", help="The quantized checkpoint.")],
-    reference: Annotated[Optional[str], typer.Option(metavar="SRC", help="The source checkpoint to compare against.")] = None,
-    revision: Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision (branch, tag or commit) of a --reference repo id; QUANT is read as given.")] = None,
+    reference: Annotated[Optional[str], typer.Option(
+        metavar="SRC", help="The source checkpoint to compare against.")] = None,
+    revision: Annotated[Optional[str], typer.Option(metavar="REV", help=(
+        "Hub revision (branch, tag or commit) of a --reference repo id; QUANT is read as given."))] = None,
     tensors: Tensors = None,
     top: Annotated[int, typer.Option(metavar="N", min=0, help="How many worst tensors to list.")] = 10,
-    exact: Annotated[bool, typer.Option("--exact", help="Re-quantize the reference and compare codes and scales byte for byte.")] = False,
-    tp: Annotated[Optional[int], typer.Option(metavar="N", help="Check that quantized dims split into whole blocks across N ranks.")] = None,
-    threshold: Annotated[Optional[list[str]], typer.Option(metavar="METRIC=VALUE", help="Override a limit: METRIC=VALUE (rel_err, sqnr_db, cosine, margin).")] = None,
-    calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help="Rerun the calibration on --reference with this data (the manifest's amounts) and check every static activation and KV-cache scale.")] = None,
+    exact: Annotated[bool, typer.Option(
+        "--exact", help="Re-quantize the reference and compare codes and scales byte for byte.")] = False,
+    tp: Annotated[Optional[int], typer.Option(
+        metavar="N", help="Check that quantized dims split into whole blocks across N ranks.")] = None,
+    threshold: Annotated[Optional[list[str]], typer.Option(
+        metavar="METRIC=VALUE", help="Override a limit: METRIC=VALUE (rel_err, sqnr_db, cosine, margin).")] = None,
+    calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help=(
+        "Rerun the calibration on --reference with this data (the manifest's amounts) "
+        "and check every static activation and KV-cache scale."))] = None,
     device: Device = "auto",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets only PASS or FAIL (each fault on stderr).")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-tensor detail: every compared tensor's row, not only the --top worst.")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="No progress bar; stdout gets only PASS or FAIL (each fault on stderr).")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Per-tensor detail: every compared tensor's row, not only the --top worst.")] = False,
     token: Token = None, cache_dir: CacheDir = None,
     json_out: JsonOut = False,
 ) -> None:
@@ -222,29 +240,45 @@ def layouts(json_out: JsonOut = False) -> None:
 
 @app.command(name="eval", cls=Command, epilog=examples("eval"))
 def eval_command(
-    checkpoint: Annotated[str, typer.Argument(metavar="DST", help="The quantized checkpoint (folder, .safetensors file or Hub repo id); with --recipe, the dense model to emulate it on.")],
-    data: Annotated[str, typer.Option(metavar="DATA", help="Held-out samples: .txt or .jsonl (text, messages or input_ids), or a Hub dataset OWNER/NAME[:SPLIT].")],
-    reference: Annotated[Optional[str], typer.Option(metavar="SRC", help="The model it was made from (folder, file or Hub repo id).")] = None,
+    checkpoint: Annotated[str, typer.Argument(metavar="DST", help=(
+        "The quantized checkpoint (folder, .safetensors file or Hub repo id); "
+        "with --recipe, the dense model to emulate it on."))],
+    data: Annotated[str, typer.Option(metavar="DATA", help=(
+        "Held-out samples: .txt or .jsonl (text, messages or input_ids), or a Hub dataset OWNER/NAME[:SPLIT]."))],
+    reference: Annotated[Optional[str], typer.Option(
+        metavar="SRC", help="The model it was made from (folder, file or Hub repo id).")] = None,
     samples: Annotated[int, typer.Option(metavar="N", min=1, help="Samples to use.")] = 32,
     seq_len: Annotated[int, typer.Option(metavar="L", min=2, help="Tokens per sample, at most.")] = 256,
-    batch: Annotated[int, typer.Option(metavar="B", min=1, help="Samples per forward (consecutive samples of equal length).")] = 1,
+    batch: Annotated[int, typer.Option(
+        metavar="B", min=1, help="Samples per forward (consecutive samples of equal length).")] = 1,
     kv_cache: Annotated[str, typer.Option(
         metavar="MODE", callback=one_of("--kv-cache", "KV-cache mode", lambda: ["auto", "scale-one", "none"]),
-        help="auto: FP8 with the checkpoint's k/v scales where it declares an FP8 KV cache; scale-one: FP8 with scale 1.0 (SGLang without scales); none.")] = "auto",
+        help="auto: FP8 with the checkpoint's k/v scales where it declares an FP8 KV cache; "
+             "scale-one: FP8 with scale 1.0 (SGLang without scales); none.")] = "auto",
     top: Annotated[int, typer.Option(metavar="N", min=1, help="Worst modules listed per layer.")] = 3,
     recipe: Annotated[Optional[str], typer.Option(
         metavar="RECIPE", callback=one_of("--recipe", "recipe", recipe_names),
-        help="Emulate this recipe on DST (a dense model) in memory, planned as convert plans it; nothing is written.")] = None,
+        help="Emulate this recipe on DST (a dense model) in memory, planned as convert plans it; "
+             "nothing is written.")] = None,
     layout: Annotated[Optional[str], typer.Option(
         metavar="LAYOUT", callback=one_of("--layout", "layout", layout_names),
         help="With --recipe: the layout whose declarations (activations) to emulate (default per recipe).")] = None,
     scale_rule: Annotated[Optional[str], typer.Option(
         metavar="RULE", callback=one_of("--scale-rule", "MX scale rule", scale_rule_names),
         help="With --recipe: the MX scale exponent rule.")] = None,
-    scale_search: Annotated[Optional[str], typer.Option(metavar="METHOD", callback=one_of("--scale-search", "scale search", lambda: ["none", "mse"]), help="With --recipe: none or mse block scales.")] = None,
-    revision: Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision of a --reference repo id.")] = None,
+    scale_search: Annotated[Optional[str], typer.Option(
+        metavar="METHOD", callback=one_of("--scale-search", "scale search", lambda: ["none", "mse"]),
+        help="With --recipe: none or mse block scales.")] = None,
+    sensitivity: Annotated[Optional[str], typer.Option(
+        metavar="N|all", callback=count_or_all,
+        help="Also rank the N modules with the largest own error (or all) by the model output error with each "
+             "alone quantized: KL mean and top-1 (causal LM), 1 - pooled cosine (encoder). "
+             "Costs one extra model pass per module ranked.")] = None,
+    revision: Annotated[Optional[str], typer.Option(
+        metavar="REV", help="Hub revision of a --reference repo id.")] = None,
     device: Device = "auto",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; stdout gets one line of headline numbers.")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="No progress bar; stdout gets one line of headline numbers.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One stderr line per layer as it finishes.")] = False,
     json_out: JsonOut = False,
 ) -> None:
@@ -257,8 +291,8 @@ def eval_command(
     raise typer.Exit(run_eval(checkpoint, reference=reference, data=data, samples=samples, seq_len=seq_len,
                               batch=batch, kv_cache=kv_cache, top=top, revision=revision, device=device,
                               quiet=quiet, verbose=verbose, json_out=json_out,
-                              emulate=dict(recipe=recipe, layout=layout, scale_rule=scale_rule,
-                                           scale_search=scale_search)))
+                              sensitivity=sensitivity, emulate=dict(recipe=recipe, layout=layout,
+                                                                    scale_rule=scale_rule, scale_search=scale_search)))
 
 
 app.command(name="push", cls=Command, epilog=examples("push"))(push_command)  # quantcli/cli/push_command.py

@@ -232,7 +232,8 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
     if calibration:
         c = calibration
         where = "memory-mapped from a temporary file" if c.spilled else "in memory"
-        con.print(f"calibration: {c.samples} samples, {c.tokens:,} tokens through {c.layers} layer{'s' if c.layers != 1 else ''}; estimated peak "
+        con.print(f"calibration: {c.samples} samples, {c.tokens:,} tokens through {c.layers} "
+                  f"layer{'s' if c.layers != 1 else ''}; estimated peak "
                   f"memory {human_bytes(c.peak_memory_bytes)} (largest layer {human_bytes(c.layer_weight_bytes)} in "
                   f"FP32, activations {human_bytes(c.activation_bytes)} {where}), about {c.seconds:.0f} s at "
                   f"{c.measured_flops_per_s / 1e9:.0f} GFLOP/s (FP32 matmul measured here)")
@@ -363,9 +364,9 @@ def _push(folder: Path, hub: dict, api, quiet: bool):
 
 def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int, seq_len: int, batch: int,
              kv_cache: str, top: int, revision: str | None, device: str, quiet: bool, verbose: bool, json_out: bool,
-             emulate: dict) -> int:
+             emulate: dict, sensitivity: str | None = None) -> int:
     from quantcli.cli.eval_view import LayerBar, render_eval, render_eval_brief
-    from quantcli.evaluate import EvalOptions, evaluate
+    from quantcli.evaluate import ALL, EvalOptions, evaluate
 
     if emulate["recipe"] and reference:
         raise QuantcliError("--recipe with --reference: --recipe emulates the recipe on DST itself (a dense model, "
@@ -375,7 +376,8 @@ def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int,
         raise QuantcliError(f"{' '.join(given) + ' need --recipe; ' if given else ''}give --reference SRC (the "
                             f"model DST was made from), or --recipe RECIPE to emulate a recipe on DST in memory")
     opts = EvalOptions(checkpoint, reference or checkpoint, data, samples=samples, seq_len=seq_len, batch=batch,
-                       device=device, kv_cache=kv_cache, revision=revision, top=top, **emulate)
+                       device=device, kv_cache=kv_cache, revision=revision, top=top,
+                       sensitivity=ALL if sensitivity == "all" else int(sensitivity or 0), **emulate)
     show = sys.stderr.isatty() and not quiet and not json_out
     with LayerBar(_console(stderr=True), show, verbose) as bar:
         report = evaluate(opts, bar)

@@ -21,11 +21,13 @@ class LayerBar(PhaseBar):
         super().__init__(stderr, show, "evaluating")
         self.verbose = verbose
 
-    def __call__(self, done: int, total: int, per_layer: float) -> None:  # type: ignore[override]
+    def __call__(self, done: int, total: int, per_layer: float,  # type: ignore[override]
+                 phase: str | None = None) -> None:
+        """`phase`: None for the main walk, else what a later walk (--sensitivity) is doing."""
         said = f"{per_layer:.2f} s/layer"
-        super().__call__("evaluating layers", done, total, said)
+        super().__call__(phase or "evaluating layers", done, total, said)
         if self.verbose:
-            self.stderr.print(f"layer {done}/{total} done ({said})")
+            self.stderr.print(f"{phase + ': ' if phase else ''}layer {done}/{total} done ({said})")
 
 
 def _short(module: str) -> str:
@@ -68,6 +70,22 @@ def _metrics_table(report) -> Table:
     return table
 
 
+def _sensitivity_table(report) -> Table:
+    causal = report.causal is not OMITTED
+    table = Table(title="sensitivity: the model output error with each module alone quantized, largest first",
+                  title_justify="left")
+    table.add_column("rank", justify="right")
+    table.add_column("module")
+    table.add_column("KL mean" if causal else "1 - cosine", justify="right")
+    if causal:
+        table.add_column("top-1 agreement", justify="right")
+    table.add_column("own rel err", justify="right")
+    for k, row in enumerate(report.sensitivity, 1):
+        top1 = [f"{row.top1_agreement:.2%}"] if causal else []
+        table.add_row(str(k), row.module, ERROR.format(row.output_error), *top1, ERROR.format(row.own_rel_err))
+    return table
+
+
 def render_eval(report, con: Console, top: int) -> None:
     recipes = ", ".join(f"{n} {r}" for r, n in report.recipes.items()) or "no quantized module"
     con.print(f"{report.checkpoint} vs --reference {report.reference}: {report.model_kind}, "
@@ -81,13 +99,15 @@ def render_eval(report, con: Console, top: int) -> None:
         con.print(f"  note: {note}")
     con.print(_layers_table(report, top))
     con.print(_metrics_table(report))
+    if report.sensitivity:
+        con.print(_sensitivity_table(report))
 
 
 def render_eval_brief(report, con: Console) -> None:
     """eval -q: the headline numbers on one line."""
     c, e = report.causal, report.encoder
     if c is not OMITTED:
-        con.print(f"ppl {c.perplexity_reference:.4f} -> {c.perplexity_quantized:.4f}  KL mean {ERROR.format(c.kl_mean)} "
-                  f"p99 {ERROR.format(c.kl_p99)}  top-1 {c.top1_agreement:.2%}")
+        con.print(f"ppl {c.perplexity_reference:.4f} -> {c.perplexity_quantized:.4f}  "
+                  f"KL mean {ERROR.format(c.kl_mean)} p99 {ERROR.format(c.kl_p99)}  top-1 {c.top1_agreement:.2%}")
     else:
         con.print(f"cosine mean {e.cosine_mean:.6f} min {e.cosine_min:.6f}")

@@ -17,6 +17,11 @@ import typer
 
 from quantcli.errors import QuantcliError
 
+# Set in the environment of the ranks --workers spawns (cli/launch.py): they say nothing when
+# interrupted (rank 0 says it once for the job). Here, not in launch.py, so that the Ctrl-C path
+# imports nothing (launch.py imports torch).
+SPAWNED_RANK = "QUANTCLI_SPAWNED_RANK"
+
 try:  # newer typer carries its own copy of click and raises that copy's exception classes
     from typer._click import exceptions as click_errors
 except ImportError:  # older typer raises click's own
@@ -79,8 +84,6 @@ def _run(command, args: list[str], started: float | None) -> int:
             return _fail(f"interrupted after {ctx.meta[DESTINATION]} was complete and in place (nothing to resume"
                          f"{upload})", getattr(exc, "exit_code", 130), prefix="")
         line = ctx.meta.get(INTERRUPT_LINE, "interrupted") if ctx is not None else "interrupted"
-        from quantcli.cli.launch import SPAWNED_RANK
-
         if os.environ.get(SPAWNED_RANK):  # a --workers rank: rank 0 says it, once, for the job
             return getattr(exc, "exit_code", 130)
         return _fail(line, getattr(exc, "exit_code", 130), prefix="")
@@ -275,9 +278,10 @@ def _installed(ctx) -> bool:
     """Whether this command was a convert whose DST this process already put in place."""
     if ctx is None or DESTINATION not in ctx.meta:
         return False
-    from quantcli.convert.destination import INSTALLED
-
-    return ctx.meta[DESTINATION] in INSTALLED
+    # Imports nothing: a Ctrl-C can land while torch is half imported, and importing it again
+    # here would raise from the half-built module instead of printing one line.
+    destination = sys.modules.get("quantcli.convert.destination")
+    return destination is not None and ctx.meta[DESTINATION] in destination.INSTALLED
 
 
 @contextmanager

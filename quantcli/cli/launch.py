@@ -10,12 +10,10 @@ import os
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
+from quantcli.cli.exits import SPAWNED_RANK
 from quantcli.convert.world import World, open_world, rank_timeout
 
 ADDR = "127.0.0.1"
-# Set in the environment of the ranks --workers spawns: they say nothing when interrupted
-# (rank 0 says it once for the job), and they are started with SIGINT ignored.
-SPAWNED_RANK = "QUANTCLI_SPAWNED_RANK"
 
 
 def launched() -> bool:
@@ -39,7 +37,8 @@ def rank_world(device: str, workers: int = 1, argv: list[str] | None = None,
 
 
 @contextlib.contextmanager
-def spawn_ranks(entry: Callable[[list[str]], Any], argv: list[str], workers: int) -> Iterator[tuple[Any, dict[str, str]]]:
+def spawn_ranks(entry: Callable[[list[str]], Any], argv: list[str],
+                workers: int) -> Iterator[tuple[Any, dict[str, str]]]:
     """Serve the store, start ranks 1..workers-1, yield (store, rank 0's environment); on leaving,
     wait for them (a rank still running after the others' timeout is terminated)."""
     import torch.distributed as dist

@@ -72,9 +72,11 @@ def device(value: str) -> str:
                      "(use auto, cpu, cuda or cuda:N)")
 
 
-Revision = Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision (branch, tag or commit) of a repo id.")]
+Revision = Annotated[Optional[str], typer.Option(
+    metavar="REV", help="Hub revision (branch, tag or commit) of a repo id.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON document instead of tables.")]
-Tensors = Annotated[Optional[str], typer.Option(metavar="PATTERN", help="Only tensors/modules matching PATTERN: a name, a parent module, a glob or re:REGEX.")]
+Tensors = Annotated[Optional[str], typer.Option(
+    metavar="PATTERN", help="Only tensors/modules matching PATTERN: a name, a parent module, a glob or re:REGEX.")]
 Device = Annotated[str, typer.Option(metavar="DEVICE", callback=device, help="auto, cpu, cuda or cuda:N.",
                                      autocompletion=completer(["auto", "cpu", "cuda"]))]
 Token = Annotated[Optional[str], typer.Option(metavar="TOKEN", help=(
@@ -82,3 +84,10 @@ Token = Annotated[Optional[str], typer.Option(metavar="TOKEN", help=(
     "token)."))]
 CacheDir = Annotated[Optional[Path], typer.Option(metavar="DIR", help=(
     "Hugging Face Hub cache folder for Hub sources (default: HF_HUB_CACHE)."))]
+
+
+def count_or_all(value: Optional[str]) -> Optional[str]:
+    """eval --sensitivity: a number of modules (0: off) or `all`."""
+    if value is None or value.strip().lower() == "all" or value.strip().isdigit():
+        return None if value is None else value.strip().lower()
+    raise UsageError(f"--sensitivity {value!r}: expected a number of modules (0: off) or all")

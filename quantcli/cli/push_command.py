@@ -22,7 +22,8 @@ def push_command(
     folder: Annotated[Path, typer.Argument(metavar="DST", help="A finished quantcli output folder.")],
     repo: Annotated[str, typer.Argument(metavar="REPO", help="Hub repo id OWNER/NAME (created if missing).")],
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
-    revision: Annotated[Optional[str], typer.Option(metavar="BRANCH", help="Upload to BRANCH (created if missing).")] = None,
+    revision: Annotated[Optional[str], typer.Option(
+        metavar="BRANCH", help="Upload to BRANCH (created if missing).")] = None,
     commit_message: Annotated[Optional[str], typer.Option(
         metavar="TEXT", help="The commit's message.  [default: quantcli: upload DST]")] = None,
     create_pr: Annotated[bool, typer.Option(

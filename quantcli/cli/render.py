@@ -15,8 +15,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from quantcli.cli.grouping import group_names
-from quantcli.cli.render_catalog import render_layouts, render_recipes  # noqa: F401 (commands.py imports them here)
 from quantcli.cli.name_tables import ERROR, SCALE, Column, fitted_table, named_table, total, value_range
+from quantcli.cli.render_catalog import render_layouts, render_recipes  # noqa: F401 (commands.py imports them here)
 from quantcli.formats.layouts.base import Role
 from quantcli.reports import OMITTED, block_label, to_json
 

@@ -10,7 +10,6 @@ from rich.table import Table
 
 from quantcli.cli.name_tables import Column, fitted_table
 
-
 # ---------------------------------------------------------------- recipes, layouts
 
 

@@ -139,7 +139,8 @@ class ConversionJob:
                    for s in self.plan.by_shard()}
         found = Findings.merge(r.found for r in results.values())
         warnings = world.settle(lambda: self._finalize(stage, fp, found, lock) if world.lead else [])
-        return self._result(len(results) - len(finished), len(finished), warnings, found.note_list(), dict(sorted(found.errors.items())))
+        return self._result(len(results) - len(finished), len(finished), warnings, found.note_list(),
+                            dict(sorted(found.errors.items())))
 
     def _finalize(self, stage: Path, fp: str, found: Findings, lock: StagingLock) -> list[str]:
         with writing(stage, self.dst):

@@ -36,6 +36,10 @@ class EvalOptions:
     layout: str | None = None
     scale_rule: str | None = None
     scale_search: str | None = None
+    sensitivity: int = 0  # modules ranked by the model output error with each alone quantized; ALL: every one
+
+
+ALL = -1  # EvalOptions.sensitivity: every quantized module
 
 
 @contextmanager
@@ -49,7 +53,7 @@ def _as_eval() -> Iterator[None]:
         raise type(exc)(re.sub(r"--calibration\b", "--data", text)) from None
 
 
-def evaluate(opts: EvalOptions, progress: Callable[[int, int, float], None] | None = None):
+def evaluate(opts: EvalOptions, progress: Callable[..., None] | None = None):
     """The EvalReport of `opts.checkpoint` against `opts.reference` on `opts.data`."""
     from quantcli.checkpoint.source import open_source
     from quantcli.checkpoint.tensors import CheckpointTensors
@@ -106,6 +110,8 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress):
     else:
         finish = Encoder(*pooling_config([ref.source.root, quant.source.root]))
     walked = walk(stack, ref, quant, input_batches, device, Emulation(steps, kv), finish, progress)
+    ranked = _sensitivity(opts, stack, (ref, quant), input_batches, device, steps, walked,
+                          None if stack.kind == CAUSAL else finish, progress)
     if not quant.quantized:
         notes.append(f"{quant.label} holds no quantized module: both sides run the same kind of weights")
     metrics = {"causal" if stack.kind == CAUSAL else "encoder": walked.final}
@@ -114,7 +120,26 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress):
         layout=quant.layout.name if quant.layout else None, recipes=rep.recipes(quant.modules),
         activations=rep.emulated(steps), kv_cache=kv_said, samples=len(ids), tokens=sum(len(s) for s in ids),
         seq_len=opts.seq_len, device=str(device), layers=rep.layer_rows(walked, opts.top),
-        worst_modules=rep.overall_worst(walked, max(opts.top, 10)), notes=notes, **metrics)
+        worst_modules=rep.overall_worst(walked, max(opts.top, 10)), sensitivity=ranked, notes=notes,
+        **metrics)
+
+
+def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, device: torch.device, steps: dict,
+                 walked, pooled, progress) -> list:
+    """The chosen modules ranked by the model output error with each alone quantized (sensitivity.py)."""
+    from quantcli.evaluate import report as rep
+    from quantcli.evaluate.sensitivity import walk_sensitivity
+
+    if not opts.sensitivity:
+        return []
+    candidates = rep.sensitivity_candidates(walked, opts.sensitivity)
+    if not candidates:
+        return []
+    chosen: dict[int, list[str]] = {}
+    for module, (layer, _) in candidates.items():
+        chosen.setdefault(layer, []).append(module)
+    scores = walk_sensitivity(stack, *sides, input_batches, device, steps, chosen, pooled, progress)
+    return rep.sensitivity_rows(candidates, scores)
 
 
 def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:

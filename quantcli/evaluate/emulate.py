@@ -84,8 +84,8 @@ def experts_forward(block, hidden: torch.Tensor, top_k_index: torch.Tensor, top_
     return out
 
 
-def _experts_hooks(block, modules: ExpertModules, steps: dict, ref: tuple, err: ErrorSum) -> list:
-    """Quantized inputs per expert (when any of its Linears declares them) and the block's own error."""
+def quantize_expert_inputs(block, modules: ExpertModules, steps: dict) -> None:
+    """Each expert's inputs quantized as its Linears declare (when any does); `detach` undoes it."""
     if any(m in steps for m in modules.all):
         def per_expert(e: int):
             return tuple(steps.get(m) for m in modules.of(e))
@@ -95,6 +95,11 @@ def _experts_hooks(block, modules: ExpertModules, steps: dict, ref: tuple, err: 
                                    per_expert)
 
         block.forward = emulated  # the loaded instance only; it goes back to meta after the block
+
+
+def _experts_hooks(block, modules: ExpertModules, steps: dict, ref: tuple, err: ErrorSum) -> list:
+    """Quantized inputs per expert (when any of its Linears declares them) and the block's own error."""
+    quantize_expert_inputs(block, modules, steps)
 
     def after(m, args, kwargs, out):
         call = dict(zip(("hidden", "top_k_index", "top_k_weights"), args))

@@ -58,7 +58,7 @@ def release_block(layer, prefix: str, side, weights: WeightMap) -> None:
             side.release(src)
 
 
-def _run(layer, buffer: ActivationBuffer, captured: list, cache=None) -> None:
+def run_batches(layer, buffer: ActivationBuffer, captured: list, cache=None) -> None:
     key = cache_kwarg(layer) if cache is not None else None
     for j, (args, kwargs) in enumerate(captured):
         kw = {**kwargs, key: cache} if key else kwargs
@@ -71,7 +71,7 @@ def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, capture
     layer, prefix = stack.layers[i], stack.layer_prefix(i)
     (ref, quant), (ref_map, quant_map), (ref_buf, quant_buf) = sides, maps, bufs
     ref_params = load_block(layer, prefix, ref, ref_map)
-    _run(layer, ref_buf, captured)
+    run_batches(layer, ref_buf, captured)
     load_block(layer, prefix, quant, quant_map)
     errors: dict[str, ErrorSum] = {}
     handles = attach(layer, prefix, quant_map, experts_blocks(layer, prefix, quant_map), ref_params, emu.steps,
@@ -79,7 +79,7 @@ def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, capture
     attention = quant_map.checkpoint_module(prefix + "self_attn")
     cache = KvQuantCache(*emu.kv[attention]) if attention in emu.kv else None
     try:
-        _run(layer, quant_buf, captured, cache)
+        run_batches(layer, quant_buf, captured, cache)
     finally:
         detach(layer, handles)
     hidden = ErrorSum()

@@ -23,6 +23,16 @@ class LayerError:
 
 
 @dataclass
+class ModuleSensitivity:
+    module: str
+    layer: int
+    own_rel_err: float  # the module's own output error (as in worst_modules)
+    output_error: float  # the model output error with this module alone quantized: causal LM KL mean,
+    #                      encoder 1 - cosine
+    top1_agreement: float | None  # causal LM: next-token top-1 agreement with the reference; encoder: None
+
+
+@dataclass
 class Emulated:
     scheme: str
     modules: int
@@ -45,6 +55,7 @@ class EvalReport:
     worst_modules: list[ModuleError]  # over the whole model, largest own error first
     causal: CausalMetrics = OMITTED
     encoder: EncoderMetrics = OMITTED
+    sensitivity: list[ModuleSensitivity] = field(default_factory=list)  # largest output_error first
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -70,3 +81,16 @@ def emulated(steps: dict) -> list[Emulated]:
 
 def recipes(modules: dict[str, str]) -> dict[str, int]:
     return dict(sorted(Counter(modules.values()).items()))
+
+
+def sensitivity_candidates(walked, count: int) -> dict[str, tuple[int, float]]:
+    """The `count` modules (all: count < 0) with the largest nonzero own error: {module: (layer, own error)}."""
+    merged = [(m, i, e.rel) for i, mods in enumerate(walked.modules) for m, e in mods.items() if e.rel > 0]
+    merged.sort(key=lambda t: (-t[2], t[0]))
+    return {m: (i, rel) for m, i, rel in (merged if count < 0 else merged[:count])}
+
+
+def sensitivity_rows(candidates: dict[str, tuple[int, float]], scores: dict) -> list[ModuleSensitivity]:
+    rows = [ModuleSensitivity(m, i, rel, scores[m].output_error, scores[m].top1_agreement)
+            for m, (i, rel) in candidates.items()]
+    return sorted(rows, key=lambda r: (-r.output_error, r.module))

@@ -139,6 +139,6 @@ def scale_value_fault(value: float, amax: float, direction: str) -> str | None:
         return f"is {value:g}, not positive"
     if not math.isfinite(amax) or amax > AMAX_BOUND:
         other = "divisor" if direction == Direction.MULTIPLY else "multiplier"
-        return (f"is {value:g}, which as a {direction} scale implies an activation amax of {amax:.4g} (> {AMAX_BOUND:g});"
-                f" it looks stored as a {other} (inverted)")
+        return (f"is {value:g}, which as a {direction} scale implies an activation amax of {amax:.4g} "
+                f"(> {AMAX_BOUND:g}); it looks stored as a {other} (inverted)")
     return None

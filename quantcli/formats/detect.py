@@ -61,7 +61,8 @@ def config_with_extras(source: Source, extras: dict[str, dict]) -> dict:
     return config
 
 
-def quantized_modules(source: Source, layout: Layout, manifest: Manifest | None, extras: dict[str, dict]) -> dict[str, str]:
+def quantized_modules(source: Source, layout: Layout, manifest: Manifest | None,
+                      extras: dict[str, dict]) -> dict[str, str]:
     if manifest is not None:
         return {m.module: m.recipe for m in manifest.modules}
     return layout.quantized_modules(all_names(source), config_with_extras(source, extras))

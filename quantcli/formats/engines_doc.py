@@ -34,7 +34,7 @@ def _details() -> list[str]:
     for (recipe, layout), found in TABLE.items():
         for engine in ENGINES:
             v = found[engine]
-            why = v.condition + (f"; {v.note}" if v.note else "")
+            why = "; ".join(part for part in (v.condition, v.note) if part)
             cites = "<br>".join(f"`{r.cite()}`" for r in v.rules)
             lines.append(f"| {recipe}, {layout} | {engine} | {_VERDICT[v.status]} | {why or '-'} | {cites} |")
     return lines

@@ -2,7 +2,7 @@
 
 Convert runs passes that produce facts (the shared amax of each fused group; with --calibration
 the calibrated activation and KV-cache scales and the per-channel input statistics that weight a
-scale search; quantcli/convert/passes.py), then writes each shard as a pure
+scale search; quantcli/convert/passes/), then writes each shard as a pure
 function of (plan, shard, facts). Recipes read the facts they need to quantize a weight;
 layouts read the ones they write as extra tensors (an activation `input_scale`, `k_scale`).
 A fact that is absent means "not known": the recipe falls back to the weight alone.

@@ -37,7 +37,7 @@ is a consumer bug, not a convention a producer relies on. `regex` follows compre
 vLLM (`re.match`, so `re:.*q_proj` also covers `...q_proj_extra`; end it with `$` to stop there).
 `match_rule` says which rule matched, so a caller can tell a pattern that only some consumers
 honour from one that all do.
-"""
+"""  # noqa: E501 (markdown tables: a row cannot be wrapped)
 
 from __future__ import annotations
 

@@ -220,7 +220,8 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
     total_bytes = sum(f.bytes for f in by_format.values())
     return InspectReport(
         source=source.label, layout=det.layout.name if det else "unquantized",
-        consumers=_consumers(source, det, contradictions(source, det), engines), has_manifest=bool(det and det.manifest),
+        consumers=_consumers(source, det, contradictions(source, det), engines),
+        has_manifest=bool(det and det.manifest),
         modules=modules, dense=dense, by_format=by_format, params=total_params, bytes=total_bytes,
         bits_per_param=round(8 * total_bytes / total_params, 4) if total_params else None,
         size_vs_bf16=round(total_bytes / (2 * total_params), 4) if total_params else None,

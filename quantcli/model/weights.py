@@ -37,7 +37,9 @@ class ExpertModules:
     down: tuple[str, ...]
 
     def of(self, expert: int) -> tuple[str, str, str]:
-        pick = (lambda names: names[expert] if len(names) > 1 else names[0])
+        def pick(names: tuple[str, ...]) -> str:
+            return names[expert] if len(names) > 1 else names[0]
+
         return pick(self.gate), pick(self.up), pick(self.down)
 
     @property

@@ -117,7 +117,8 @@ def _without_unreached(plan: Plan, reached: set[str]) -> Plan:
     if not dense:
         return plan
     tensors = [t if t.module not in dense else
-               TensorPlan(t.name, t.shard, t.dtype, t.shape, action=Action.COPY, outputs=(OutSpec(t.name, t.dtype, t.shape),))
+               TensorPlan(t.name, t.shard, t.dtype, t.shape, action=Action.COPY,
+                          outputs=(OutSpec(t.name, t.dtype, t.shape),))
                for t in plan.tensors]
     exclusions = [*plan.exclusions, *(Exclusion(m, UNREACHED) for m in sorted(dense))]
     if not any(t.quantized for t in tensors):

@@ -31,7 +31,8 @@ def plan_conversion(source: Source, opts: Options) -> Plan:
     if detected is not None:
         plan = make_reformat_plan(source, opts, detected)
     elif opts.recipe in DENSE_RECIPES:
-        raise QuantcliError(f"--recipe {opts.recipe}: the source {source.label} is not quantized; nothing to dequantize")
+        raise QuantcliError(f"--recipe {opts.recipe}: the source {source.label} is not quantized; "
+                            "nothing to dequantize")
     else:
         plan = make_plan(source, opts)
     plan = checked_plan(plan)

@@ -120,7 +120,8 @@ def _module_plan(det: Detected, module: str, src_recipe: str, ct: CheckpointTens
                       outputs=output_specs(layout, module, recipe, shape, DTYPES[dtype or "F32"])), []
 
 
-def _warnings(src_layout: Layout, opts: Options, source: Source, tensors: list[TensorPlan], widened: set[str]) -> list[str]:
+def _warnings(src_layout: Layout, opts: Options, source: Source, tensors: list[TensorPlan],
+              widened: set[str]) -> list[str]:
     warnings = []
     if widened:
         warnings.append(f"{src_layout.name} scales stored as {'/'.join(sorted(widened))} are written as F32, "

@@ -62,14 +62,16 @@ SCHEMES = {
                     {"num_bits": 8, **_FLOAT, "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}),
     "fp8": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, ONE, Direction.MULTIPLY)), "float-quantized",
                   {"num_bits": 8, **_FLOAT, "strategy": "tensor"}, {**_DYNAMIC, "strategy": "token"}),
-    "fp8-channel": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, COLUMN, Direction.MULTIPLY)), "float-quantized",
+    "fp8-channel": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, COLUMN, Direction.MULTIPLY)),
+                          "float-quantized",
                           {"num_bits": 8, **_FLOAT, "strategy": "channel"}, {**_DYNAMIC, "strategy": "token"}),
     "fp8-block": Scheme((_CODES, _SCALE), "float-quantized",
                         {"num_bits": 8, **_FLOAT, "strategy": "block", "block_structure": [128, 128]},
                         {**_DYNAMIC, "strategy": "group", "group_size": 128}),
     # W8A8 with dynamic per-token INT8 activations: vLLM's CompressedTensorsW8A8Int8 (an
     # int-quantized group with input_activations null matches no vLLM scheme).
-    "int8-channel": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, COLUMN, Direction.MULTIPLY)), "int-quantized",
+    "int8-channel": Scheme((_CODES, TensorRow(".weight_scale", Role.BLOCK_SCALE, COLUMN, Direction.MULTIPLY)),
+                           "int-quantized",
                            {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": "channel"},
                            {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}),
     # W4A16: vLLM's CompressedTensorsWNA16 (Machete on SM90, Marlin SM75+), SGLang's (Marlin).
@@ -83,7 +85,8 @@ INPUTS = {recipe: scheme.input_activations for recipe, scheme in SCHEMES.items()
 # when a calibration pass learns them; `input_global_scale` is a divisor like `weight_global_scale`.
 _INPUT = TensorRow(".input_scale", Role.INPUT_SCALE, ONE, Direction.MULTIPLY, fact="input_scale")
 OPTIONAL = {"fp8": (_INPUT,), "fp8-channel": (_INPUT,),
-            "nvfp4": (TensorRow(".input_global_scale", Role.INPUT_GLOBAL_SCALE, ONE, Direction.DIVIDE, fact="input_scale"),)}
+            "nvfp4": (TensorRow(".input_global_scale", Role.INPUT_GLOBAL_SCALE, ONE, Direction.DIVIDE,
+                                fact="input_scale"),)}
 
 class CompressedTensorsLayout(Layout):
     name = "compressed-tensors"

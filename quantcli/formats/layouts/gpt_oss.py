@@ -16,7 +16,8 @@ from quantcli.errors import LayoutError
 from quantcli.formats.layouts.base import BLOCKS16, Direction, Layout, Role, TensorRow
 from quantcli.recipes import Recipe
 
-TABLES = {"mxfp4": (TensorRow("_blocks", Role.CODES, BLOCKS16), TensorRow("_scales", Role.BLOCK_SCALE, direction=Direction.MULTIPLY))}
+TABLES = {"mxfp4": (TensorRow("_blocks", Role.CODES, BLOCKS16),
+                    TensorRow("_scales", Role.BLOCK_SCALE, direction=Direction.MULTIPLY))}
 
 class GptOssLayout(Layout):
     name = "gpt-oss"
