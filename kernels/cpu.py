@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from quantcli.kernels import reference as R
 from quantcli.kernels.chunks import _map, band_rows
+from quantcli.kernels.decode import bands, decode_band
 from quantcli.kernels.elements import encode_e2m1_into
 from quantcli.kernels.spec import BLOCK, FP8_BLOCK, GROUP, TENSOR, ElementCodec, QuantResult, QuantSpec
-from quantcli.kernels.decode import bands, decode_band
 
 # Elements per chunk. Smaller chunks stay in cache but cost more per element: every op of a chunk
 # is a Python call that takes the GIL, which two chunk threads then pass back and forth, and the

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from gptq import correlated_inputs, gptq  # noqa: E402
+
 from quantcli.kernels.blockstats import block_stats  # noqa: E402
 from quantcli.recipes import get_recipe  # noqa: E402
 from quantcli.verify import judge as J  # noqa: E402
@@ -58,7 +59,8 @@ def margins(w: torch.Tensor, q, recipe) -> tuple[float, float, float, bool]:
     st = block_stats(w, q.result, recipe.spec)
     v = J.judge(st, recipe, tuple(w.shape))
     typical = math.sqrt(max(J._median(st.ee, st.ss > 0), 0.0))
-    score = torch.minimum(st.along / max(J.BLOCK_Z * typical, 1e-30), st.along / (J.BLOCK_T * st.across).clamp_min(1e-30))
+    score = torch.minimum(st.along / max(J.BLOCK_Z * typical, 1e-30),
+                          st.along / (J.BLOCK_T * st.across).clamp_min(1e-30))
     gain = abs(v.gain - 1) / v.gain_allowed if v.gain_allowed > 0 else math.inf
     return v.rel_err / v.error_limit, gain, float(score.max()), not v.reasons
 
@@ -87,7 +89,8 @@ def valid_cases(w: torch.Tensor, recipe, kind: str) -> dict:
 def corruptions(w: torch.Tensor, q, recipe, kind: str) -> dict:
     sc, out = q.scale, {}
     if sc.dim():
-        out["scales transposed"] = replace(q, scale=sc.t().contiguous().reshape(sc.shape) if sc.dim() == 2 else sc.flip(0))
+        moved = sc.t().contiguous().reshape(sc.shape) if sc.dim() == 2 else sc.flip(0)
+        out["scales transposed"] = replace(q, scale=moved)
         out["scales shifted"] = replace(q, scale=sc.roll(1, -1))
     idx = torch.randperm(sc.numel(), generator=torch.Generator().manual_seed(1))[:16]
     if recipe.scale_encoding == "e8m0_bias127":
