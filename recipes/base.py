@@ -199,6 +199,8 @@ class Recipe:
             return {"e8m0_histogram": {str(int(i) - 127): int(hist[i]) for i in torch.nonzero(hist).flatten()},
                     "e8m0_255_count": int(hist[255])}
         s = self.scale_values(q)
+        if not s.numel():  # a module with a zero-size dimension has no scales
+            return {"scale_min": 0.0, "scale_max": 0.0, "scale_nonfinite": 0}
         return {"scale_min": float(s.min()), "scale_max": float(s.max()),
                 "scale_nonfinite": int((~torch.isfinite(s)).sum())}
 
@@ -206,7 +208,8 @@ class Recipe:
         """max |w| the scales allow: element max x largest block scale x global (verify's
         direction check compares it across modules)."""
         g = float(q.global_scale) if q.global_scale is not None else 1.0
-        return self.element_max * float(self.scale_values(q).max()) * g
+        scales = self.scale_values(q)
+        return self.element_max * float(scales.max()) * g if scales.numel() else 0.0
 
     def saturated_fraction(self, q: QuantizedTensor) -> float:
         """Share of codes at the element's largest magnitude (E2M1 6, E4M3 448, INT8 127/-128,

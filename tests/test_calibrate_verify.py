@@ -151,8 +151,7 @@ def test_verify_catches_a_scale_from_other_data(calibrated, src, tmp_path, run_c
     assert {"model.layers.1.mlp.down_proj.input_scale", "model.layers.0.self_attn.v_proj.v_scale"} <= faulted
 
 
-@pytest.mark.parametrize("case,needle", [("other-data", "not the data"), ("no-reference", "needs --reference"),
-                                         ("uncalibrated", "holds no static activation")])
+@pytest.mark.parametrize("case,needle", [("other-data", "not the data"), ("no-reference", "needs --reference")])
 def test_verify_calibration_refusals(calibrated, src, tmp_path, run_cli, case, needle):
     out, data = calibrated
     args = ["verify", str(out), "--reference", str(src), "--calibration", str(data)]
@@ -160,14 +159,21 @@ def test_verify_calibration_refusals(calibrated, src, tmp_path, run_cli, case, n
         other = tmp_path / "other.txt"
         other.write_text("w1 w2\n")
         args[-1] = str(other)
-    elif case == "no-reference":
-        args = ["verify", str(out), "--calibration", str(data)]
     else:
-        plain = tmp_path / "plain"
-        assert run_cli("convert", str(src), str(plain), "--recipe", "fp8", "--quiet")[0] == 0
-        args[1] = str(plain)
+        args = ["verify", str(out), "--calibration", str(data)]
     code, _, err = run_cli(*args)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_verify_calibration_of_a_weight_only_checkpoint_judges_layer_outputs(calibrated, src, tmp_path, run_cli):
+    """Nothing calibrated to compare, but every Linear is judged by its layer-output error on the data."""
+    _, data = calibrated
+    plain = tmp_path / "plain"
+    assert run_cli("convert", str(src), str(plain), "--recipe", "fp8", "--quiet")[0] == 0
+    code, report, _ = _verify(run_cli, plain, src, data)
+    assert code == 0, report["faults"]
+    rows = [t for t in report["tensors"] if "output_rel_err" in t]
+    assert rows and all(t["output_rel_err"] <= 1.01 * t["output_rounded_rel_err"] for t in rows)
 
 
 def test_dry_run_estimates_calibration_and_validates_against_its_schema(src, tmp_path, run_cli):

@@ -113,3 +113,24 @@ def test_convert_uses_the_cpu_path_for_cpu_tensors(monkeypatch):
     get_recipe("nvfp4").quantize("w", torch.randn(32, 64))
     assert len(calls) == 1
 
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_cpu_decode_matches_the_reference_bit_for_bit(name):
+    """kernels/decode.py's byte tables, banded on two threads, against reference.dequantize: every
+    code byte (E4M3 NaN patterns included) under scales over FP32's whole range."""
+    from quantcli.kernels import decode
+
+    spec = get_recipe(name).spec
+    for shape in [s for s in SHAPES if s[-1] % spec.k_multiple == 0]:
+        q = ref.quantize(_wide_range(shape, 3), spec)
+        codes = torch.randint(0, 256, q.codes.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        for r in (q, ref.QuantResult(codes, q.scale, q.global_scale)):
+            want = ref.dequantize(r, spec, shape)
+            with chunks.cpu_workers(2):
+                decode.CHUNK, saved = 1000, decode.CHUNK  # several bands per matrix
+                try:
+                    got = cpu.dequantize(r, spec, shape)
+                finally:
+                    decode.CHUNK = saved
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), shape

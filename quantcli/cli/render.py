@@ -348,8 +348,8 @@ def _rows_table(rows, top: int, con: Console) -> Table:
     cells = []
     for r in rows[:top]:
         exact = r.exact_identical_fraction
-        ours = ERROR.format(r.baseline_rel_err) + ("" if r.absmax_rel_err is OMITTED else
-                                                     f" (absmax {ERROR.format(r.absmax_rel_err)})")
+        ours = "-" if r.baseline_rel_err is OMITTED else ERROR.format(r.baseline_rel_err) + (
+            "" if r.absmax_rel_err is OMITTED else f" (absmax {ERROR.format(r.absmax_rel_err)})")
         cells.append([r.recipe, ERROR.format(r.rel_err), ours, _limit_text(r), f"{r.sqnr_db:.2f}", f"{r.cosine:.6f}",
                       ERROR.format(r.max_abs), "-" if exact is OMITTED or exact is None else f"{exact:.2%}"])
     return fitted_table(con, "tensor", [r.tensor for r in rows[:top]], cells, columns,
@@ -383,7 +383,9 @@ def _verdict(report, con: Console, err: Console) -> None:
         err.print(f"[yellow]warning[/yellow]: {w}")
     for f in report.faults:
         err.print(f"[red]FAIL[/red] {f.tensor}: {f.fault}")
-    con.print("[green]PASS[/green]" if report.passed else f"[red]FAIL[/red]: {len(report.faults)} fault(s)")
+    unchecked = len(report.not_byte_checked)  # -q shows no notes: the verdict line says what it did not check
+    gap = f" ({unchecked} module(s) not byte-checked: need --calibration)" if unchecked else ""
+    con.print(("[green]PASS[/green]" if report.passed else f"[red]FAIL[/red]: {len(report.faults)} fault(s)") + gap)
 
 
 def render_verify_brief(report, con: Console, err: Console) -> None:

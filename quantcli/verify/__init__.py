@@ -1,22 +1,28 @@
 """`quantcli verify`: decode a quantized checkpoint tensor by tensor and prove it is right.
 
 Structural checks need no reference (structure.py, direction.py). With `--reference`, every
-quantized tensor is compared with the reference (reference.py, compare.py), and fails when its
-error exceeds quantcli's own quantization of the same reference tensor (same recipe, same global
-amax rule) by more than real producers' arithmetic ever does (measured, see limits.py): that
-catches a scale one step off or a scrambled block that an absolute threshold would let through.
-Unquantized tensors must be bit-identical. `--exact` re-quantizes and compares bytes. Each check's
-status comes from the faults filed under it (findings.py).
+quantized module is judged as a quantization of the reference (judge.py): its codes must be a
+rounding of the reference to its stored scales, by what makes a checkpoint wrong (a gain that no
+rounding explains, an error beyond what rounding can give, blocks rescaled along their source,
+scales too small for their block), never by how close its error comes to quantcli's own, so
+other producers' rounding (BF16 scales, other tie rules, GPTQ's error feedback) passes and
+swapped, transposed, shifted or inverted scales and codes fail. The comparison streams both
+checkpoints band by band on convert's thread pool (kernels/blockstats.py). Unquantized tensors
+must be bit-identical. `--exact` re-quantizes and compares bytes. Each check's status comes from
+the faults filed under it (findings.py).
 
 A quantized reference (the source of a re-layout or re-quantization) is decoded module by module
 through its own layout: a module of the same recipe must decode identically, another recipe is
-judged against quantcli's quantization of the decoded reference. A module convert re-quantized
-from a quantized source, checked against the original dense model, may carry both errors (the
-manifest records the second). A checkpoint with no quantized modules is checked for identity
-(unquantized.py).
+judged as a quantization of the decoded reference. A module convert re-quantized from a quantized
+source, checked against the original dense model, may carry both errors (the manifest records the
+second). A checkpoint with no quantized modules is checked for identity (unquantized.py).
 """
 
 from __future__ import annotations
+
+import contextlib
+
+import torch
 
 from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
@@ -24,6 +30,7 @@ from quantcli.convert import resolve_device
 from quantcli.errors import QuantcliError
 from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config
 from quantcli.formats.detect import all_names, config_with_extras, detect
+from quantcli.kernels import cpu_workers
 from quantcli.planning.plan import matches
 from quantcli.verify.activation_scales import calibrated_check, recalibrated_check
 from quantcli.verify.direction import direction_check
@@ -61,20 +68,25 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
         _require_selection(pattern, source, det)
     config = config_with_extras(source, det.extra_files)
     rows, reference_kind = [], None
-    with CheckpointTensors(source) as qt:
+    # convert's thread pool: bands of a tensor side by side on the CPU (kernels/chunks.py)
+    threads = cpu_workers(torch.get_num_threads()) if dev.type == "cpu" else contextlib.nullcontext()
+    with CheckpointTensors(source) as qt, threads:
         modules = structure_checks(source, det, config, qt, pattern, found)
         decoded_cache = read_modules(det, modules, qt, tp, found, decode=reference is None, dev=dev,
                                      progress=progress)
         direction_check(decoded_cache, qt, det, found)
         scales = calibrated_check(source, det, config, modules, qt, found)
-        stats = None
+        stats, outputs = None, {}
         if calibration is not None:
             weighted = any(m.scale_search_weights for m in det.manifest.modules) if det.manifest else False
-            stats = recalibrated_check(source, scales, reference, revision, calibration, dev, found, weighted)
+            targets = {m: (r, q) for m, (r, q) in decoded_cache.items() if len(q.shape) == 2}
+            stats, outputs = recalibrated_check(source, scales, reference, revision, calibration, dev, found, weighted,
+                                                det.layout, targets)
         if reference is not None:
             rows, reference_kind = reference_checks(reference, revision, det, decoded_cache, qt, pattern, exact,
                                                     limits, dev, found, progress,
-                                                    channel_ms=stats.channel_ms if stats is not None else None)
+                                                    channel_ms=stats.channel_ms if stats is not None else None,
+                                                    outputs=outputs)
     return build_report(source, det.layout.name, reference, reference_kind, len(modules), found, rows,
                         notes=tuple(found.notes))
 

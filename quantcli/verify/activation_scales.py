@@ -63,17 +63,18 @@ def calibrated_check(source, det, config: dict, modules: dict, qt, found: Findin
 
 
 def recalibrated_check(source, scales: CalibratedScales | None, reference: str, revision: str | None, data: str,
-                       device, found: Findings, weighted: bool = False):
+                       device, found: Findings, weighted: bool = False, layout=None, targets: dict | None = None):
     """--calibration DATA: file under RECALIBRATED every stored scale a rerun disagrees with.
     Returns the rerun's statistics (their per-channel mean squared inputs let --exact reproduce
-    an activation-weighted scale search, `weighted`)."""
+    an activation-weighted scale search, `weighted`) and the layer-output errors of `targets`
+    (outputs.py: checkpoint module -> (recipe, q), judged by them)."""
     from quantcli.verify.recalibrate import RECALIBRATED, calibration_of, recalibrated_faults, rerun
 
     has_scales = scales is not None and bool(scales.inputs or any(r.k_scale is not None for r in scales.kv))
-    if not has_scales and not weighted:
-        raise QuantcliError(f"--calibration: {source.label} holds no static activation or KV-cache scales and no "
-                            f"activation-weighted scale search to recompute")
-    stats = rerun(reference, revision, calibration_of(source, data), device)
+    if not has_scales and not weighted and not targets:
+        raise QuantcliError(f"--calibration: {source.label} holds no static activation or KV-cache scales, no "
+                            f"activation-weighted scale search and no Linear whose outputs it could check")
+    stats, outputs = rerun(reference, revision, calibration_of(source, data), device, layout, targets)
     if has_scales:
         found.record(RECALIBRATED, recalibrated_faults(scales, stats))
-    return stats
+    return stats, outputs

@@ -73,7 +73,8 @@ def _dense_log_amax(qt: CheckpointTensors, det, limit: int = 4) -> list[float]:
     for module, recipe in det.modules.items():
         quantized.update(d.name for d in det.layout.describe(module, det.layout.recipe_for(recipe)))
     names = [n for n in qt.where if n not in quantized and n.endswith(".weight") and "norm" not in n
-             and qt.info(n).dtype in ("F32", "BF16", "F16") and len(qt.info(n).shape) == 2]
+             and qt.info(n).dtype in ("F32", "BF16", "F16") and len(qt.info(n).shape) == 2
+             and 0 not in qt.info(n).shape]  # an empty tensor has no magnitude
     out = []
     for name in sorted(names, key=lambda n: qt.info(n).nbytes)[:limit]:
         amax = float(qt.get(name).abs().max())

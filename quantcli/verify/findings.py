@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quantcli.reports import OMITTED
 
@@ -24,7 +24,7 @@ CALIBRATED = ("activation and KV-cache scales present where the config declares 
 DIRECTION = "global scales agree in direction with the rest of the checkpoint"
 TP = "quantized dims split into whole blocks across {tp} ranks"
 REF_MODULES = "every quantized module has a reference tensor of the same shape"
-REF_ERROR = "decoded weights within the producers' tolerance of the reference"
+REF_ERROR = "decoded weights are a rounding of the reference to the stored scales (gain, error, blocks, scales)"
 REF_SAME = "modules of the same recipe identical to the decoded reference (lossless re-layout)"
 REF_PRESENT = "every reference tensor present in the checkpoint"
 REF_IDENTICAL = "unquantized tensors bit-identical to the reference"
@@ -55,7 +55,9 @@ class TensorRow:
     max_abs: float
     tensor: str
     recipe: str
-    baseline_rel_err: float  # quantcli's own quantization of the reference (0 where identity is required)
+    # quantcli's own quantization of the reference (0 where identity is required); computed only where
+    # asked for (--exact, --threshold margin=) or needed (a re-quantized module's bound)
+    baseline_rel_err: float = OMITTED
     # the module was re-quantized from a quantized source: that recipe, its estimated error, convert's record
     source_recipe: str = OMITTED
     source_baseline_rel_err: float = OMITTED
@@ -65,6 +67,16 @@ class TensorRow:
     exact_identical_fraction: float | None = OMITTED  # None: compared, not identical (a dequantized tensor)
     scale_rule_matches: str = OMITTED
     absmax_rel_err: float = OMITTED  # a searched module: what absmax scales would give (the search's gain)
+    # judged as a quantization of the reference (verify/judge.py): decode = gain x reference + noise,
+    # |gain - 1| allowed up to gain_allowed; judged blocks and those whose scale is wrong
+    gain: float = OMITTED
+    gain_allowed: float = OMITTED
+    blocks: int = OMITTED
+    blocks_off: int = OMITTED
+    # --calibration: layer-output error on the calibration data, and that of the reference rounded to
+    # nearest under the checkpoint's own scales (the bound, outputs.py)
+    output_rel_err: float = OMITTED
+    output_rounded_rel_err: float = OMITTED
     passed: bool = False
 
 
@@ -82,6 +94,9 @@ class VerifyReport:
     layers: dict[str, float]
     warnings: list[str]
     passed: bool
+    # --exact: modules written with an activation-weighted scale search (manifest
+    # scale_search_weights) whose bytes need --calibration DATA to be reproduced, so were not checked
+    not_byte_checked: list[str] = field(default_factory=list)
 
 
 class Findings:
@@ -91,6 +106,7 @@ class Findings:
         self.faults: list[Fault] = []
         self.checks: list[str] = []
         self.notes: list[str] = []  # what the user must know about what was (not) checked
+        self.not_byte_checked: list[str] = []  # --exact could not check these modules' bytes
 
     def fault(self, check: str, tensor: str, what: str) -> None:
         self.faults.append(Fault(check=check, tensor=tensor, fault=what))
@@ -118,8 +134,15 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+NOT_BYTE_CHECKED = ("--exact: {n} module(s) were quantized with an activation-weighted scale search (manifest "
+                    "scale_search_weights) and their bytes were not checked: pass --calibration DATA (the data "
+                    "convert used) to re-quantize them with the same weights and compare byte for byte")
+
+
 def build_report(source, layout_name: str, reference: str | None, reference_kind: str | None, modules: int,
                  found: Findings, rows: list[TensorRow], notes: tuple[str, ...] = ()) -> VerifyReport:
+    if found.not_byte_checked:
+        notes = (*notes, NOT_BYTE_CHECKED.format(n=len(found.not_byte_checked)))
     rows.sort(key=lambda r: -r.rel_err)
     layers: dict[str, float] = {}
     for r in rows:
@@ -129,4 +152,4 @@ def build_report(source, layout_name: str, reference: str | None, reference_kind
     return VerifyReport(checkpoint=source.label, layout=layout_name, reference=reference,
                         reference_kind=reference_kind, modules=modules, notes=list(notes), checks=found.summary(),
                         faults=found.faults, tensors=rows, layers=layers, warnings=list(source.warnings),
-                        passed=not found.faults)
+                        passed=not found.faults, not_byte_checked=list(found.not_byte_checked))

@@ -21,6 +21,7 @@ from quantcli.formats.activation_scales import FP8_DIVISOR, CalibratedScales
 from quantcli.formats.facts import Calibration
 from quantcli.model.samples import data_digest, is_hub_dataset, token_ids
 from quantcli.planning.calibration import SUPPORTED
+from quantcli.verify.outputs import collect_with_outputs
 
 RECALIBRATED = "static activation and KV-cache scales equal a rerun of the calibration on the reference"
 TOLERANCE = 1e-5
@@ -41,7 +42,10 @@ def calibration_of(quant: Source, data: str) -> Calibration:
     return cal
 
 
-def rerun(reference: str, revision: str | None, cal: Calibration, device: torch.device) -> Stats:
+def rerun(reference: str, revision: str | None, cal: Calibration, device: torch.device, layout=None,
+          targets: dict | None = None) -> tuple[Stats, dict]:
+    """The calibration statistics of the reference, and (outputs.py) the layer-output errors of
+    `targets` (checkpoint module -> (recipe, q)) decoded through `layout`."""
     ref = open_source(reference, revision)
     arch = (ref.config.get("architectures") or ["(none in config.json)"])[0]
     if arch not in SUPPORTED:
@@ -49,7 +53,11 @@ def rerun(reference: str, revision: str | None, cal: Calibration, device: torch.
                             f"(supported: {', '.join(SUPPORTED)})")
     names = {n for header in ref.headers.values() for n in header.tensors}
     with CheckpointTensors(ref) as tensors:
-        return collect(ref.config, tensors.get, tensors.release, names, token_ids(cal, ref.root), cal.batch, device)
+        ids = token_ids(cal, ref.root)
+        if not targets:
+            return collect(ref.config, tensors.get, tensors.release, names, ids, cal.batch, device), {}
+        return collect_with_outputs(ref.config, tensors.get, tensors.release, names, ids, cal.batch, device, layout,
+                                    targets)
 
 
 def recalibrated_faults(scales: CalibratedScales, stats: Stats) -> Iterator[tuple[str, str]]:

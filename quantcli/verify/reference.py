@@ -13,7 +13,14 @@ from quantcli.formats.fused import fused_group_of
 from quantcli.kernels import tensor_amax
 from quantcli.planning.plan import TRANSPOSED_EXPERTS, matches
 from quantcli.recipes import RECIPES
-from quantcli.verify.compare import IDENTICAL, compare, compare_identical, exact_match, requantized_prior
+from quantcli.verify.compare import (
+    IDENTICAL,
+    Comparison,
+    compare_identical,
+    exact_match,
+    requantized_prior,
+    same_bytes,
+)
 from quantcli.verify.findings import (
     FINITE,
     REF_ERROR,
@@ -25,7 +32,7 @@ from quantcli.verify.findings import (
     TensorRow,
 )
 from quantcli.verify.limits import Limits
-from quantcli.verify.structure import Progress, finite_check, no_progress, scale_rule_of
+from quantcli.verify.structure import Progress, finite_check, no_progress, nonfinite_fault, scale_rule_of
 
 
 def source_name(module: str, rt: CheckpointTensors) -> str | None:
@@ -82,17 +89,26 @@ class Reference:
                 self.rt.release(name)
 
     def weight(self, module: str, transpose_hint: bool | None) -> tuple[torch.Tensor, bool] | None:
-        """(reference weight of `module` as FP32, whether the checkpoint's decode must be transposed
-        to match it), or None when the reference has no such module."""
+        """(reference weight of `module`, whether the checkpoint's decode must be transposed to
+        match it), or None when the reference has no such module. A dense weight comes as stored
+        (its pages read as the comparison streams through it; release_weight drops them), a
+        quantized reference's module decoded to FP32."""
         if self.recipe_name(module) is not None:
             return self.decoded(module), False  # both sides in the quantized [..., N, K] orientation
         name = source_name(module, self.rt)
         if name is None:
             return None
         transpose = transpose_hint if transpose_hint is not None else bool(TRANSPOSED_EXPERTS.search(name))
-        w = self.rt.get(name).to(torch.float32)
-        self.rt.release(name)  # memory tracks the tensor in flight, not the model
-        return w, transpose
+        return self.rt.get(name), transpose
+
+    def release_weight(self, module: str) -> None:
+        """Memory tracks the tensor in flight, not the model."""
+        if self.recipe_name(module) is not None:
+            self.release(module)
+        else:
+            name = source_name(module, self.rt)
+            if name is not None:
+                self.rt.release(name)
 
 
 def reference_group_amax(decoded_cache: dict, ref: Reference, entries: dict, dev) -> dict:
@@ -114,8 +130,7 @@ def reference_group_amax(decoded_cache: dict, ref: Reference, entries: dict, dev
         if got is None:
             continue
         amax = tensor_amax(got[0].to(dev), name=f"{ref.label}: {module}").cpu()
-        if ref.recipe_name(module) is not None:
-            ref.release(module)
+        ref.release_weight(module)
         out[group] = amax if group not in out else torch.maximum(out[group], amax)
     # A "group" with one member behaves like a plain tensor: its own amax, as convert does.
     return out
@@ -130,6 +145,7 @@ class _Comparison:
         self.entries = {m.module: m for m in det.manifest.modules} if det.manifest else {}
         self.group_amax: dict = {}
         self.channel_ms = None  # module -> mean squared input per channel, from --calibration
+        self.outputs: dict = {}  # module -> outputs.OutputError, from --calibration
 
     def consumed_names(self, module: str, recipe) -> list[str]:
         """Names of both sides' tensors that this module's comparison accounts for."""
@@ -154,37 +170,52 @@ class _Comparison:
         got = self.reference_weight(module)
         if got is None:
             return None
-        w, transpose = got
-        decoded = decode_module(self.layout, module, recipe, q, transpose=transpose, device=self.dev).cpu()
-        if tuple(decoded.shape) != tuple(w.shape):
-            self.found.fault(REF_MODULES, module, f"decodes to {list(decoded.shape)} but the reference is "
+        try:
+            return self._judged(module, recipe, q, *got)
+        finally:
+            self.ref.release_weight(module)
+
+    def _judged(self, module: str, recipe, q, w: torch.Tensor, transpose: bool) -> TensorRow | None:
+        logical = tuple(q.shape[:-2]) + (tuple(q.shape[-2:])[::-1] if transpose else tuple(q.shape[-2:]))
+        if logical != tuple(w.shape):
+            self.found.fault(REF_MODULES, module, f"decodes to {list(logical)} but the reference is "
                                                   f"{list(w.shape)}: a different model or a transposed tensor")
             return None
-        if not finite_check(module, decoded, self.found):
-            return None
+        w = w.to(self.dev).transpose(-1, -2) if transpose else w.to(self.dev)  # the decode's [..., N, K]
         if self.ref.recipe_name(module) == recipe.name:  # a re-layout: the same values, or corrupt
-            row, reasons = compare_identical(module, recipe, decoded, w, q, self.ref.read(module), self.ref.kind,
-                                             self.limits)
+            decoded = decode_module(self.layout, module, recipe, q, device=self.dev).cpu()
+            if not finite_check(module, decoded, self.found):
+                return None
+            row, reasons = compare_identical(module, recipe, decoded, w.cpu(), q, self.ref.read(module),
+                                             self.ref.kind, self.limits)
             check = REF_SAME
         else:
-            row, reasons = self._against_yardstick(module, recipe, q, decoded, w, transpose)
-            check = REF_ERROR
+            got = self._against_source(module, recipe, q, w)
+            if got is None:
+                return None
+            (row, reasons), check = got, REF_ERROR
         for r in reasons:
             self.found.fault(check, module, r)
         return row
 
-    def _against_yardstick(self, module, recipe, q, decoded, w, transpose) -> tuple[TensorRow, list[str]]:
+    def _against_source(self, module, recipe, q, w) -> tuple[TensorRow, list[str]] | None:
+        """The module judged as a quantization of `w` (judge.py); None when it decodes to non-finite
+        values (filed under FINITE)."""
         entry = self.entries.get(module)
         prior = requantized_prior(entry) if self.ref.det is None or self.ref.recipe_name(module) is None else None
         ms = self._search_weights(entry, module)
         # int4's stored scales carry the dtype it was quantized in (convert casts a decoded source to the
-        # model's): the yardstick quantizes in it too
+        # model's): quantcli's own quantization is made in it too
         dtype = q.scale.dtype if recipe.scale_codec.dtype is None else None
-        row, ours, reasons = compare(module, recipe, self.layout, decoded, w, transpose, self.group_amax, self.limits,
-                                     self.dev, prior, channel_ms=ms, dtype=dtype)
+        out = self.outputs.get(module)
+        output = (out.rel(out.checkpoint), out.rel(out.rounded)) if out is not None else None
+        job = Comparison(module, recipe, q, w, self.limits, prior, ms, self.exact, dtype, output)
+        row, reasons, nonfinite = job.run(self.group_amax)
+        if nonfinite:
+            self.found.fault(FINITE, module, nonfinite_fault(nonfinite))
+            return None
         if self.exact:
-            wq = w.to(self.dev).transpose(-1, -2) if transpose else w.to(self.dev)
-            match = exact_match(self.layout, module, recipe, wq, ours.to("cpu"), q, self.qt)
+            match = exact_match(self.layout, module, recipe, w, job.ours.to("cpu"), q, self.qt)
             row.exact_identical_fraction = match["exact_identical_fraction"]
             if "scale_rule_matches" in match:
                 row.scale_rule_matches = match["scale_rule_matches"]
@@ -197,11 +228,8 @@ class _Comparison:
         if entry is None or not entry.scale_search_weights:
             return None
         ms = self.channel_ms(module) if self.channel_ms is not None else None
-        if ms is None and not self.found.notes:
-            self.found.notes.append(
-                "activation-weighted scale search (manifest scale_search_weights): those modules are compared with "
-                "a data-free search and --exact cannot check their bytes; pass --calibration DATA (the data convert "
-                "used) to re-quantize them with the same weights and compare byte for byte")
+        if ms is None and self.exact:
+            self.found.not_byte_checked.append(module)
         return ms
 
     def _searched_bytes(self, entry, recipe, fraction: float, weights_known: bool) -> list[str]:
@@ -219,16 +247,18 @@ class _Comparison:
 
 def reference_checks(reference: str, revision: str | None, det, decoded_cache: dict, qt: CheckpointTensors,
                      pattern: str | None, exact: bool, limits: Limits, dev, found: Findings,
-                     progress: Progress = no_progress, channel_ms=None) -> tuple[list[TensorRow], str]:
+                     progress: Progress = no_progress, channel_ms=None, outputs: dict | None = None
+                     ) -> tuple[list[TensorRow], str]:
     """Every read-back module against the reference, then the tensors neither side quantizes.
     `channel_ms(module)`: a calibration rerun's mean squared input per channel, for modules whose
-    scale search it weighted (None: no --calibration)."""
+    scale search it weighted (None: no --calibration); `outputs`: its layer-output errors per
+    module (outputs.py), which judge those modules."""
     rows = []
     ref_source = open_source(reference, revision)
     with CheckpointTensors(ref_source) as rt:
         ref = Reference(reference, ref_source, rt, dev)
         job = _Comparison(det, ref, qt, exact, limits, dev, found)
-        job.channel_ms = channel_ms
+        job.channel_ms, job.outputs = channel_ms, outputs or {}
         progress("comparing", 0, len(decoded_cache), "(fused groups' amax)")
         job.group_amax = reference_group_amax(decoded_cache, ref, job.entries, dev)
         consumed = set()
@@ -276,7 +306,7 @@ def _unquantized_identical(rt: CheckpointTensors, qt: CheckpointTensors, consume
         if ri.dtype != qi.dtype or ri.shape != qi.shape:
             found.fault(REF_IDENTICAL, name, f"changed from {ri.dtype}{list(ri.shape)} to {qi.dtype}"
                                              f"{list(qi.shape)} (a lossy cast or a different model)")
-        elif rt.raw(name) != qt.raw(name):
+        elif not same_bytes(rt.raw(name), qt.raw(name)):
             found.fault(REF_IDENTICAL, name, "unquantized tensor differs from the reference (not bit-identical)")
         rt.release(name)
         qt.release(name)

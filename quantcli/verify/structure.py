@@ -4,6 +4,7 @@ is a function that returns its (tensor, fault) findings; the caller files them (
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterator
 
@@ -146,12 +147,29 @@ def tp_faults(module: str, recipe, shape, tp: int) -> Iterator[Finding]:
                        f"({size}/{tp} = {size / tp:g}); vLLM and SGLang refuse to load it at TP={tp}")
 
 
+def nonfinite_fault(bad: int) -> str:
+    return (f"decodes to {bad} non-finite value(s) (a block scale times its codes overflows FP32): the "
+            f"checkpoint is corrupt; re-quantize it from the source weights")
+
+
 def finite_faults(module: str, decoded: torch.Tensor) -> list[Finding]:
     bad = int((~torch.isfinite(decoded)).sum())
-    if not bad:
-        return []
-    return [(module, f"decodes to {bad} non-finite value(s) (a block scale times its codes overflows "
-                     f"FP32): the checkpoint is corrupt; re-quantize it from the source weights")]
+    return [(module, nonfinite_fault(bad))] if bad else []
+
+
+def surely_finite(recipe, q) -> bool:
+    """Whether every value of `q` decodes finitely, from its scales and code bytes alone: no E4M3
+    NaN code (0x7F, 0xFF) and the largest element times the largest effective scale stays below
+    FP32's maximum. False means: decode it and count (a corrupt checkpoint, rare)."""
+    if q.codes.numel() == 0:
+        return True
+    if recipe.element.name == "e4m3" and bool(((q.codes.view(torch.uint8) & 0x7F) == 0x7F).any()):
+        return False
+    from quantcli.kernels.decode import scale_values
+
+    scale = scale_values(q.scale, q.global_scale, recipe.spec).abs()
+    top = float(scale.max()) if scale.numel() else 0.0
+    return math.isfinite(top) and recipe.element_max * top < torch.finfo(torch.float32).max / 2
 
 
 def finite_check(module: str, decoded: torch.Tensor, found: Findings) -> bool:
@@ -187,7 +205,8 @@ def read_modules(det, modules: dict[str, ModuleDescription], qt: CheckpointTenso
         for tensor, what in (tp_faults(module, recipe, q.shape, tp) if tp else ()):
             found.fault(TP.format(tp=tp), tensor, what)
         if decode:
-            finite_check(module, decode_module(layout, module, recipe, q, device=dev), found)
+            if not surely_finite(recipe, q):
+                finite_check(module, decode_module(layout, module, recipe, q, device=dev), found)
             for d in layout.describe(module, recipe):
                 qt.release(d.name)
         out[module] = (recipe, q)

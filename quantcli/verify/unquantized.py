@@ -9,7 +9,7 @@ from quantcli.checkpoint.source import open_source
 from quantcli.checkpoint.tensors import CheckpointTensors
 from quantcli.errors import QuantcliError
 from quantcli.planning.plan import matches
-from quantcli.verify.compare import raw_bytes
+from quantcli.verify.compare import raw_bytes, same_bytes
 from quantcli.verify.findings import (
     REF_DEQUANT,
     REF_IDENTICAL,
@@ -108,7 +108,7 @@ def _identity_row(name: str, rt: CheckpointTensors, qt: CheckpointTensors, ref: 
         found.fault(REF_IDENTICAL, name, f"changed from {ri.dtype}{list(ri.shape)} to {qi.dtype}{list(qi.shape)}: "
                                          f"an unquantized checkpoint is checked for identity with the reference")
     else:
-        identical = rt.raw(name) == qt.raw(name)
+        identical = same_bytes(rt.raw(name), qt.raw(name))
         if ri.dtype in ("BF16", "F16", "F32") and len(ri.shape) >= 1:
             row = TensorRow(**metrics(qt.get(name).to(torch.float32), rt.get(name).to(torch.float32)), tensor=name,
                             recipe="-", baseline_rel_err=0.0, limit_rel_err=0.0, limit_basis="identical",

@@ -1,0 +1,255 @@
+"""How a decoded quantized tensor differs from its source, block by block, in one streaming pass.
+
+verify judges a checkpoint block by block (quantcli/verify/judge.py), from sums per block of the
+source s, the error e = decode - s and h, the most a nearest rounding of s to the block's stored
+scale can err (half the element grid's step at |s| / scale, or what saturation clips, plus
+2^-8 |s| for producers that round the quotient to BF16 first): sum s^2, s*e, e^2, |s|*h, h^2 and
+max |s|. From them follow the block's gain (1 + se / ss: how much the decode scales the source),
+the most any nearest rounding could move it (sum |s| h / ss), the part of its error along the
+source and across it, and the tensor's relative error, SQNR and cosine, without ever holding a
+second FP32 copy of the tensor.
+
+The tensor is walked in bands of whole blocks (kernels/decode.py), on the chunk pool on the CPU
+(each thread in its own workspace, as convert's quantizer) and as one band on a GPU. The judging
+blocks are the scale blocks (1 x group, a row, a 128 x 128 tile); a per-tensor scale is judged
+row by row. Each band may also quantize its source rows with other specs ("yardsticks", such as
+quantcli's own recipe) and return the squared error each gives.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from quantcli.kernels.chunks import _map
+from quantcli.kernels.cpu import _WS
+from quantcli.kernels.decode import Band, band_of, bands, decode_band, scale_values
+from quantcli.kernels.spec import BLOCK, FP8_BLOCK, GROUP, QuantResult, QuantSpec
+
+
+@dataclass(frozen=True)
+class Yardstick:
+    """Another quantization of the same source, for comparison: quantized band by band with
+    `spec` (a fused group's `global_amax`, a search's `channel_weight`), or `result` decoded."""
+
+    spec: QuantSpec
+    global_amax: torch.Tensor | None = None
+    channel_weight: torch.Tensor | None = None
+    result: QuantResult | None = None
+    dtype: torch.dtype | None = None  # quantize the source cast to this (a weight-dtype scale's)
+
+
+@dataclass
+class BlockStats:
+    """Per judging block, in the scale tensor's order (FP32; sum them in FP64), of the source and
+    the error both times `prescale` (a power of two that keeps squares of huge values finite)."""
+
+    ss: torch.Tensor
+    se: torch.Tensor
+    ee: torch.Tensor
+    sh: torch.Tensor  # sum |s| h
+    # derived per block (0 for an all-zero source block): the norm of the error along the source
+    # beyond what rounding can put there, (|se / ss| - sh / ss)+ sqrt(ss); the norm across it,
+    # sqrt(ee - se^2 / ss); the block amax over the largest value its scale decodes
+    along: torch.Tensor
+    across: torch.Tensor
+    clip: torch.Tensor
+    hh: float = 0.0  # sum h^2 over the tensor
+    max_abs: float = 0.0  # max |decode - source| (not prescaled)
+    nonfinite: int = 0  # decoded values that are NaN or Inf
+    yard: list[float] = field(default_factory=list)  # sum of squared errors per yardstick (not prescaled)
+    prescale: float = 1.0
+
+    @property
+    def blocks(self) -> int:
+        return int(self.ss.numel())
+
+
+def _buffer(name: str, numel: int, device: torch.device) -> torch.Tensor:
+    """An FP32 scratch of `numel`: the thread's workspace on the CPU, a fresh tensor elsewhere."""
+    if device.type == "cpu":
+        return _WS.get(name, numel, torch.float32)
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def _per_block(t: torch.Tensor, spec: QuantSpec, reduce: str) -> torch.Tensor:
+    """`t` [rows, K] reduced (sum or amax) over each judging block, flattened in scale order.
+    Sums are products with a vector of ones (one BLAS pass; torch's reduction over a 16- or
+    32-wide last dim is several times slower), maxima a max-pool, as the quantizer's block amax."""
+    rows, k = t.shape
+    if spec.geometry == GROUP:
+        if reduce == "sum":
+            return torch.mv(t.view(-1, spec.group), _ones(spec.group, t.device))
+        return F.max_pool1d(t.unsqueeze(1), spec.group).reshape(-1)
+    if spec.geometry != BLOCK:
+        return torch.mv(t, _ones(k, t.device)) if reduce == "sum" else t.amax(-1)
+    nb, kb = -(-rows // FP8_BLOCK), -(-k // FP8_BLOCK)
+    if rows % FP8_BLOCK or k % FP8_BLOCK:  # a ragged edge: zeros pad it (neither sum nor |max| moves)
+        t = F.pad(t, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - rows))
+    v = t.reshape(nb, FP8_BLOCK, kb, FP8_BLOCK)
+    return (v.sum((1, 3)) if reduce == "sum" else v.amax(dim=(1, 3))).reshape(-1)
+
+
+@functools.cache
+def _ones(n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.float32, device=device)
+
+
+# element -> (smallest, largest) FP32 exponent field whose binade sets the grid step, and how many
+# binades below the value the half step lies: E2M1 steps 0.5 / 1 / 2 below 2 / 4 / beyond, E4M3
+# 2^(e-3) with subnormals below 2^-6; integers (INT8, INT4) a step of 1 everywhere.
+_HALF_STEP = {"e2m1": (127, 129, 2), "e4m3": (121, 135, 4)}
+QUOTIENT_SLACK = 2.0**-8  # a quotient rounded to BF16 (8 bits) before the element cast
+
+
+def _max_error(a: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> torch.Tensor:
+    """h for the magnitudes `a` [rows, K] under their blocks' `scale`, into `out` (`a` is kept)."""
+    v = _per_element(torch.div, a, scale, spec, out)  # the magnitude in grid units
+    name, top = spec.element.name, spec.element.max
+    if name in _HALF_STEP:
+        lo, hi, below = _HALF_STEP[name]
+        h = _WS_or_new("vh", v)
+        bits = h.view(torch.int32)
+        torch.bitwise_and(v.view(torch.int32), 0x7F800000, out=bits)
+        bits.clamp_(lo << 23, hi << 23).sub_(below << 23)
+    else:
+        h = _WS_or_new("vh", v).fill_(0.5)
+    h.add_(v, alpha=QUOTIENT_SLACK)
+    torch.maximum(h, v.sub_(top), out=h)  # beyond the largest code: what saturation clips
+    return _per_element(torch.mul, h, scale, spec, out)
+
+
+def _WS_or_new(name: str, like: torch.Tensor) -> torch.Tensor:
+    return _buffer(name, like.numel(), like.device).view(like.shape)
+
+
+def _per_element(op, t: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> torch.Tensor:
+    """op(t, its block's scale) into `out` [rows, K]; `scale` per judging block (flat)."""
+    rows, k = t.shape
+    if spec.geometry == GROUP:
+        g = spec.group
+        return op(t.view(rows, k // g, g), scale.view(rows, k // g, 1), out=out.view(rows, k // g, g)).view(rows, k)
+    if spec.geometry != BLOCK:
+        return op(t, scale.view(rows, 1), out=out)
+    nb, kb = -(-rows // FP8_BLOCK), -(-k // FP8_BLOCK)
+    full = scale.view(nb, kb).repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:rows, :k]
+    return op(t, full, out=out)
+
+
+def _block_scale(band: Band, global_scale, spec: QuantSpec, rows: int) -> torch.Tensor:
+    s = scale_values(band.scale, global_scale, spec).to(torch.float32)
+    return s.reshape(1).expand(rows) if s.dim() == 0 else s.reshape(-1)
+
+
+def _yard_error(y: Yardstick, x: torch.Tensor, f: torch.Tensor, band: Band, shape) -> float:
+    """Sum of squared errors of the yardstick on this band's rows."""
+    from quantcli.kernels import quantize  # the dispatcher (a band is one chunk: it runs inline)
+
+    if y.result is not None:
+        yb = band_of(y.result, y.spec, shape, band.matrix, band.start, band.stop)
+        g = y.result.global_scale
+    else:
+        r = quantize(x if y.dtype is None else x.to(y.dtype), y.spec, y.global_amax, channel_weight=y.channel_weight)
+        yb, g = Band(band.matrix, 0, x.shape[0], r.codes, r.scale), r.global_scale
+    o = decode_band(yb, g, y.spec, _buffer("vo", f.numel(), f.device).view(f.shape))
+    o.sub_(f)
+    return float(torch.dot(o.view(-1), o.view(-1)))
+
+
+ROWS = ("ss", "se", "ee", "sh", "along", "across", "clip")  # the table's rows
+# Values are prescaled below 2^48: their squares summed over a band (2^20 elements) stay finite in FP32.
+PRESCALE_TOP = 48
+
+
+def _derived(put: dict, scale: torch.Tensor, amax: torch.Tensor, top: float) -> None:
+    """The derived rows (see BlockStats) from the sums, on the band's own thread."""
+    ss, se = put["ss"], put["se"]
+    inv = torch.where(ss > 0, 1 / ss, torch.zeros_like(ss))
+    gain = se * inv  # gain - 1
+    torch.mul(gain.abs().sub_(put["sh"] * inv).clamp_min_(0), ss.sqrt(), out=put["along"])
+    torch.sub(put["ee"], se * gain, out=put["across"]).clamp_min_(0).sqrt_()
+    limit = scale * top
+    torch.where(limit > 0, amax / limit, torch.zeros_like(limit), out=put["clip"])
+
+
+def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yardsticks, shape,
+                table: torch.Tensor, prescale: float) -> dict:
+    """Fill `table` [len(ROWS), this band's blocks]; returns the band's scalars."""
+    rows, k = x.shape
+    dev = x.device
+    f = _buffer("vf", rows * k, dev).view(rows, k).copy_(x)
+    e = decode_band(band, global_scale, spec, _buffer("vd", rows * k, dev).view(rows, k)).sub_(f)
+    lo, hi = torch.aminmax(e)
+    max_abs = float(torch.maximum(-lo, hi))  # NaN propagates: finite here means every value is
+    nonfinite = 0 if math.isfinite(max_abs) else int((~torch.isfinite(e)).sum())
+    yard = [_yard_error(y, x, f, band, shape) for y in yardsticks]
+    scale = _block_scale(band, global_scale, spec, rows)
+    if prescale != 1.0:  # exact: a power of two
+        for t in (f, e, scale):
+            t.mul_(prescale)
+    p = _buffer("vp", rows * k, dev).view(rows, k)
+    put = dict(zip(ROWS, table))
+    put["ee"].copy_(_per_block(torch.mul(e, e, out=p), spec, "sum"))
+    put["se"].copy_(_per_block(torch.mul(f, e, out=p), spec, "sum"))
+    put["ss"].copy_(_per_block(torch.mul(f, f, out=p), spec, "sum"))
+    a = torch.abs(f, out=p)
+    amax = _per_block(a, spec, "amax")
+    h = _max_error(a, scale, spec, _buffer("vd", rows * k, dev).view(rows, k))  # e is no longer needed
+    hh = float(torch.dot(h.view(-1), h.view(-1)))
+    put["sh"].copy_(_per_block(a.mul_(h), spec, "sum"))
+    _derived(put, scale, amax, spec.element.max)
+    return {"yard": yard, "max_abs": max_abs, "nonfinite": nonfinite, "hh": hh}
+
+
+def _prescale(q: QuantResult, spec: QuantSpec) -> float:
+    """2^-k with the largest value the scales can decode brought under 2^PRESCALE_TOP (1 for any
+    ordinary weight; non-finite scales are the finiteness check's)."""
+    scales = scale_values(q.scale, q.global_scale, spec)
+    top = float(scales.abs().max()) * spec.element.max if scales.numel() else 0.0
+    if not math.isfinite(top) or top < 2.0**PRESCALE_TOP:
+        return 1.0
+    return 2.0 ** -(math.frexp(top)[1] - PRESCALE_TOP)
+
+
+def _blocks_in(band: Band, spec: QuantSpec, k: int) -> int:
+    rows = band.stop - band.start
+    if spec.geometry == GROUP:
+        return rows * (k // spec.group)
+    if spec.geometry == BLOCK:
+        return -(-rows // FP8_BLOCK) * -(-k // FP8_BLOCK)
+    return rows
+
+
+def block_stats(x: torch.Tensor, q: QuantResult, spec: QuantSpec, yardsticks: tuple[Yardstick, ...] = (),
+                elements: int | None = None) -> BlockStats:
+    """The per-block sums of `q` decoded against its source `x` ([..., N, K], any float dtype and
+    strides, on q's device). Yardsticks of the tensor geometry must come as a `result` (a band
+    would see only its own amax)."""
+    shape = tuple(x.shape)
+    n, k = shape[-2], shape[-1]
+    tall = FP8_BLOCK if BLOCK in (spec.geometry, *(y.spec.geometry for y in yardsticks)) else 1
+    if x.device.type != "cpu":
+        elements = max(x.numel(), 1)  # a GPU takes each matrix whole
+    mats = x.reshape(-1, n, k)
+    work = list(bands(q, spec, shape, elements, tall))
+    sizes = [_blocks_in(b, spec, k) for b in work]
+    table = torch.empty(len(ROWS), sum(sizes), dtype=torch.float32, device=x.device)
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    prescale = _prescale(q, spec)
+
+    def one(i: int) -> dict:
+        b = work[i]
+        return _band_stats(mats[b.matrix, b.start:b.stop], b, q.global_scale, spec, yardsticks, shape,
+                           table[:, starts[i]:starts[i + 1]], prescale)
+
+    parts = list(_map(one, list(range(len(work)))))
+    return BlockStats(*table.cpu(), hh=sum(p["hh"] for p in parts),
+                      max_abs=max((p["max_abs"] for p in parts), default=0.0),
+                      nonfinite=sum(p["nonfinite"] for p in parts),
+                      yard=[sum(p["yard"][i] for p in parts) for i in range(len(yardsticks))], prescale=prescale)
