@@ -50,7 +50,8 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def _convert(run_cli, src: Path, out: Path, data: Path, *extra: str) -> None:
     code, _, err = run_cli("convert", str(src), str(out), "--recipe", "fp8", "--activations", "static",
-                           "--kv-cache", "fp8", "--layout", "compressed-tensors", "--calibration", str(data), "--quiet", *extra)
+                           "--kv-cache", "fp8", "--layout", "compressed-tensors", "--calibration", str(data),
+                           "--quiet", *extra)
     assert code == 0, err
 
 
@@ -207,7 +208,8 @@ class _FakeDatasets:
     def load_dataset(self, repo, config=None, split=None, streaming=False):
         self.calls.append((repo, config, split, streaming))
         if repo != "org/calib":
-            raise self.exceptions.DatasetNotFoundError(f"Dataset '{repo}' doesn't exist on the Hub or cannot be accessed.")
+            raise self.exceptions.DatasetNotFoundError(
+                f"Dataset '{repo}' doesn't exist on the Hub or cannot be accessed.")
         return iter(self.rows)
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantcli.formats.layouts import get_layout
 from quantcli.formats.fused import fused_group_of
+from quantcli.formats.layouts import get_layout
 from quantcli.verify.findings import REF_ERROR
 
 pytest.importorskip("compressed_tensors")
@@ -229,11 +229,13 @@ CORRUPTIONS = {
     "codes of another tensor": ("ct-nvfp4", GATE, lambda t: _set(t, f"{GATE}.weight_packed",
                                                                              t[f"{UP}.weight_packed"].clone())),
     "mx scales transposed": ("ct-mxfp4", QPROJ, lambda t: _transpose(t, f"{QPROJ}.weight_scale")),
-    "mx scale exponent +1": ("ct-mxfp4", DOWN, lambda t: _set(t, f"{DOWN}.weight_scale", t[f"{DOWN}.weight_scale"] + 1)),
+    "mx scale exponent +1": ("ct-mxfp4", DOWN,
+                             lambda t: _set(t, f"{DOWN}.weight_scale", t[f"{DOWN}.weight_scale"] + 1)),
     "mx scale exponent -1": ("ct-mxfp8", UP, lambda t: _set(t, f"{UP}.weight_scale", t[f"{UP}.weight_scale"] - 1)),
     "mx scales shifted": ("mo-mxfp4", DOWN, lambda t: _set(t, f"{DOWN}.weight_scale",
                                                            t[f"{DOWN}.weight_scale"].roll(1, -1))),
-    "bf16 block scale x2": ("ct-fp8-block", DOWN, lambda t: _set(t, f"{DOWN}.weight_scale", t[f"{DOWN}.weight_scale"] * 2)),
+    "bf16 block scale x2": ("ct-fp8-block", DOWN,
+                            lambda t: _set(t, f"{DOWN}.weight_scale", t[f"{DOWN}.weight_scale"] * 2)),
     "bf16 channel scales shifted": ("ct-fp8-channel", GATE, lambda t: _set(t, f"{GATE}.weight_scale",
                                                                         t[f"{GATE}.weight_scale"].roll(1, 0))),
 }
@@ -259,9 +261,11 @@ def test_margin_threshold_still_overrides(produced, reference, run_cli):
 # ---------------------------------------------------------------- BF16 scales: read, re-layout to F32 losslessly
 
 
-@pytest.mark.parametrize("producer,recipe,layout,scale", [("ct-fp8-block", "fp8-block", "fp8", "weight_scale_inv"),
-                                                          ("ct-fp8-channel", "fp8-channel", "modelopt", "weight_scale")])
-def test_bf16_scales_relayout_losslessly_to_f32(producer, recipe, layout, scale, produced, reference, tmp_path, run_cli):
+@pytest.mark.parametrize("producer,recipe,layout,scale", [
+    ("ct-fp8-block", "fp8-block", "fp8", "weight_scale_inv"),
+    ("ct-fp8-channel", "fp8-channel", "modelopt", "weight_scale")])
+def test_bf16_scales_relayout_losslessly_to_f32(producer, recipe, layout, scale, produced, reference, tmp_path,
+                                                run_cli):
     src = produced[producer]
     dst = tmp_path / "out"
     code, out, err = run_cli("convert", src, dst, "--recipe", recipe, "--layout", layout)

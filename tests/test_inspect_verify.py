@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcli import inspect as inspect_report, verify
+from quantcli import inspect as inspect_report
+from quantcli import verify
+from quantcli.checkpoint.safetensors_io import write_file
+from quantcli.checkpoint.source import open_source
+from quantcli.checkpoint.tensors import CheckpointTensors
 from quantcli.reports import to_json
 
 
@@ -24,9 +28,6 @@ def kv_cache_account(*args, **kwargs) -> dict:
 
 def verify_checkpoint(*args, **kwargs) -> dict:
     return to_json(verify.verify_checkpoint(*args, **kwargs))
-from quantcli.checkpoint.safetensors_io import write_file
-from quantcli.checkpoint.source import open_source
-from quantcli.checkpoint.tensors import CheckpointTensors
 
 
 def load_all(path: Path) -> dict[str, torch.Tensor]:
@@ -45,15 +46,17 @@ def rewrite(path: Path, edit) -> None:
 
 @pytest.fixture(scope="module")
 def converted(tiny_llama, tmp_path_factory):
-    from quantcli.cli.app import app
     from typer.testing import CliRunner
+
+    from quantcli.cli.app import app
 
     root = tmp_path_factory.mktemp("conv")
     outs = {}
     for recipe, layout in [("nvfp4", "modelopt"), ("nvfp4", "compressed-tensors"), ("mxfp4", "compressed-tensors"),
                            ("fp8-block", "fp8"), ("mxfp8", "compressed-tensors"), ("fp8-channel", "modelopt")]:
         out = root / f"{recipe}-{layout}"
-        r = CliRunner().invoke(app, ["convert", str(tiny_llama), str(out), "--recipe", recipe, "--layout", layout, "--quiet"])
+        r = CliRunner().invoke(app, ["convert", str(tiny_llama), str(out), "--recipe", recipe, "--layout", layout,
+                                     "--quiet"])
         assert r.exit_code == 0, r.output
         outs[(recipe, layout)] = out
     return outs
@@ -68,7 +71,8 @@ def foreign(src: Path, dst: Path, drop_manifest=True) -> Path:
 
 @pytest.mark.parametrize("key, bits", [(("nvfp4", "modelopt"), 4.5), (("nvfp4", "compressed-tensors"), 4.5),
                                        (("mxfp4", "compressed-tensors"), 4.25), (("fp8-block", "fp8"), 8.0),
-                                       (("mxfp8", "compressed-tensors"), 8.25), (("fp8-channel", "modelopt"), 8.25)])  # K=128: 8 + 32/128
+                                       (("mxfp8", "compressed-tensors"), 8.25),
+                                       (("fp8-channel", "modelopt"), 8.25)])  # K=128: 8 + 32/128
 def test_inspect_reports_layout_recipe_direction_bits(converted, tmp_path, key, bits):
     recipe, layout = key
     for path in (converted[key], foreign(converted[key], tmp_path / "f")):  # with and without a manifest
@@ -199,7 +203,8 @@ def _bump_scale(t, name):
 
 
 FAULTS = {
-    "nibbles swapped": (("nvfp4", "modelopt"), "model.layers.0.mlp.up_proj", lambda t, m: _swap_nibbles(t, f"{m}.weight")),
+    "nibbles swapped": (("nvfp4", "modelopt"), "model.layers.0.mlp.up_proj",
+                        lambda t, m: _swap_nibbles(t, f"{m}.weight")),
     "global inverted": (("nvfp4", "modelopt"), "model.layers.0.mlp.down_proj",
                         lambda t, m: t.__setitem__(f"{m}.weight_scale_2", 1.0 / t[f"{m}.weight_scale_2"])),
     "ct global inverted": (("nvfp4", "compressed-tensors"), "model.layers.1.self_attn.o_proj",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from faults import assert_one_line_error
+
 from quantcli.checkpoint.manifest import MANIFEST_NAME, Manifest
 from quantcli.checkpoint.safetensors_io import write_file
 from quantcli.testing import make_llama
@@ -23,8 +23,9 @@ from quantcli.verify.findings import REF_ERROR
 
 
 def _convert(src: Path, dst: Path, *args: str) -> Path:
-    from quantcli.cli.app import main
     import sys
+
+    from quantcli.cli.app import main
 
     old = sys.argv
     sys.argv = ["quantcli", "convert", str(src), str(dst), "--quiet", *args]

@@ -25,7 +25,9 @@ def _stored_direction(layout, module: str, recipe) -> str:
     """How the layout stores this module's global scale, in words (from the layout's table)."""
     d = next(d for d in layout.describe(module, recipe) if d.role == Role.GLOBAL_SCALE)
     suffix = d.name.rsplit(".", 1)[-1]
-    return f"{suffix} is a multiplier amax/2688" if d.direction == Direction.MULTIPLY else f"{suffix} is a divisor 2688/amax"
+    if d.direction == Direction.MULTIPLY:
+        return f"{suffix} is a multiplier amax/2688"
+    return f"{suffix} is a divisor 2688/amax"
 
 
 def _inverted(s2: float, here: float, reference: float, direction: str) -> str | None:

@@ -86,7 +86,8 @@ def parse_thresholds(items: list[str]) -> Limits:
             raise QuantcliError(f"--threshold {item!r}: {value!r} is not a number") from None
         ok, words = RANGES[key]
         if not math.isfinite(number) or not ok(number):
-            raise QuantcliError(f"--threshold {item!r}: {key} must be {words if math.isfinite(number) else 'a finite number'}, got {value}; "
+            allowed = words if math.isfinite(number) else "a finite number"
+            raise QuantcliError(f"--threshold {item!r}: {key} must be {allowed}, got {value}; "
                                 f"give a value in range")
         setattr(limits, key, number)
     return limits

@@ -75,7 +75,8 @@ def recalibrated_faults(scales: CalibratedScales, stats: Stats) -> Iterator[tupl
                 continue
             want = float(scale_for(amax, FP8_DIVISOR))
             if not _close(have, want):
-                yield name, f"is {have:.6g}; the calibration rerun on the reference gives {want:.6g} (amax {amax:.6g} / 448)"
+                yield name, (f"is {have:.6g}; the calibration rerun on the reference gives {want:.6g} "
+                             f"(amax {amax:.6g} / 448)")
 
 
 def _close(a: float, b: float) -> bool:
