@@ -16,9 +16,10 @@ import torch
 from quantcli.errors import QuantcliError
 from quantcli.evaluate.emulate import ErrorSum, attach, detach
 from quantcli.evaluate.fake_quant import KvQuantCache
-from quantcli.evaluate.stack import Stack, cache_kwarg, capture
+from quantcli.evaluate.stack import Stack, capture
 from quantcli.memory import fix_mmap_threshold
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
+from quantcli.model.layers import cache_kwarg
 from quantcli.model.weights import WeightMap, experts_blocks
 
 

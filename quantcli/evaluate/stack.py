@@ -6,13 +6,12 @@ embedding materialized."""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 
 from quantcli.errors import QuantcliError
-from quantcli.model.layers import EMBEDDING, meta_model
+from quantcli.model.layers import EMBEDDING, first_layer_inputs, meta_model
 from quantcli.model.samples import EXTRA
 
 CAUSAL, ENCODER = "causal-lm", "encoder"
@@ -67,10 +66,6 @@ def build_stack(config: dict, names, label: str) -> Stack:
     return Stack(CAUSAL, model, model.model.layers, "", "model.layers")
 
 
-class _Stop(Exception):
-    pass
-
-
 def _materialize(stack: Stack, get, device: torch.device) -> tuple[torch.nn.Module, list[str]]:
     """The module to call with input_ids, its embedding loaded from `get` on `device`; the
     checkpoint names read."""
@@ -97,30 +92,12 @@ def capture(stack: Stack, get, device: torch.device, input_batches: list[torch.T
     body, names = _materialize(stack, get, device)
     captured: list[tuple] = []
 
-    def catch(module, args, kwargs):
-        kwargs = dict(kwargs)
-        hidden = args[0] if args else kwargs.pop("hidden_states")
+    def record(hidden, args, kwargs):
         buffer.write(len(captured), hidden.to(torch.float32))
-        captured.append((tuple(args[1:]), kwargs))
-        raise _Stop
+        captured.append((args, kwargs))
 
-    hook = stack.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
-    try:
-        for ids in input_batches:
-            try:
-                body(input_ids=ids.to(device), use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        hook.remove()
+    first_layer_inputs(body, stack.layers[0], device, input_batches, record)
     (stack.model.embeddings if stack.kind == ENCODER else body.embed_tokens).to("meta")
     return captured, names
 
 
-def cache_kwarg(layer) -> str | None:
-    """The keyword a block's attention takes its KV cache by, or None (no self_attn)."""
-    attn = getattr(layer, "self_attn", None)
-    if attn is None:
-        return None
-    params = inspect.signature(type(attn).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"

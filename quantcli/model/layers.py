@@ -97,6 +97,28 @@ class _Stop(Exception):
     pass
 
 
+def first_layer_inputs(body, first_layer, device: torch.device, input_batches: list[torch.Tensor],
+                       record) -> None:
+    """Run `body` on each batch only until `first_layer` would start, and hand its inputs to
+    `record(hidden_states, other_args, kwargs)`: the embedding (and whatever else sits before the
+    first layer) is all that must be loaded. Calibration's walk and eval's two-sided walk share it."""
+    def catch(module, args, kwargs):
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        record(hidden, tuple(args[1:]), kwargs)
+        raise _Stop
+
+    hook = first_layer.register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for ids in input_batches:
+            try:
+                body(input_ids=ids.to(device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        hook.remove()
+
+
 def capture_inputs(model, get, device: torch.device, input_batches: list[torch.Tensor],
                    buffer: ActivationBuffer) -> list[dict]:
     """Layer 0's hidden states per batch (into `buffer`) and its other arguments (position
@@ -107,34 +129,27 @@ def capture_inputs(model, get, device: torch.device, input_batches: list[torch.T
         body.rotary_emb = type(body.rotary_emb)(config=model.config)
     captured: list[dict] = []
 
-    def catch(module, args, kwargs):
-        kwargs = dict(kwargs)
-        hidden = args[0] if args else kwargs.pop("hidden_states")
+    def record(hidden, args, kwargs):
         buffer.write(len(captured), hidden)
         captured.append(kwargs)
-        raise _Stop
 
-    hook = body.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
-    try:
-        for ids in input_batches:
-            try:
-                body(input_ids=ids.to(device), use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        hook.remove()
+    first_layer_inputs(body, body.layers[0], device, input_batches, record)
     body.embed_tokens.to("meta")
     return captured
 
 
-def _cache_kwarg(layer) -> str:
-    params = inspect.signature(type(layer.self_attn).forward).parameters
+def cache_kwarg(layer) -> str | None:
+    """The keyword a layer's attention takes its KV cache by, or None (no self_attn)."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None:
+        return None
+    params = inspect.signature(type(attn).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
 def _run_batches(layer, buffer: ActivationBuffer, captured: list[dict], cache, write: bool,
                  batch_done=lambda j: None) -> None:
-    extra = {_cache_kwarg(layer): cache} if cache is not None else {}
+    extra = {cache_kwarg(layer): cache} if cache is not None else {}
     for j, kwargs in enumerate(captured):
         out = layer(buffer.read(j), **{**kwargs, **extra, "use_cache": False})
         if write:
