@@ -206,6 +206,11 @@ class ElementCodec:
         """Code bytes -> FP32 element values (before any scale)."""
         raise NotImplementedError
 
+    def nearest(self, v: torch.Tensor) -> torch.Tensor:
+        """decode(encode(v)) element by element, unpacked, so any shape (one column at a time:
+        GPTQ's loop rounds with exactly the codes `encode` writes)."""
+        raise NotImplementedError
+
     def encode_into(self, scaled: torch.Tensor, signs: torch.Tensor, codes: torch.Tensor, scratch: Scratch) -> None:
         """encode(scaled) written into `codes`, in place (kernels/cpu.py): `scaled` is contiguous
         and overwritten; `signs` is x (sign-magnitude codecs take the signs from it, the others
@@ -229,6 +234,9 @@ class E4M3Codec(ElementCodec):
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         return decode_e4m3(codes)
 
+    def nearest(self, v: torch.Tensor) -> torch.Tensor:
+        return decode_e4m3(encode_e4m3(v))
+
     def encode_into(self, scaled, signs, codes, scratch) -> None:
         scaled.clamp_(-E4M3_MAX, E4M3_MAX)
         codes.view(torch.float8_e4m3fn).copy_(scaled)
@@ -246,6 +254,9 @@ class E2M1Codec(ElementCodec):
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         return decode_e2m1(unpack_nibbles(codes))
+
+    def nearest(self, v: torch.Tensor) -> torch.Tensor:
+        return decode_e2m1(encode_e2m1(v))
 
     def encode_into(self, scaled, signs, codes, scratch) -> None:
         encode_e2m1_into(scaled, signs, codes, scratch)
@@ -272,6 +283,9 @@ class IntCodec(ElementCodec):
         if self.packed:
             return unpack_nibbles(codes).to(torch.float32).add_(self.code_min)
         return codes.view(torch.int8).to(torch.float32)
+
+    def nearest(self, v: torch.Tensor) -> torch.Tensor:
+        return encode_int(v, self.code_min, self.code_max)
 
     def encode_into(self, scaled, signs, codes, scratch) -> None:
         torch.round(scaled, out=scaled).clamp_(self.code_min, self.code_max)

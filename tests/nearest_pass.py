@@ -28,6 +28,9 @@ class NearestPass:
     def takes(self, plan, t) -> bool:
         return True
 
+    def feeds_quantized(self, plan) -> bool:
+        return True
+
     def statistic(self, x: torch.Tensor) -> torch.Tensor:
         x = x.double()  # products of FP32 values are exact in FP64; their sums are what the order fixes
         return x.T @ x

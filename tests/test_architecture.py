@@ -18,7 +18,7 @@ LAYERS = [
     ("jobs", ["quantcli.convert", "quantcli.calibrate", "quantcli.evaluate", "quantcli.inspect", "quantcli.verify"]),
     ("planning", ["quantcli.planning"]),
     ("model", ["quantcli.model"]),
-    ("formats", ["quantcli.formats", "quantcli.recipes"]),
+    ("formats", ["quantcli.formats", "quantcli.recipes", "quantcli.rounding"]),
     ("bytes", ["quantcli.checkpoint", "quantcli.kernels"]),
     ("base", ["quantcli", "quantcli.errors", "quantcli.reports", "quantcli.memory", "quantcli.schemas"]),
 ]

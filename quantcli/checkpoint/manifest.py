@@ -91,9 +91,15 @@ class ModuleEntry:
     # squared input, from the calibration recorded under `calibration`); absent when data-free.
     # verify --exact needs that calibration (--calibration DATA) to reproduce these bytes.
     scale_search_weights: str | None = None
+    # Data-aware rounding (GPTQ): how this module was rounded ("gptq", or "nearest" with the
+    # reason), the calibration tokens that reached it, and the layer-output error
+    # ||(W - Q) X||^2 / ||W X||^2 on them of what is written and of round to nearest.
+    # Absent when every module was rounded to nearest by the recipe alone.
+    rounding: Mapping[str, object] | None = None
 
 
-OPTIONAL_MODULE_FIELDS = ("requantized_from", "requantize_rel_err", "scale_search", "scale_search_weights")
+OPTIONAL_MODULE_FIELDS = ("requantized_from", "requantize_rel_err", "scale_search", "scale_search_weights",
+                          "rounding")
 
 
 @dataclass(frozen=True)
@@ -111,11 +117,14 @@ class Manifest:
     # A calibrated run: the data (file name and SHA-256), how much of it ran, what it calibrated
     # (`quantcli verify --calibration` reruns it). Optional: absent from uncalibrated manifests.
     calibration: Mapping[str, object] | None = None
+    # Data-aware rounding: the method and its parameters (the per-module account is in `modules`).
+    rounding: Mapping[str, object] | None = None
 
     def to_json(self) -> str:
         doc = asdict(self)
-        if doc["calibration"] is None:
-            del doc["calibration"]
+        for key in ("calibration", "rounding"):
+            if doc[key] is None:
+                del doc[key]
         for m in doc["modules"]:
             for key in OPTIONAL_MODULE_FIELDS:
                 if m[key] is None:

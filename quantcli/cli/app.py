@@ -29,6 +29,11 @@ from quantcli.cli.convert_options import (
     CalibrationSeqLen,
     ConfigFile,
     DryRun,
+    GptqActOrder,
+    GptqDampening,
+    GptqInputs,
+    GptqMinTokens,
+    GptqScales,
     Ignore,
     KvCache,
     Layout,
@@ -37,6 +42,7 @@ from quantcli.cli.convert_options import (
     Quiet,
     Recipe,
     Resume,
+    RoundingMethod,
     ScaleRule,
     ScaleSearch,
     Verbose,
@@ -106,6 +112,12 @@ def convert(
     config: ConfigFile = None,
     scale_rule: ScaleRule = None,
     scale_search: ScaleSearch = None,
+    rounding: RoundingMethod = None,
+    gptq_dampening: GptqDampening = None,
+    gptq_act_order: GptqActOrder = None,
+    gptq_scales: GptqScales = None,
+    gptq_min_tokens: GptqMinTokens = None,
+    gptq_inputs: GptqInputs = None,
     activations: Activations = None,
     kv_cache: KvCache = None,
     calibration: Calibration = None,
@@ -136,7 +148,10 @@ def convert(
         ctx.meta[DESTINATION] = Path(dst).absolute()
     with hub_access(token, cache_dir):
         code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
-                           scale_rule=scale_rule, scale_search=scale_search, calibrate=dict(
+                           scale_rule=scale_rule, scale_search=scale_search, rounding=dict(
+                               rounding=rounding, gptq_dampening=gptq_dampening, gptq_act_order=gptq_act_order,
+                               gptq_scales=gptq_scales, gptq_min_tokens=gptq_min_tokens, gptq_inputs=gptq_inputs),
+                           calibrate=dict(
                                activations=activations, kv_cache=kv_cache, calibration=calibration,
                                calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
                                calibration_batch=calibration_batch), revision=revision, device=device,

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from quantcli.cli.bars import ConvertBar, PhaseBar, counting_bar
-from quantcli.cli.name_tables import ERROR
+from quantcli.cli.convert_summary import convert_summary as _convert_summary
+from quantcli.cli.convert_summary import print_convert_result as _print_convert_result
 from quantcli.cli.render import console as _console
 from quantcli.cli.render import (
-    dense_reasons,
     emit_json,
     excluded_lines,
     human_bytes,
@@ -36,7 +35,7 @@ PROCESS_BYTES = 256 * 2**20
 
 def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
                 config: Path | None, scale_rule: str | None, revision: str | None, device: str, backend: str,
-                scale_search: str | None = None,
+                scale_search: str | None = None, rounding: dict | None = None,
                 dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool,
                 calibrate: dict | None = None, per_tensor: bool = False, verbose: bool = False,
                 workers: int = 1, argv: list[str] | None = None, push_to_hub: dict | None = None,
@@ -49,7 +48,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     from quantcli.planning.options_file import conversion_options
 
     opts = conversion_options(recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule,
-                              calibrate=calibrate, scale_search=scale_search)
+                              calibrate=calibrate, scale_search=scale_search, rounding=rounding)
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
     if push_to_hub and dry_run:
@@ -103,89 +102,6 @@ def _workers_for(plan, workers: int) -> int:
         _console(stderr=True).print(f"warning: --workers {workers}: {plan.source.label} has {shards} shard(s), and a "
                                     f"worker converts whole shards; converting on {shards}")
     return min(workers, shards)
-
-
-def _convert_summary(plan, result) -> dict:
-    """The --json document of a finished conversion (quantcli/schemas/convert.json)."""
-    return envelope("convert", {
-        "layout": plan.target, "recipes": sorted(plan.recipes),
-        "tensors_quantized": result.quantized, "tensors_total": len(plan.tensors),
-        "bytes_in": result.bytes_in, "bytes_out": result.bytes_out, "seconds": round(result.seconds, 3),
-        "seconds_total": round(max(result.wall_seconds or 0.0, result.seconds), 3),
-        "shards_written": result.shards_written, "shards_resumed": result.shards_resumed,
-        "excluded": excluded_entries(plan.exclusions),
-        "exclusion_key": plan.layout.exclusion_key if plan.layout else None,
-        "exclusion_list": plan.excluded_names() if plan.layout else [], "warnings": result.warnings,
-        "lossless": plan.lossless, "notes": result.notes,
-        "requantize_rel_err_vs_decoded_source": result.requantize_errors,
-        "already_complete": result.already_complete,
-    }, source=plan.source.label, destination=result.dst)
-
-
-def _print_convert_result(plan, result, src: str, overwrite: bool = False) -> None:
-    con = _console()
-    if result.already_complete:  # --resume keeps a finished output of the same plan, with --overwrite too
-        again = "drop --resume (keep --overwrite) to convert again" if overwrite else "use --overwrite to convert again"
-        con.print(f"{result.dst}: already complete (a finished quantcli output of the same source headers, recipe "
-                  f"and options); nothing to resume, nothing written: {again}")
-        return
-    if plan.lossless:
-        con.print("lossless re-layout: every code and block-scale value carried over unchanged")
-    for n in result.notes:
-        con.print(f"note: {n}")
-    if result.requantize_errors:  # the plan's warning said why; the `next:` line below says how to check
-        errs = result.requantize_errors
-        worst = max(errs, key=errs.get)
-        con.print(f"re-quantized {len(errs)} modules; relative error vs the decoded source: mean "
-                  f"{ERROR.format(sum(errs.values()) / len(errs))}, worst {ERROR.format(errs[worst])} ({worst})")
-    con.print(f"wrote {result.dst}: {_what_was_done(plan, result)}, "
-              f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)}{_timing(result)}")
-    if plan.exclusions:
-        con.print(f"left dense: {dense_reasons(plan.exclusions)}")
-    if plan.layout is not None:  # the card's verdicts (quantcli/formats/engines.py, checked on the output)
-        from quantcli.convert.model_card import output_loads
-        from quantcli.formats.engine_checks import loads_in_line
-
-        con.print(f"loads in: {loads_in_line(output_loads(plan, result.dst))}", markup=False)
-    cal = plan.options.calibration
-    if cal is not None:
-        con.print(f"calibrated: {_calibrated_counts(plan)} from {cal.data}")
-    recheck = f" --calibration {shlex.quote(cal.data)}" if cal is not None else ""
-    con.print(f"next: quantcli verify {shlex.quote(str(result.dst))} --reference {shlex.quote(src)}{recheck}")
-
-
-def _calibrated_counts(plan) -> str:
-    """`14 activation scales, 4 KV-cache scales`: the calibrated tensors the plan wrote."""
-    written = [o.name for t in plan.tensors for o in t.outputs]
-    inputs = sum(n.endswith((".input_scale", ".input_global_scale")) for n in written)
-    kv = sum(n.endswith((".k_scale", ".v_scale")) for n in written)
-    parts = [f"{inputs} activation scales"] * bool(inputs) + [f"{kv} KV-cache scales"] * bool(kv)
-    return ", ".join(parts) or "activation-weighted block scales (--scale-search mse)"
-
-
-def _what_was_done(plan, result) -> str:
-    """'14 of 21 tensors quantized (nvfp4 -> modelopt)', or re-laid out, or dequantized."""
-    if plan.layout is None:
-        return f"{sum(t.action == 'dequantize' for t in plan.tensors)} modules dequantized to {plan.dense_dtype}"
-    verb = "carried over" if plan.lossless else "quantized"  # a re-layout copies codes and scales
-    return (f"{result.quantized} of {len(plan.tensors)} tensors {verb} "
-            f"({', '.join(sorted(plan.recipes)) or 'none'} -> {plan.target})")
-
-
-def _timing(result) -> str:
-    """' in 5.3 s (start-up 3.2 s, converting 2.1 s at 25.80 MiB/s)': the wall time since the
-    process started, then the conversion's own; a resumed run shows no rate (its bytes are those
-    of every shard)."""
-    wall = max(result.wall_seconds or 0.0, result.seconds)
-    head = f" in {_seconds(wall)} (start-up {_seconds(wall - result.seconds)}, converting {_seconds(result.seconds)}"
-    if result.shards_resumed:  # bytes_in counts every shard, so a rate here would count the resumed ones
-        return f"{head}); {result.shards_written} shard(s) written, {result.shards_resumed} resumed"
-    rate = result.bytes_in / max(result.seconds, 1e-9)  # binary units, as the progress bar shows it
-    return f"{head} at {human_bytes(rate)}/s)"
-
-
-def _seconds(s: float) -> str:
-    return f"{s:.1f} s" if s >= 0.1 else f"{s:.2g} s"  # a tiny run reads '0.034 s', never '0.0 s'
 
 
 def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, device: str = "auto",

@@ -37,7 +37,8 @@ Layout = Annotated[Optional[str], choice("--layout", "layout", layout_names, LAY
 Ignore = Annotated[Optional[list[str]], typer.Option(metavar="PATTERN", help=(
     "Leave modules matching PATTERN unquantized: a name, a parent module, a glob or re:REGEX (repeatable)."))]
 ConfigFile = Annotated[Optional[Path], typer.Option("--config", metavar="FILE", help=(
-    "TOML recipe file: recipe, layout, scale_rule, scale_search, targets, ignore, [[override]]."))]
+    "TOML recipe file: recipe, layout, scale_rule, scale_search, targets, ignore, [[override]], rounding, gptq_*, "
+    "[[rounding_override]]."))]
 ScaleRule = Annotated[Optional[str], choice(
     "--scale-rule", "MX scale rule", scale_rule_names, SCALE_RULE_NAMES, "RULE",
     f"MX scale exponent rule: {', '.join(SCALE_RULE_NAMES)} (default: the layout's producer).")]
@@ -45,6 +46,24 @@ ScaleSearch = Annotated[Optional[str], choice(
     "--scale-search", "scale search", lambda: ["none", "mse"], ["none", "mse"], "METHOD",
     "none: absmax block scales; mse: per block the scale code with the smallest error (nvfp4, mxfp4, mxfp8; "
     "activation-weighted with --calibration).")]
+RoundingMethod = Annotated[Optional[str], choice(
+    "--rounding", "rounding", lambda: ["nearest", "gptq"], ["nearest", "gptq"], "METHOD",
+    "nearest: round each weight to nearest (default); gptq: round with GPTQ's error feedback from the calibration "
+    "data (needs --calibration).")]
+GptqDampening = Annotated[Optional[float], typer.Option(metavar="F", help=(
+    "GPTQ: dampening, a fraction of mean diag(X^T X) added to it.  [default: 0.01]"))]
+GptqActOrder = Annotated[Optional[str], choice(
+    "--gptq-act-order", "GPTQ column order", lambda: ["none", "static"], ["none", "static"], "ORDER",
+    "GPTQ: static rounds columns by decreasing input energy (scales from the original weights).  [default: none]")]
+GptqScales = Annotated[Optional[str], choice(
+    "--gptq-scales", "GPTQ scale choice", lambda: ["updated", "original"], ["updated", "original"], "FROM",
+    "GPTQ, block formats: choose each block's scale from the updated or the original weights.  [default: updated]")]
+GptqMinTokens = Annotated[Optional[int], typer.Option(metavar="N", help=(
+    "GPTQ: a module (an MoE expert) fewer calibration tokens reached is rounded to nearest.  [default: 32]"))]
+GptqInputs = Annotated[Optional[str], choice(
+    "--gptq-inputs", "GPTQ inputs", lambda: ["quantized", "dense"], ["quantized", "dense"], "FROM",
+    "GPTQ: each layer's inputs from the layers already quantized (sequential) or from the source.  "
+    "[default: quantized]")]
 Activations = Annotated[Optional[str], choice(
     "--activations", "activation scheme", lambda: ["static", "dynamic"], ["static", "dynamic"], "MODE",
     "static: calibrated activation scales (nvfp4 W4A4, fp8); needs --calibration.")]

@@ -67,9 +67,10 @@ def _write_configs(plan: Plan, stage: Path) -> dict:
 def build_manifest(plan: Plan, fp: str, found: Findings) -> Manifest:
     modules = [_manifest_module(plan, t, found) for t in plan.tensors if t.quantized]
     excluded = tuple(plan.excluded_names()) if plan.layout is not None else ()
+    rounding = plan.options.rounding.record() if plan.options.rounding.data_aware else None
     return Manifest(__version__, plan.target, plan.options.recipe, plan.source.describe(), fp, tuple(modules),
                     excluded, lossless=plan.lossless, notes=tuple(found.note_list()),
-                    calibration=calibration_record(plan))
+                    calibration=calibration_record(plan), rounding=rounding)
 
 
 def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:
@@ -90,6 +91,8 @@ def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:
         entry = replace(entry, scale_search=None)
     if found.weighted.get(t.module):  # calibration statistics weighted the search
         entry = replace(entry, scale_search_weights=found.weighted[t.module])
+    if found.rounding.get(t.module):  # a weight pass rounded it from the calibration data
+        entry = replace(entry, rounding=found.rounding[t.module])
     if t.action == Action.REQUANTIZE:  # verify against the original model adds this error to its yardstick
         entry = replace(entry, requantized_from=t.source_recipe, requantize_rel_err=found.errors.get(t.module))
     return entry

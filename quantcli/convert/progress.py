@@ -39,6 +39,8 @@ def fingerprint(plan: Plan) -> str:
         c = opts.calibration
         h.update(f"calibration|{opts.activations}|{opts.kv_cache}|{c.samples}|{c.seq_len}|{c.batch}".encode())
         h.update(data_digest(c).encode())
+    if opts.rounding.data_aware:  # only then: round-to-nearest fingerprints keep their bytes
+        h.update(f"rounding|{opts.rounding.fingerprint()}".encode())
     for shard in plan.source.shards:
         header = plan.source.headers[shard]
         h.update(json.dumps({n: [i.start, i.end] for n, i in sorted(header.tensors.items())}).encode())

@@ -25,10 +25,11 @@ class Findings:
     notes: Mapping[str, str] = field(default_factory=dict)  # module -> what the user must know
     errors: Mapping[str, float] = field(default_factory=dict)  # module -> re-quantize relative L2 error
     weighted: Mapping[str, str] = field(default_factory=dict)  # module -> what weighted its scale search
+    rounding: Mapping[str, dict] = field(default_factory=dict)  # module -> how a weight pass rounded it
 
     @classmethod
     def merge(cls, parts: Iterable[Findings]) -> Findings:
-        merged: dict[str, dict] = {"globals": {}, "notes": {}, "errors": {}, "weighted": {}}
+        merged: dict[str, dict] = {"globals": {}, "notes": {}, "errors": {}, "weighted": {}, "rounding": {}}
         for part in parts:
             for key, found in merged.items():
                 found.update(getattr(part, key))
@@ -41,6 +42,8 @@ class Findings:
         out = {"globals": dict(self.globals), "notes": dict(self.notes), "errors": dict(self.errors)}
         if self.weighted:  # only then: other progress records keep their form
             out["weighted"] = dict(self.weighted)
+        if self.rounding:
+            out["rounding"] = dict(self.rounding)
         return out
 
 
@@ -59,7 +62,8 @@ class ShardResult:
     @classmethod
     def from_json(cls, rec: Mapping) -> ShardResult:
         return cls(rec["size"], rec["sha256"], Findings(dict(rec["globals"]), dict(rec["notes"]),
-                                                        dict(rec["errors"]), dict(rec.get("weighted", {}))))
+                                                        dict(rec["errors"]), dict(rec.get("weighted", {})),
+                                                        dict(rec.get("rounding", {}))))
 
 
 @dataclass

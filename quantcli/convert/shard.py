@@ -41,6 +41,7 @@ class Learned:
     note: str | None = None  # what the user must know (an inexact reciprocal)
     error: float | None = None  # re-quantized vs decoded source, relative L2 error
     weighted: str | None = None  # what weighted its scale search ("input_channel_ms"), if anything
+    rounding: dict | None = None  # a weight pass's account of how it rounded (GPTQ: method, errors, tokens)
 
 
 def convert_shard(reader: ModuleReader, shard: str, facts: Mapping[str, ModuleFacts], out_path: Path,
@@ -76,7 +77,8 @@ def _findings(learned: Mapping[str, Learned]) -> Findings:
         globals={m: x.global_scale for m, x in learned.items() if x.global_scale is not None},
         notes={m: x.note for m, x in learned.items() if x.note is not None},
         errors={m: x.error for m, x in learned.items() if x.error is not None},
-        weighted={m: x.weighted for m, x in learned.items() if x.weighted is not None})
+        weighted={m: x.weighted for m, x in learned.items() if x.weighted is not None},
+        rounding={m: x.rounding for m, x in learned.items() if x.rounding is not None})
 
 
 def _stream(f, reader: ModuleReader, shard: str, planned: list[TensorPlan], facts: Mapping[str, ModuleFacts],

@@ -13,6 +13,7 @@ from quantcli.model.buffer import budget_bytes
 from quantcli.model.samples import check_token_ids, check_tokenizer, read_samples
 from quantcli.planning.actions import Action
 from quantcli.planning.plan import Exclusion, Plan, TensorPlan
+from quantcli.planning.rounding_plan import unreached_warnings
 
 # Decoder-only architectures whose layers quantcli/calibrate/engine.py runs: dense Llama-style
 # attention + MLP, and MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters
@@ -24,14 +25,17 @@ UNREACHED = "not in the model's forward (no calibration statistics)"
 _SHAPES = {SCALAR: (), ONE: (1,)}
 
 
-def check_options(activations: str | None, kv_cache: str | None, calibration, scale_search: str = "none") -> None:
+def check_options(activations: str | None, kv_cache: str | None, calibration, scale_search: str = "none",
+                  data_aware_rounding: bool = False) -> None:
     """Flags that need --calibration, refused before the source is opened."""
-    for flag, value in (("--activations static", activations == "static"), ("--kv-cache fp8", kv_cache == "fp8")):
+    for flag, value in (("--activations static", activations == "static"), ("--kv-cache fp8", kv_cache == "fp8"),
+                        ("--rounding gptq", data_aware_rounding)):
         if value and calibration is None:
             raise QuantcliError(f"{flag} needs --calibration DATA (a .txt or .jsonl of calibration samples)")
-    if calibration is not None and activations != "static" and kv_cache != "fp8" and scale_search != "mse":
-        raise QuantcliError("--calibration: nothing to calibrate; add --activations static, --kv-cache fp8 and/or "
-                            "--scale-search mse (activation-weighted)")
+    if (calibration is not None and activations != "static" and kv_cache != "fp8" and scale_search != "mse"
+            and not data_aware_rounding):
+        raise QuantcliError("--calibration: nothing to calibrate; add --activations static, --kv-cache fp8, "
+                            "--scale-search mse (activation-weighted) and/or --rounding gptq")
 
 
 def checked_plan(plan: Plan) -> Plan:
@@ -68,6 +72,7 @@ def checked_plan(plan: Plan) -> Plan:
     if found < opts.calibration.samples:
         warnings.append(f"--calibration {opts.calibration.data}: holds {found} sample(s), fewer than "
                         f"--calibration-samples {opts.calibration.samples}; calibrating with {found}")
+    warnings += unreached_warnings(plan)
     return replace(plan, tensors=tensors, warnings=warnings)
 
 

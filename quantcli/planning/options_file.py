@@ -12,14 +12,17 @@ from quantcli.formats.layouts import LAYOUTS
 from quantcli.kernels.spec import SCALE_RULES, SCALE_SEARCHES
 from quantcli.planning.calibration import check_options
 from quantcli.planning.plan import Options
+from quantcli.planning.rounding import INPUTS, METHODS, Rounding, rounding_options
 from quantcli.recipes import DENSE_RECIPES, RECIPES
+from quantcli.rounding.gptq import ACT_ORDERS, SCALE_CHOICES
 
 
 def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[str], config: Path | None,
                        scale_rule: str | None, calibrate: dict | None = None,
-                       scale_search: str | None = None) -> Options:
+                       scale_search: str | None = None, rounding: dict | None = None) -> Options:
     """The options of one conversion, from the command line and the recipe file (if any);
-    `calibrate`: the command line's activations, kv_cache, calibration and calibration_* values."""
+    `calibrate`: the command line's activations, kv_cache, calibration and calibration_* values;
+    `rounding`: the command line's rounding and gptq_* values."""
     opts = Options(recipe=recipe or "")
     data: dict = {}
     if config is not None:
@@ -35,12 +38,30 @@ def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[s
     opts.scale_rule = scale_rule or opts.scale_rule
     opts.scale_search = scale_search or opts.scale_search
     opts.ignore += ignore
+    opts.rounding = _rounding_options(data, rounding or {})
     _calibration_options(opts, data, calibrate or {})
     return opts  # no recipe: the planner takes a quantized source's own (conversion.default_recipe)
 
 
 _CALIBRATION_KEYS = {"activations": ("static", "dynamic"), "kv_cache": ("fp8", "none"), "calibration": None,
                      "calibration_samples": 128, "calibration_seq_len": 512, "calibration_batch": 1}
+
+
+_GPTQ_KEYS = {"gptq_dampening": float, "gptq_act_order": ACT_ORDERS, "gptq_scales": SCALE_CHOICES,
+              "gptq_min_tokens": int, "gptq_inputs": INPUTS}
+
+
+def _rounding_options(data: dict, given: dict) -> Rounding:
+    """--rounding and --gptq-*: the command line over the file."""
+    values, where = {}, {}
+    for key in _GPTQ_KEYS:
+        field_name = key.removeprefix("gptq_")
+        if given.get(key) is not None:
+            values[field_name], where[field_name] = given[key], f"--{key.replace('_', '-')}"
+        elif key in data:
+            values[field_name], where[field_name] = data[key], f"{key} in --config"
+    overrides = [(o["pattern"], o["rounding"]) for o in data.get("rounding_override", [])]
+    return rounding_options(given.get("rounding") or data.get("rounding"), overrides, values, where)
 
 
 def _calibration_options(opts: Options, data: dict, given: dict) -> None:
@@ -64,7 +85,7 @@ def _calibration_options(opts: Options, data: dict, given: dict) -> None:
         cal = Calibration(str(merged["calibration"]), sizes["calibration_samples"], sizes["calibration_seq_len"],
                           sizes["calibration_batch"])
     opts.calibration = cal
-    check_options(opts.activations, opts.kv_cache, cal, opts.scale_search)
+    check_options(opts.activations, opts.kv_cache, cal, opts.scale_search, opts.rounding.data_aware)
 
 
 def load_recipe_file(path: Path) -> dict:
@@ -89,7 +110,8 @@ def _toml_type(value: object) -> str:
 
 
 def _check_recipe_file(data: dict, where: str) -> dict:
-    known = ("recipe", "layout", "scale_rule", "scale_search", "targets", "ignore", "override", *_CALIBRATION_KEYS)
+    known = ("recipe", "layout", "scale_rule", "scale_search", "targets", "ignore", "override", *_CALIBRATION_KEYS,
+             "rounding", *_GPTQ_KEYS, "rounding_override")
     for key in data:
         if key not in known:
             raise QuantcliError(f"{where}: unknown key {key!r}{did_you_mean(key, known)} (allowed: {', '.join(known)})")
@@ -108,7 +130,7 @@ def _check_recipe_file(data: dict, where: str) -> dict:
 
     out: dict = {}
     names = {"recipe": [*RECIPES, *DENSE_RECIPES], "layout": list(LAYOUTS), "scale_rule": list(SCALE_RULES),
-             "scale_search": list(SCALE_SEARCHES)}
+             "scale_search": list(SCALE_SEARCHES), "rounding": list(METHODS)}
     for key, choices in names.items():
         if key in data:
             value = string(key, data[key], f'{key} = "{choices[0]}"')
@@ -119,6 +141,14 @@ def _check_recipe_file(data: dict, where: str) -> dict:
                             list(choices))
         elif key in data:
             out[key] = data[key] if key != "calibration" else string(key, data[key], 'calibration = "data.jsonl"')
+    for key, choices in _GPTQ_KEYS.items():
+        if key in data and isinstance(choices, tuple):
+            out[key] = pick(f"{where}: {key}", key.replace("_", " "), string(key, data[key], f'{key} = "{choices[0]}"'),
+                            list(choices))
+        elif key in data:
+            out[key] = data[key]  # numbers: checked with the command line's (planning/rounding.py)
+    if "rounding_override" in data:
+        out["rounding_override"] = _rounding_overrides(data["rounding_override"], where, string)
     for key in ("targets", "ignore"):
         if key in data:
             out[key] = strings(key, f'{key} = ["*q_proj"]')
@@ -137,4 +167,22 @@ def _check_recipe_file(data: dict, where: str) -> dict:
             recipe = pick(f"{where}: {label} recipe", "recipe",
                           string(f"{label} recipe", o["recipe"], 'recipe = "fp8"'), list(RECIPES))
             out["override"].append({"pattern": pattern, "recipe": recipe})
+    return out
+
+
+def _rounding_overrides(tables: object, where: str, string) -> list[dict]:
+    """[[rounding_override]] tables: pattern = "GLOB", rounding = "gptq" | "nearest"."""
+    if not isinstance(tables, list):
+        raise QuantcliError(f"{where}: rounding_override is {_toml_type(tables)}; expected [[rounding_override]] "
+                            'tables with pattern = "GLOB" and rounding = "gptq"')
+    out = []
+    for i, o in enumerate(tables, 1):
+        label = f"[[rounding_override]] #{i}"
+        if not isinstance(o, dict) or set(o) != {"pattern", "rounding"}:
+            raise QuantcliError(f"{where}: {label} needs exactly 'pattern' and 'rounding' "
+                                f"(got {sorted(o) if isinstance(o, dict) else _toml_type(o)})")
+        pattern = string(f"{label} pattern", o["pattern"], 'pattern = "*mlp*"')
+        method = pick(f"{where}: {label} rounding", "rounding",
+                      string(f"{label} rounding", o["rounding"], 'rounding = "gptq"'), list(METHODS))
+        out.append({"pattern": pattern, "rounding": method})
     return out

@@ -25,6 +25,7 @@ from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts
 from quantcli.formats.module_kinds import default_exclusion, has_lm_head, is_dense_linear
 from quantcli.planning.actions import Action
 from quantcli.planning.fused_groups import drop_single_member_groups, one_precision_per_fused_group
+from quantcli.planning.rounding import Rounding
 from quantcli.recipes import RECIPES, Recipe, get_recipe
 
 # docs/formats.md, "What is never quantized by default". (reason, pattern on the module name)
@@ -95,6 +96,7 @@ class Options:
     kv_cache: str | None = None  # "fp8": calibrated k_scale / v_scale
     calibration: Calibration | None = None
     scale_search: str = "none"  # none | mse: how NVFP4 / MX block scales are chosen (kernels/search.py)
+    rounding: Rounding = field(default_factory=Rounding)  # to nearest, or GPTQ per module (planning/rounding.py)
 
 
 @dataclass

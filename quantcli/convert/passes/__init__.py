@@ -12,6 +12,7 @@ The job runs every fact pass, then the one weight pass that takes any planned te
 from __future__ import annotations
 
 from quantcli.convert.passes.fact_passes import CALIBRATION_CACHE, calibrated_scales, fused_group_amax
+from quantcli.convert.passes.gptq_pass import GPTQ_PASS
 from quantcli.convert.passes.kinds import FactPass, Facts, ModuleWork, WeightPass, combined_max
 from quantcli.convert.passes.weight_walk import run_weight_pass
 from quantcli.convert.reading import ModuleReader
@@ -22,9 +23,9 @@ from quantcli.formats.facts import ModuleFacts
 
 PASSES: tuple[FactPass, ...] = (fused_group_amax, calibrated_scales)
 
-# The weight passes a conversion may run; the one whose `takes` accepts a planned tensor runs.
-# Data-aware rounding (`--rounding gptq`) registers here, its `takes` reading the plan's options.
-WEIGHT_PASSES: tuple[WeightPass, ...] = ()
+# The weight passes a conversion may run; the one whose `takes` accepts a planned tensor runs:
+# data-aware rounding (`--rounding gptq`), its `takes` reading the plan's options.
+WEIGHT_PASSES: tuple[WeightPass, ...] = (GPTQ_PASS,)
 
 __all__ = ["CALIBRATION_CACHE", "PASSES", "WEIGHT_PASSES", "FactPass", "Facts", "ModuleWork", "WeightPass",
            "combined_max", "learn_facts", "learn_weights"]

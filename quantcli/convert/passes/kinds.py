@@ -23,7 +23,7 @@ import torch
 from quantcli.convert.reading import ModuleReader
 from quantcli.convert.world import World
 from quantcli.formats.facts import ModuleFacts
-from quantcli.planning.plan import Plan, TensorPlan
+from quantcli.planning.plan import Options, Plan, TensorPlan
 from quantcli.recipes import QuantizedTensor, Recipe
 
 Facts = dict[str, dict[str, object]]  # {module: {ModuleFacts field: value}}
@@ -57,6 +57,17 @@ class ModuleWork:
     tokens: int  # how many input rows the statistic sums over
     facts: ModuleFacts  # what the fact passes learned (fused-group amax, calibrated scales)
     backend: str
+    options: Options  # the conversion's (a pass reads its own settings there)
+
+
+@dataclass(frozen=True)
+class Rounded:
+    """A pass's quantized tensor and its account of how it rounded it, which the manifest keeps
+    for the module (`rounding`) and, when `note` is set, the summary and manifest notes say."""
+
+    q: QuantizedTensor
+    record: dict
+    note: str | None = None
 
 
 class WeightPass(Protocol):
@@ -73,6 +84,11 @@ class WeightPass(Protocol):
         """One batch's partial statistic of a module from its input rows `x` [tokens, K] (FP32),
         e.g. X^T X in FP64: summed over batches in global batch order by the walk."""
 
-    def quantize(self, work: ModuleWork) -> QuantizedTensor:
+    def quantize(self, work: ModuleWork) -> QuantizedTensor | Rounded:
         """The module's quantized tensor: `work.recipe`'s codes and scales for `work.tensor`'s
-        logical shape, as `Recipe.quantize` returns them (the layout writes it)."""
+        logical shape, as `Recipe.quantize` returns them (the layout writes it), with or without
+        an account of the rounding."""
+
+    def feeds_quantized(self, plan: Plan) -> bool:
+        """Whether the next layer's inputs come from this layer as quantized (sequential, as
+        GPTQ compensates errors downstream) rather than from the source's own weights."""

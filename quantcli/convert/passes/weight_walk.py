@@ -20,12 +20,12 @@ very file a replay reads, so both feed the next layer the same bits.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
 from quantcli.checkpoint.safetensors_io import OutSpec, dtype_name
-from quantcli.convert.passes.kinds import ModuleWork, WeightPass
+from quantcli.convert.passes.kinds import ModuleWork, Rounded, WeightPass
 from quantcli.convert.passes.ordered_sum import OrderedSum
 from quantcli.convert.reading import ModuleReader
 from quantcli.convert.shard import compute_threads, learned_of
@@ -74,13 +74,16 @@ class WeightWalk(LayerPass):
         self.index = {layer_prefix(i): i for i in range(layers)}
         plan = reader.plan
         self.taken = {t.name: t for t in plan.tensors if t.action == "quantize" and wp.takes(plan, t)}
+        self.sequential = wp.feeds_quantized(plan)
         self.layer_tensors: list = []
         self.sums: OrderedSum | None = None
         self.statistics: tuple[dict[str, torch.Tensor], dict[str, int]] = ({}, {})
 
     def replay(self, prefix: str):
         i = self.index[prefix]
-        return self._written(i) if i < self.finished else None
+        if i >= self.finished:
+            return None
+        return self._written(i) if self.sequential else self.reader.tensors.get
 
     def observe(self, layer, prefix: str, weights, experts) -> list:
         read = dict.fromkeys(src for n in layer.state_dict() for src in weights.sources(prefix + n, experts))
@@ -107,7 +110,8 @@ class WeightWalk(LayerPass):
         i = self.index[prefix]
         self.world.settle(lambda: self._stage(i) if self.world.lead else None)
         self.statistics = ({}, {})
-        load_layer(layer, prefix, self._written(i), weights, experts, self.reader.device)
+        if self.sequential:  # else the layer keeps the source's weights: the next inputs are the source's
+            load_layer(layer, prefix, self._written(i), weights, experts, self.reader.device)
         if os.environ.get(KILL_ENV) == str(i + 1):
             import signal
 
@@ -122,7 +126,10 @@ class WeightWalk(LayerPass):
             for t in self.layer_tensors:
                 recipe, facts, stat = plan.recipes[t.recipe], self.facts.get(t.module, NO_FACTS), sums.get(t.module)
                 q = self.wp.quantize(ModuleWork(t, recipe, reader.weight(t), None if stat is None else
-                                                stat.to(reader.device), rows.get(t.module, 0), facts, reader.backend))
+                                                stat.to(reader.device), rows.get(t.module, 0), facts, reader.backend,
+                                                plan.options))
+                account = q if isinstance(q, Rounded) else None
+                q = q.q if isinstance(q, Rounded) else q
                 if q.recipe != t.recipe or tuple(q.shape) != t.logical_shape:
                     raise RuntimeError(f"internal: weight pass {self.wp.name} returned {q.recipe} {list(q.shape)} "
                                        f"for {t.name}, planned as {t.recipe} {list(t.logical_shape)}")
@@ -131,7 +138,10 @@ class WeightWalk(LayerPass):
                               plan.layout, f"weight pass {self.wp.name}")
                 tensors.update(out)
                 products[t.name] = sorted(out)
-                learned[t.module] = asdict(learned_of(recipe, q, facts))
+                found = learned_of(recipe, q, facts)
+                if account is not None:
+                    found = replace(found, rounding=account.record, note=account.note)
+                learned[t.module] = asdict(found)
         self.staged.write_layer(i, tensors, products, learned)
 
     def _written(self, i: int):

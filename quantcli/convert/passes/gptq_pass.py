@@ -1,0 +1,59 @@
+"""`--rounding gptq`: the weight pass that rounds each Linear of the decoder layers by GPTQ
+(quantcli/rounding/gptq.py) from H = X^T X of the calibration inputs reaching it, layer by
+layer on the walk (weight_walk.py): each layer's inputs come from the layers already quantized
+(`--gptq-inputs quantized`, the default, as llm-compressor's sequential pipeline) or from the
+source (`dense`).
+
+H is summed in FP64 (products of FP32 values are exact in FP64) in global batch order, so the
+bytes do not depend on the number of ranks. A module that no token, or fewer than
+`--gptq-min-tokens`, reached (an MoE expert the router seldom chose) is rounded to nearest and
+named: its H is the routed tokens' only (what the expert sees at inference), and from a handful
+of them GPTQ would fit those tokens rather than the module. Non-finite activations are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantcli.convert.passes.kinds import ModuleWork, Rounded
+from quantcli.errors import QuantcliError
+from quantcli.planning.plan import Plan, TensorPlan
+from quantcli.planning.rounding import GPTQ
+from quantcli.planning.rounding_plan import gptq_reaches
+from quantcli.rounding.gptq import gptq_quantize
+
+
+class GptqPass:
+    name = "gptq"
+
+    def takes(self, plan: Plan, t: TensorPlan) -> bool:
+        return plan.options.rounding.method_for(t.module) == GPTQ and gptq_reaches(t)
+
+    def feeds_quantized(self, plan: Plan) -> bool:
+        return plan.options.rounding.inputs == "quantized"
+
+    def statistic(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.double()
+        return x.T @ x
+
+    def quantize(self, work: ModuleWork) -> Rounded:
+        module, rounding = work.tensor.module, work.options.rounding
+        if work.statistic is None or work.tokens < rounding.min_tokens:
+            q = work.recipe.quantize(work.tensor.name, work.weight, backend=work.backend, facts=work.facts)
+            reason = (f"{work.tokens} calibration tokens reached it (fewer than --gptq-min-tokens "
+                      f"{rounding.min_tokens})")
+            return Rounded(q, {"method": "nearest", "tokens": work.tokens, "reason": reason},
+                           note=f"{module}: rounded to nearest, not GPTQ: {reason}")
+        if not bool(torch.isfinite(work.statistic).all()):
+            raise QuantcliError(f"{module}: the calibration activations reaching it are not finite (Inf/NaN in "
+                                f"X^T X): the source overflows on this data; check the data or the source's dtype")
+        o = gptq_quantize(work.tensor.name, work.weight, work.statistic, work.recipe, work.facts, rounding.gptq,
+                          work.backend)
+        record = {"method": o.method, "tokens": work.tokens, "output_error": o.error,
+                  "nearest_output_error": o.nearest_error, "dampening": o.dampening}
+        if o.reason is None:
+            return Rounded(o.q, record)
+        return Rounded(o.q, {**record, "reason": o.reason}, note=f"{module}: rounded to nearest, not GPTQ: {o.reason}")
+
+
+GPTQ_PASS = GptqPass()

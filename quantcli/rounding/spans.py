@@ -1,0 +1,83 @@
+"""A recipe's quantizer taken apart for data-aware rounding: which columns share a scale (a
+*span*), how a span's scales are chosen, and how values round given scales already chosen, one
+column at a time. Every piece is the recipe's own arithmetic (kernels/), so codes written from
+the values GPTQ rounded are exactly the codes its loop rounded with.
+
+Spans along K: the group geometry's 1 x group blocks (NVFP4 16, MX 32, INT4 128), the block
+geometry's 128 x 128 tiles (all their 128-row bands at once), and for per-tensor and per-row
+scales the whole K (one scale per tensor or row, chosen before the loop).
+
+A span's scales are the recipe quantizer's scales of that slice of the weight (absmax, or the
+scale search with its activation weights), with the NVFP4 global scale pinned to the one of the
+original weights (`global_amax`: the fused group's amax, shared across q/k/v as engines need).
+Given scales, a column rounds as the recipe encodes: q = element.nearest(scaled(x, d)) and
+decodes to q * d, d being the scale codec's decoded scale (kernels/scales.py: what `encode`
+divides by is what `decode` multiplies by, for every codec; tests/test_gptq.py checks it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantcli.kernels import quantize as kernel_quantize
+from quantcli.kernels.spec import BLOCK, FP8_BLOCK, GROUP, QuantSpec
+
+
+class Spans:
+    """The scales of one weight `[N, K]` (source dtype `dtype`), chosen span by span."""
+
+    def __init__(self, spec: QuantSpec, n: int, k: int, dtype: torch.dtype, global_amax: torch.Tensor | None,
+                 channel_weight: torch.Tensor | None, backend: str):
+        self.spec, self.n, self.k, self.dtype = spec, n, k, dtype
+        self.global_amax, self.channel_weight, self.backend = global_amax, channel_weight, backend
+        self.width = {GROUP: spec.group, BLOCK: FP8_BLOCK}.get(spec.geometry, k)
+        self.stored: list[torch.Tensor] = []  # per span, in order along K
+        self.s2: torch.Tensor | None = None
+
+    @property
+    def chosen_per_span(self) -> bool:
+        """Whether scales can be chosen as the loop reaches each span (else once, up front)."""
+        return self.spec.geometry in (GROUP, BLOCK)
+
+    def choose(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Scales for the span at column `start` from its current values `x` [N, width] (FP32);
+        returns their FP32 divisors, broadcastable to `x`."""
+        if self.spec.scale.dtype is None:  # scales of the weight's dtype (INT4): as its quantizer sees it
+            x = x.to(self.dtype)
+        weight = None if self.channel_weight is None else self.channel_weight[start:start + x.shape[-1]]
+        r = kernel_quantize(x, self.spec, global_amax=self.global_amax, backend=self.backend, channel_weight=weight)
+        self.stored.append(r.scale)
+        self.s2 = r.global_scale
+        return self.divisor(r.scale, x.shape[-1])
+
+    def choose_all(self, w: torch.Tensor) -> torch.Tensor:
+        """Every span's scales from `w` [N, K] at once (scales from the original weights);
+        returns the divisors [N, K]."""
+        return torch.cat([self.choose(w[:, s:s + self.width], s) for s in range(0, self.k, self.width)], dim=1)
+
+    def divisor(self, stored: torch.Tensor, width: int) -> torch.Tensor:
+        """[N, width] FP32 divisors of a span's stored scales."""
+        d = self.spec.scale.decode(stored, self.s2)
+        if self.spec.geometry == BLOCK:  # [N / 128 bands, 1] -> a row each
+            d = d.repeat_interleave(FP8_BLOCK, 0)[: self.n]
+        elif d.dim() == 1:  # per row
+            d = d.unsqueeze(-1)
+        elif d.dim() == 0:  # per tensor
+            d = d.reshape(1, 1)
+        return d.expand(self.n, width)
+
+    def scale_tensor(self) -> torch.Tensor:
+        """The stored scales of the whole weight, as the recipe's quantizer returns them."""
+        if len(self.stored) == 1:
+            return self.stored[0]
+        return torch.cat(self.stored, dim=-1)
+
+    def round(self, x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+        """The decoded values the recipe writes for `x` (FP32) given its scales' divisors."""
+        spec = self.spec
+        return spec.element.nearest(spec.scale.scaled(x, divisor, self.dtype)) * divisor
+
+    def encode(self, x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+        """The code bytes of `x` [N, K] given its divisors [N, K] (what `round` decodes from)."""
+        spec = self.spec
+        return spec.element.encode(spec.scale.scaled(x, divisor, self.dtype))
