@@ -105,7 +105,8 @@ def test_statistics_are_summed_in_batch_order_on_any_number_of_ranks():
 
 
 def _rank_worker(rank: int, size: int, port: int, jobs: list[dict], log: str) -> None:
-    """One rank with the nearest pass installed: run every job's command line, log its exit code."""
+    """One rank: run every job's command line, with the nearest pass installed unless the job says
+    `"nearest": false` (then the registered passes, GPTQ), and log its exit code."""
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QUANTCLI_RANK_TIMEOUT": "20"})
     import datetime
@@ -113,12 +114,17 @@ def _rank_worker(rank: int, size: int, port: int, jobs: list[dict], log: str) ->
     import torch.distributed as dist
     from nearest_pass import install
 
+    import quantcli.convert.passes as passes
     from quantcli.cli.app import _run
 
-    install()
+    registered = passes.WEIGHT_PASSES
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=120))
     for job in jobs:
+        if job.get("nearest", True):
+            install()
+        else:
+            passes.WEIGHT_PASSES = registered
         os.environ.update(job.get("env", {}).get(str(rank), {}))
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

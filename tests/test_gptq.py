@@ -1,0 +1,188 @@
+"""GPTQ of one Linear (quantcli/rounding/gptq.py): the same codes as a plain implementation of the
+paper's algorithm written here (its own grid rounding: the nearest representable value, found by
+argmin over the element's values times the block's decoded scale), a layer-output error below
+round to nearest on inputs with correlated channels for every recipe, dead input channels
+rounded to nearest and kept, a matrix that is not positive definite falling back to round to
+nearest with the reason, and the codec identities the column loop rests on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantcli.formats.facts import NO_FACTS, ModuleFacts
+from quantcli.kernels.elements import ELEMENTS
+from quantcli.kernels.scales import E4M3_GLOBAL_SCALE, E8M0_SCALE, F32_SCALE, WEIGHT_DTYPE_SCALE
+from quantcli.recipes import RECIPES, get_recipe
+from quantcli.rounding.gptq import GptqSettings, gptq_quantize
+
+ALL = ("nvfp4", "mxfp4", "mxfp8", "fp8", "fp8-channel", "fp8-block", "int8-channel", "int4")
+N, K, TOKENS = 96, 256, 1024
+
+
+def _inputs(seed: int = 0, k: int = K) -> torch.Tensor:
+    """Activations with correlated channels (a low-rank part) of uneven energy, as real ones."""
+    g = torch.Generator().manual_seed(seed)
+    low_rank = torch.randn(TOKENS, 16, generator=g) @ torch.randn(16, k, generator=g)
+    x = low_rank + 0.3 * torch.randn(TOKENS, k, generator=g)
+    return x * torch.linspace(0.2, 3.0, k)
+
+
+def _weight(dtype=torch.float32, seed: int = 1, n: int = N, k: int = K) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.02).to(dtype)
+
+
+def _h(x: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    return x.T @ x
+
+
+def _element_values(recipe) -> torch.Tensor:
+    """Every value the element type represents (independent of the codecs' encoders)."""
+    name = recipe.element.name
+    if name == "e2m1":
+        mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    elif name == "e4m3":
+        mags = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    else:
+        return torch.arange(recipe.element.code_min, recipe.element.code_max + 1, dtype=torch.float32)
+    return torch.cat([-mags.flip(0), mags])
+
+
+def _per_element_scale(recipe, q) -> torch.Tensor:
+    """[N, K] multiplier of each element: the dequantized tensor whose every code is 1 would do,
+    but that reuses the encoders; instead decode the scales and expand them by the geometry."""
+    spec, (n, k) = recipe.spec, q.shape
+    s = spec.scale.decode(q.scale, q.global_scale)
+    if spec.geometry == "group":
+        return s.repeat_interleave(spec.group, -1)
+    if spec.geometry == "block":
+        return s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    return s.reshape(-1, 1).expand(n, k) if s.dim() else s.expand(n, k)
+
+
+def _reference(w: torch.Tensor, h: torch.Tensor, recipe, damp: float = 0.01, updated: bool = False):
+    """The paper's Algorithm 1 (lazy batches of 128), dead channels as quantcli treats them,
+    rounding by argmin over the grid. `updated`: group scales from the updated weights."""
+    h = h.clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    h += damp * torch.diagonal(h).mean() * torch.eye(K, dtype=h.dtype)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    values = _element_values(recipe)
+    scale = _per_element_scale(recipe, recipe.quantize("w", w))
+    w = w.float().clone()
+    q = torch.zeros_like(w)
+    group = recipe.spec.group
+    for b0 in range(0, K, 128):
+        errs = torch.zeros(w.shape[0], 128)
+        for i in range(128):
+            c = b0 + i
+            if updated and c % group == 0:
+                g = recipe.quantize("w", w[:, c:c + group].contiguous(),
+                                    facts=ModuleFacts(group_amax=torch.tensor(float(_weight().abs().max()))))
+                scale[:, c:c + group] = _per_element_scale(recipe, g)
+            d = scale[:, c]
+            grid = values[None, :] * d[:, None]
+            q[:, c] = grid.gather(1, (grid - w[:, c:c + 1]).abs().argmin(1, keepdim=True))[:, 0]
+            e = (w[:, c] - q[:, c]) / u[c, c]
+            w[:, c:b0 + 128] -= e[:, None] * u[c, c:b0 + 128][None, :]
+            errs[:, i] = e
+        w[:, b0 + 128:] -= errs @ u[b0:b0 + 128, b0 + 128:]
+    return q
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "fp8-channel", "fp8-block"])
+def test_codes_equal_a_plain_implementation_of_the_algorithm(name):
+    recipe, w, h = get_recipe(name), _weight(), _h(_inputs())
+    out = gptq_quantize("w", w, h, recipe, NO_FACTS, GptqSettings(scales="original"))
+    assert out.method == "gptq"
+    assert torch.equal(recipe.dequantize(out.q), _reference(w, h, recipe))
+
+
+def test_scales_chosen_from_the_updated_weights_equal_the_plain_implementation():
+    recipe, w, h = get_recipe("nvfp4"), _weight(), _h(_inputs())
+    out = gptq_quantize("w", w, h, recipe, NO_FACTS, GptqSettings(scales="updated"))
+    assert torch.equal(recipe.dequantize(out.q), _reference(w, h, recipe, updated=True))
+    rtn = recipe.quantize("w", w)
+    assert torch.equal(out.q.global_scale, rtn.global_scale)  # the global scale stays the original weights'
+    assert not torch.equal(out.q.scale, rtn.scale)  # block scales follow the updated weights
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("settings", [GptqSettings(), GptqSettings(scales="original"),
+                                      GptqSettings(act_order="static")], ids=["updated", "original", "act-order"])
+def test_layer_output_error_is_below_round_to_nearest(name, settings):
+    recipe, w, x = get_recipe(name), _weight(torch.bfloat16), _inputs()
+    out = gptq_quantize("w", w, _h(x), recipe, NO_FACTS, settings)
+    assert out.method == "gptq", out.reason
+    assert out.error < 0.6 * out.nearest_error, (out.error, out.nearest_error)
+    # the recorded figures are the errors of the decoded tensors, on these inputs
+    rtn = recipe.dequantize(recipe.quantize("w", w))
+    got = recipe.dequantize(out.q)
+    for q, recorded in ((rtn, out.nearest_error), (got, out.error)):
+        direct = float(((x @ (w.float() - q).T).double() ** 2).sum() / ((x @ w.float().T).double() ** 2).sum())
+        assert direct == pytest.approx(recorded, rel=1e-6)
+    assert out.q.codes.dtype == torch.uint8 and out.q.scale.dtype == recipe.quantize("w", w).scale.dtype
+
+
+def test_dead_input_channels_are_rounded_to_nearest_and_kept():
+    recipe = get_recipe("nvfp4")
+    x = _inputs()
+    dead = torch.tensor([3, 40, 41, 200])
+    x[:, dead] = 0
+    w = _weight()
+    out = gptq_quantize("w", w, _h(x), recipe, NO_FACTS, GptqSettings(scales="original"))
+    assert out.method == "gptq"
+    rtn = recipe.dequantize(recipe.quantize("w", w))
+    got = recipe.dequantize(out.q)
+    assert torch.equal(got[:, dead], rtn[:, dead])  # no error fed in or out: the nearest codes
+    assert got[:, dead].abs().sum() > 0  # not zeroed
+
+
+def test_a_matrix_that_is_not_positive_definite_falls_back_to_nearest_with_the_reason():
+    recipe, w = get_recipe("int4"), _weight()
+    out = gptq_quantize("w", w, -torch.eye(K, dtype=torch.float64), recipe, NO_FACTS, GptqSettings())
+    assert out.method == "nearest" and "not positive definite even with dampening 1" in out.reason
+    assert torch.equal(out.q.codes, recipe.quantize("w", w).codes)
+
+
+def test_uncorrelated_inputs_give_round_to_nearest_which_is_kept():
+    """H = I: no error can be fed anywhere, GPTQ's codes are round to nearest's, and the tie goes
+    to round to nearest (recorded as such)."""
+    recipe, w = get_recipe("fp8-channel"), _weight()
+    out = gptq_quantize("w", w, torch.eye(K, dtype=torch.float64), recipe, NO_FACTS, GptqSettings())
+    assert out.method == "nearest" and "not below" in out.reason
+    assert torch.equal(out.q.codes, recipe.quantize("w", w).codes)
+
+
+def test_a_fused_groups_global_scale_is_kept():
+    recipe, w = get_recipe("nvfp4"), _weight()
+    facts = ModuleFacts(group_amax=torch.tensor(float(w.abs().max()) * 3))
+    out = gptq_quantize("w", w, _h(_inputs()), recipe, facts, GptqSettings())
+    assert torch.equal(out.q.global_scale, recipe.quantize("w", w, facts=facts).global_scale)
+
+
+@pytest.mark.parametrize("element", sorted(ELEMENTS))
+def test_nearest_is_the_decoded_encoding(element):
+    codec = ELEMENTS[element]
+    v = torch.randn(64, 32) * {"e2m1": 4, "e4m3": 300, "int8": 100, "int4": 6}[element]
+    assert torch.equal(codec.nearest(v), codec.decode(codec.encode(v)))
+
+
+@pytest.mark.parametrize("codec", [F32_SCALE, E8M0_SCALE, E4M3_GLOBAL_SCALE, WEIGHT_DTYPE_SCALE],
+                         ids=lambda c: c.encoding)
+def test_what_encode_divides_by_is_what_decode_multiplies_by(codec):
+    """rounding/spans.py rounds with decode(stored) as the divisor: true for every codec."""
+    amax = torch.rand(257) * 10.0 ** torch.randint(-6, 6, (257,)).float()
+    amax[0] = 0
+    element = ELEMENTS["int4" if codec is WEIGHT_DTYPE_SCALE else "e2m1"]
+    s2 = torch.tensor(0.0123) if codec.has_global else None
+    rule = codec.rules[0] if codec.rules else None
+    stored, divisor = codec.encode(amax, element, rule, s2, torch.bfloat16)
+    assert torch.equal(divisor, codec.decode(stored, s2))
+
+
+def test_every_quantizing_recipe_is_covered():
+    assert set(ALL) == set(RECIPES)
