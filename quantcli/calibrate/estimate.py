@@ -35,6 +35,10 @@ class CalibrationEstimate:
     flops: float  # matmul FLOPs of the forward over every sample and layer
     measured_flops_per_s: float
     seconds: float
+    # --rounding gptq: the largest layer's X^T X sums (FP64, one per distinct input) and the
+    # solve's working set for the largest K; its FLOPs (a second forward per layer, the sums,
+    # the solves) are in `flops` and `seconds`. 0 without GPTQ.
+    rounding_bytes: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -59,9 +63,39 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
     # The layer's FP32 weights, plus the source tensor being converted (at most one layer's worth).
     peak = CONSTANT + 2 * 4 * largest + (0 if spilled else activations) + working
     flops = 2.0 * tokens * _active_params(per_layer, config) * layers / max(1, len(per_layer))
+    rounding_bytes = 0
+    if plan.options.rounding.data_aware:
+        rounding_bytes, rounding_flops = _gptq_cost(plan, tokens)
+        peak += rounding_bytes
+        flops = 2 * flops + rounding_flops  # the layer runs twice: observed, then quantized
     rate = _matmul_rate(device)
     return CalibrationEstimate(len(ids), tokens, layers, 4 * largest, activations, spilled, peak, flops, rate,
-                               START_SECONDS + flops / (rate * EFFICIENCY))
+                               START_SECONDS + flops / (rate * EFFICIENCY), rounding_bytes)
+
+
+def _gptq_cost(plan: Plan, tokens: int) -> tuple[int, float]:
+    """(bytes, FLOPs) of GPTQ: per layer one FP64 K x K sum per distinct input (a fused group
+    shares one), and per module a Cholesky factorization and inversion (~K^3) and the column
+    loop's updates (~2 N K^2); the bytes are the largest layer's sums plus one solve (five K x K
+    FP64 matrices) and the weight's FP32 copies."""
+    from quantcli.planning.rounding import GPTQ
+    from quantcli.planning.rounding_plan import gptq_reaches
+
+    rounding = plan.options.rounding
+    taken = [t for t in plan.tensors if t.action == "quantize" and gptq_reaches(t)
+             and rounding.method_for(t.module) == GPTQ]
+    inputs: dict[int, dict[str, int]] = {}
+    flops = 0.0
+    for t in taken:
+        n, k = t.logical_shape
+        layer = int(LAYER.match(t.name).group(1)) if LAYER.match(t.name) else -1
+        inputs.setdefault(layer, {})[t.fused_group or t.module] = k
+        flops += 2.0 * n * k * k + float(k) ** 3
+    sums = max((sum(8 * k * k for k in keys.values()) for keys in inputs.values()), default=0)
+    flops += sum(2.0 * tokens * k * k for keys in inputs.values() for k in keys.values())
+    k_max = max((t.logical_shape[-1] for t in taken), default=0)
+    nk_max = max((t.numel for t in taken), default=0)
+    return sums + 5 * 8 * k_max * k_max + 3 * 4 * nk_max, flops
 
 
 def _active_params(per_layer: dict[int, int], config: dict) -> float:

@@ -152,7 +152,9 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
                   f"layer{'s' if c.layers != 1 else ''}; estimated peak "
                   f"memory {human_bytes(c.peak_memory_bytes)} (largest layer {human_bytes(c.layer_weight_bytes)} in "
                   f"FP32, activations {human_bytes(c.activation_bytes)} {where}), about {c.seconds:.0f} s at "
-                  f"{c.measured_flops_per_s / 1e9:.0f} GFLOP/s (FP32 matmul measured here)")
+                  f"{c.measured_flops_per_s / 1e9:.0f} GFLOP/s (FP32 matmul measured here)"
+                  + (f"; GPTQ's statistics and solve {human_bytes(c.rounding_bytes)} of it" if c.rounding_bytes
+                     else ""))
     return 0
 
 

@@ -75,6 +75,9 @@ class WeightWalk(LayerPass):
         plan = reader.plan
         self.taken = {t.name: t for t in plan.tensors if t.action == "quantize" and wp.takes(plan, t)}
         self.sequential = wp.feeds_quantized(plan)
+        # Modules of a fused group (q/k/v, gate/up, w1/w3) read the same input: one statistic each
+        # group, recorded once per batch (the same tensor reaches every member's hook).
+        self.key = {t.module: t.fused_group or t.module for t in self.taken.values()}
         self.layer_tensors: list = []
         self.sums: OrderedSum | None = None
         self.statistics: tuple[dict[str, torch.Tensor], dict[str, int]] = ({}, {})
@@ -90,16 +93,25 @@ class WeightWalk(LayerPass):
         self.layer_tensors = [self.taken[n] for n in read if n in self.taken]
         modules = {t.module for t in self.layer_tensors}
         sums = self.sums = OrderedSum(self.world, self.batches, keep=self.world.lead)
+        self.seen: dict[str, torch.Tensor] = {}  # this batch: each key's input, recorded once
 
         def record(module: str, x: torch.Tensor) -> None:
-            if module in modules:
-                rows = x.detach().reshape(-1, x.shape[-1])
-                if rows.shape[0]:
-                    sums.add(module, self.wp.statistic(rows), rows.shape[0])
+            if module not in modules:
+                return
+            key = self.key[module]
+            if self.seen.get(key) is x:  # another member of the fused group, the same input
+                return
+            if key in self.seen:
+                raise RuntimeError(f"internal: the members of fused group {key} read different inputs")
+            self.seen[key] = x
+            rows = x.detach().reshape(-1, x.shape[-1])
+            if rows.shape[0]:
+                sums.add(key, self.wp.statistic(rows), rows.shape[0])
 
         return input_hooks(layer, prefix, weights, experts, record)
 
     def batch_done(self, j: int) -> None:
+        self.seen = {}
         self.sums.end_batch()
 
     def layer_done(self, layer, prefix: str, weights, cache) -> None:
@@ -124,9 +136,11 @@ class WeightWalk(LayerPass):
         tensors, products, learned = {}, {}, {}
         with compute_threads(reader.device):
             for t in self.layer_tensors:
-                recipe, facts, stat = plan.recipes[t.recipe], self.facts.get(t.module, NO_FACTS), sums.get(t.module)
+                recipe, facts = plan.recipes[t.recipe], self.facts.get(t.module, NO_FACTS)
+                stat = sums.get(self.key[t.module])
                 q = self.wp.quantize(ModuleWork(t, recipe, reader.weight(t), None if stat is None else
-                                                stat.to(reader.device), rows.get(t.module, 0), facts, reader.backend,
+                                                stat.to(reader.device), rows.get(self.key[t.module], 0), facts,
+                                                reader.backend,
                                                 plan.options))
                 account = q if isinstance(q, Rounded) else None
                 q = q.q if isinstance(q, Rounded) else q
