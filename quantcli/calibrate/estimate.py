@@ -76,7 +76,7 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
 def _gptq_cost(plan: Plan, tokens: int) -> tuple[int, float]:
     """(bytes, FLOPs) of GPTQ: per layer one FP64 K x K sum per distinct input (a fused group
     shares one), and per module a Cholesky factorization and inversion (~K^3) and the column
-    loop's updates (~2 N K^2); the bytes are the largest layer's sums plus one solve (five K x K
+    loop's updates (~2 N K^2); the bytes are the largest layer's sums plus one solve (three K x K
     FP64 matrices) and the weight's FP32 copies."""
     from quantcli.planning.rounding import GPTQ
     from quantcli.planning.rounding_plan import gptq_reaches
@@ -95,7 +95,7 @@ def _gptq_cost(plan: Plan, tokens: int) -> tuple[int, float]:
     flops += sum(2.0 * tokens * k * k for keys in inputs.values() for k in keys.values())
     k_max = max((t.logical_shape[-1] for t in taken), default=0)
     nk_max = max((t.numel for t in taken), default=0)
-    return sums + 5 * 8 * k_max * k_max + 3 * 4 * nk_max, flops
+    return sums + 3 * 8 * k_max * k_max + 3 * 4 * nk_max, flops
 
 
 def _active_params(per_layer: dict[int, int], config: dict) -> float:

@@ -87,12 +87,16 @@ def upper_inverse_factor(h: torch.Tensor, dampening: float) -> tuple[torch.Tenso
     h[dead, dead] = 1.0
     mean_diag = float(torch.diagonal(h).mean())
     d = dampening
-    while True:
-        damped = h + d * mean_diag * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    while True:  # at most three K x K FP64 matrices at a time (H, and two working ones)
+        damped = h.clone()
+        damped.diagonal().add_(d * mean_diag)
         low, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if int(info) == 0:
             inv = torch.cholesky_inverse(low)
+            del low
             up, info = torch.linalg.cholesky_ex(inv, upper=True)
+            del inv
             if int(info) == 0 and bool(torch.isfinite(up).all()):
                 return up, d
         if d >= MAX_DAMPENING:
