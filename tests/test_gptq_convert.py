@@ -181,3 +181,35 @@ def test_two_ranks_write_one_process_s_bytes(env, tmp_path):
                                                                   for a in argv]}], tmp_path / "log")
     assert all(rec["code"] == 0 for rec in logs["two"].values()), logs
     assert tree_state(tmp_path / "two") == tree_state(tmp_path / "one")
+
+
+def test_gptq_combines_with_a_weighted_search_static_activations_and_an_fp8_kv_cache(run_cli, env, tmp_path):
+    out = tmp_path / "out"
+    _convert(run_cli, env, env["llama"], out, "--recipe", "nvfp4", "--rounding", "gptq", "--scale-search", "mse",
+             "--activations", "static", "--kv-cache", "fp8", "-q")
+    m = _manifest(out)
+    assert all(e["rounding"]["method"] == "gptq" and e["scale_search_weights"] == "input_channel_ms"
+               for e in m["modules"])
+    names = _tensors(out)
+    assert any(n.endswith(".input_scale") for n in names) and any(n.endswith(".k_scale") for n in names)
+    code, stdout, err = run_cli("verify", str(out), "--reference", str(env["llama"]))
+    assert code == 0, stdout + err
+
+
+def test_non_finite_activations_are_refused_in_one_line(run_cli, env, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "overflowing"
+    shutil.copytree(env["llama"], src)
+    name = "model.layers.1.input_layernorm.weight"
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(f)
+        if name in tensors:
+            tensors[name] = tensors[name] * 0 + 3e38  # finite weights; normalized values above 1.13 overflow
+            save_file(tensors, f, metadata={"format": "pt"})
+    code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "fp8", "--rounding", "gptq",
+                           "--calibration", str(env["data"]), "--calibration-samples", "12", "--device", "cpu")
+    assert code == 2 and "not finite" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
