@@ -50,7 +50,15 @@ def _map(fn, items: list):
     pool = _POOL.get()
     if pool is None or len(items) < 2:
         return map(fn, items)
-    return pool.map(fn, items)
+    # Inference mode is per thread: a caller in it (the layer walk's weight pass) hands the
+    # workers inference tensors, which they may only update in place inside it too.
+    inference = torch.is_inference_mode_enabled()
+
+    def in_callers_mode(item):
+        with torch.inference_mode(inference):
+            return fn(item)
+
+    return pool.map(in_callers_mode, items)
 
 
 def band_rows(cols: int, band: int, elements: int) -> int:

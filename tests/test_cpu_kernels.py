@@ -134,3 +134,20 @@ def test_cpu_decode_matches_the_reference_bit_for_bit(name):
                 finally:
                     decode.CHUNK = saved
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), shape
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "fp8-block", "int4"])
+def test_workers_quantize_inference_tensors_of_a_caller_in_inference_mode(name):
+    """The layer walk runs under torch.inference_mode; the worker threads must too (inference
+    mode is per thread: outside it, an in-place update of an inference tensor raises)."""
+    from quantcli.kernels import cpu_workers
+    from quantcli.kernels import quantize as kquantize
+    from quantcli.recipes import get_recipe
+
+    spec = get_recipe(name).spec
+    with torch.inference_mode():
+        x = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        with cpu_workers(2):
+            got = kquantize(x, spec, backend="torch")
+        want = kquantize(x, spec, backend="torch")
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
