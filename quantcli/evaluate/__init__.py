@@ -96,8 +96,8 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress):
     from quantcli.evaluate.declared import activation_steps
     from quantcli.evaluate.engine import Emulation, walk
     from quantcli.evaluate.metrics import Causal, Encoder, pooling_config
-    from quantcli.evaluate.stack import CAUSAL, build_stack
     from quantcli.model.layers import batches
+    from quantcli.model.stack import CAUSAL, build_stack
 
     stack = build_stack(ref.source.config, ref.names, ref.label)
     scales = quant.calibrated()
@@ -144,7 +144,7 @@ def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, de
 
 def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
     from quantcli.evaluate.declared import kv_steps
-    from quantcli.evaluate.stack import CAUSAL
+    from quantcli.model.stack import CAUSAL
     from quantcli.model.weights import WeightMap
 
     if stack.kind != CAUSAL and opts.kv_cache == "scale-one":

@@ -91,14 +91,14 @@ def _added(plan: Plan, t) -> tuple[OutSpec, ...]:
 def reached_tensors(plan: Plan) -> set[str]:
     """The checkpoint tensors the transformers model of the source's architecture is built from
     (built on the meta device: no weights read)."""
-    from quantcli.model.layers import meta_model
+    from quantcli.model.stack import build_stack
     from quantcli.model.weights import WeightMap, experts_blocks
 
-    model = meta_model(plan.source.config)
     weights = WeightMap({n for header in plan.source.headers.values() for n in header.tensors})
+    stack = build_stack(plan.source.config, weights.names, "--calibration")
     reached = {HEAD} & weights.names  # the engine records the final norm's output, lm_head's input
-    for i, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{i}."
+    for i, layer in enumerate(stack.layers):
+        prefix = stack.layer_prefix(i)
         experts = experts_blocks(layer, prefix, weights)
         for n in layer.state_dict():
             reached.update(weights.sources(prefix + n, experts))
