@@ -70,6 +70,17 @@ def is_encoder(config: dict, names) -> bool:
     return encoder_prefix(names) is not None and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
 
 
+def encoder_positions(config: dict) -> int | None:
+    """How many tokens a BERT-like encoder's absolute position embeddings reach (RoBERTa's count
+    from its padding id + 1), or None when its config does not say."""
+    limit = config.get("max_position_embeddings")
+    if not isinstance(limit, int):
+        return None
+    if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+        limit -= int(config.get("pad_token_id", 1)) + 1
+    return limit
+
+
 def _meta_encoder(config_dict: dict):
     config = _config(config_dict)
     auto = _transformers().AutoModel
