@@ -163,13 +163,19 @@ def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
 def _samples(opts: EvalOptions, ref, quant, stack) -> tuple[list[list[int]], list[str]]:
     from quantcli.formats.facts import Calibration
     from quantcli.model.samples import check_token_ids, data_digest, read_samples, token_ids
+    from quantcli.model.stack import ENCODER, encoder_positions
 
-    cal = Calibration(opts.data, opts.samples, opts.seq_len, opts.batch)
+    notes, seq_len = [], opts.seq_len
+    limit = encoder_positions(ref.source.config) if stack.kind == ENCODER else None
+    if limit is not None and seq_len > limit:
+        notes.append(f"--seq-len {seq_len}: the encoder has position embeddings for {limit} tokens; each sample "
+                     f"is cut to {limit}")
+        seq_len = limit
+    cal = Calibration(opts.data, opts.samples, seq_len, opts.batch)
     check_token_ids(read_samples(cal), cal, stack.config.vocab_size)
     ids = token_ids(cal, ref.source.root)
     if not ids:
         raise QuantcliError(f"--data {opts.data}: every sample tokenized to nothing")
-    notes = []
     manifest = quant.detected.manifest if quant.detected else None
     recorded = (manifest.calibration or {}) if manifest else {}
     if recorded.get("data_sha256") and recorded["data_sha256"] == data_digest(cal):
