@@ -170,6 +170,8 @@ def test_what_an_encoder_cannot_be_calibrated_for_is_refused_in_one_line(env, tm
     doc = json.loads(run_cli("convert", src, tmp_path / "o", "--recipe", "fp8", "--activations", "static", *cal,
                              "--calibration-seq-len", "600", "--dry-run", "--json")[1])
     assert any("has position embeddings for 512 tokens; calibrating on at most 512" in w for w in doc["warnings"])
+    estimate = doc["calibration_estimate"]  # the encoder's blocks are the layers it counts
+    assert estimate["layers"] == 2 and estimate["layer_weight_bytes"] > 4 * 4 * 64 * 64 and estimate["flops"] > 0
 
 
 def test_text_is_tokenized_with_cls_and_sep_and_cut_keeping_sep(env):

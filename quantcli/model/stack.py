@@ -6,6 +6,7 @@ the weight passes that run on it and eval's two-sided walk all build and capture
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,9 @@ from quantcli.model.samples import EXTRA
 EMBEDDING, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head"
 CAUSAL, ENCODER = "causal-lm", "encoder"
 WORD_EMBEDDINGS = "embeddings.word_embeddings.weight"
+# A checkpoint tensor inside a layer the walk runs, group 1 its index: a causal LM's decoder layer
+# or a BERT-like encoder's block (its names possibly under a prefix such as "bert.").
+LAYER_TENSOR = re.compile(r"^(?:model\.layers|(?:\w+\.)?encoder\.layer)\.(\d+)\.")
 
 
 @dataclass
