@@ -100,3 +100,52 @@ def make_gpt_oss(out: Path, hidden: int = 128, layers: int = 2, shards: int = 2,
     model = GptOssForCausalLM(config).to(torch.bfloat16)
     _save(model, Path(out), shards)
     return Path(out)
+
+
+# make_bert's WordPiece vocabulary: BERT's special tokens, a few words, each letter as a word start
+# and a continuation (so that any lowercase ASCII text tokenizes).
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+BERT_WORDS = ["the", "a", "of", "and", "to", "in", "is", "on", "cat", "sat", "mat", "model", "small", "rain", "north",
+              ".", ",", "?", "!"]
+
+
+def bert_tokenizer(out: Path, max_length: int = 64) -> Path:
+    """A BERT WordPiece tokenizer.json (lowercasing, [CLS] ... [SEP] around each sample) built offline
+    with the tokenizers library, and the tokenizer_config.json that makes transformers load it."""
+    from string import ascii_lowercase
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    vocab = [*BERT_SPECIALS, *BERT_WORDS, *ascii_lowercase, *(f"##{c}" for c in ascii_lowercase)]
+    ids = {t: i for i, t in enumerate(vocab)}
+    tok = Tokenizer(models.WordPiece(ids, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.BertProcessing(("[SEP]", ids["[SEP]"]), ("[CLS]", ids["[CLS]"]))
+    tok.decoder = decoders.WordPiece()
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": max_length,
+        **{f"{k}_token": f"[{k.upper()}]" for k in ("unk", "sep", "pad", "cls", "mask")}}))
+    return out
+
+
+def make_bert(out: Path, hidden: int = 64, layers: int = 2, heads: int = 4, intermediate: int = 128, seed: int = 0,
+              prefix: str = "", dtype: str = "bfloat16") -> Path:
+    """A random BertModel (pooler included, as all-MiniLM-L6-v2 ships it) with bert_tokenizer's
+    vocabulary; `prefix` ("bert.") is put before every tensor name, as some BERT checkpoints name them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertModel
+
+    out = bert_tokenizer(Path(out))
+    torch.manual_seed(seed)
+    vocab = len(BERT_SPECIALS) + len(BERT_WORDS) + 52
+    config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        intermediate_size=intermediate, max_position_embeddings=512, pad_token_id=0)
+    BertModel(config).to(getattr(torch, dtype)).save_pretrained(out)
+    if prefix:
+        path = out / "model.safetensors"
+        save_file({prefix + n: t for n, t in load_file(path).items()}, str(path), metadata={"format": "pt"})
+    return out

@@ -4,7 +4,8 @@ it must be byte-identical to a plain one; and it keeps what the seam handed it (
 so that the tests can compare them across runs and ranks.
 
 `install()` registers it where data-aware rounding will register (WEIGHT_PASSES), in this process;
-`main()` does so and runs the command line (a subprocess or a spawned rank)."""
+`main()` does so and runs the command line (a subprocess or a spawned rank). `reference_statistics`
+and `decoded` are what the tests hold the statistics to: transformers' own forward, no quantcli code."""
 
 from __future__ import annotations
 
@@ -48,6 +49,47 @@ class NearestPass:
                           str(Path(folder) / f"{module}.safetensors"))
         w = -work.weight if module in self.negate else work.weight
         return work.recipe.quantize(work.tensor.name, w, backend=work.backend, facts=work.facts)
+
+
+def reference_statistics(model, layer: str, inputs: list[dict],
+                         weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sum over `inputs` (each one forward's keyword arguments, in order) of X^T X in FP64 for every
+    Linear under the module path `layer` of the FP32 transformers `model`, whose modules named in
+    `weights` hold those weights ({module: weight}; the model's parameter names are the checkpoint's)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for module, w in weights.items():
+            params[f"{module}.weight"].copy_(w)
+    sums: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(mod, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            sums[name] = x.T @ x if name not in sums else sums[name] + x.T @ x
+        return record
+
+    hooks = [m.register_forward_pre_hook(hook(f"{layer}.{n}")) for n, m in model.get_submodule(layer).named_modules()
+             if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for kwargs in inputs:
+            model(**kwargs)
+    for h in hooks:
+        h.remove()
+    return sums
+
+
+def decoded(run_cli, out: Path, dense: Path, modules: list[str]) -> dict[str, torch.Tensor]:
+    """Each module's weight decoded from the written checkpoint `out` (dequantized to FP32 by
+    convert into `dense`)."""
+    from safetensors.torch import load_file
+
+    assert run_cli("convert", str(out), str(dense), "--recipe", "fp32", "--quiet")[0] == 0
+    found = {}
+    for f in dense.glob("*.safetensors"):
+        found.update({n.removesuffix(".weight"): t for n, t in load_file(f).items()
+                      if n.removesuffix(".weight") in modules})
+    assert sorted(found) == sorted(modules)
+    return found
 
 
 def install(wp: NearestPass | None = None) -> NearestPass:

@@ -164,7 +164,7 @@ def test_encoder_has_no_kv_cache(run_cli, root, tmp_path):
 
 def test_other_architectures_are_refused_by_name():
     from quantcli.errors import QuantcliError
-    from quantcli.evaluate.stack import build_stack
+    from quantcli.model.stack import build_stack
 
     distil = {"model_type": "distilbert", "architectures": ["DistilBertModel"], "vocab_size": 100, "dim": 32,
               "n_layers": 1, "n_heads": 2, "hidden_dim": 64}

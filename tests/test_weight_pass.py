@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from faults import tree_state
-from nearest_pass import NearestPass, install
+from nearest_pass import NearestPass, decoded, install, reference_statistics
 
 import quantcli.convert.shard as shard
 from quantcli.testing import make_llama, make_moe
@@ -108,43 +108,12 @@ def test_the_shard_job_writes_a_staged_product_as_it_is(env, tmp_path, run_cli):
             assert torch.equal(t, plain[name]), name
 
 
-def _reference_statistics(src: Path, decoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Sum over the samples (one batch each, in order) of X^T X in FP64 for every Linear of layer 1
-    of the full transformers model whose layer-0 Linears hold `decoded` (no quantcli code)."""
+def _reference_statistics(src: Path, decoded_layer0: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """X^T X of layer 1's Linears in the full transformers model whose layer-0 Linears hold
+    `decoded_layer0`, the samples one batch each, in order."""
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for module, w in decoded.items():
-            params[f"{module}.weight"].copy_(w)
-    sums: dict[str, torch.Tensor] = {}
-
-    def hook(name):
-        def record(mod, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            sums[name] = x.T @ x if name not in sums else sums[name] + x.T @ x
-        return record
-
-    hooks = [m.register_forward_pre_hook(hook(f"model.layers.1.{n}")) for n, m in model.model.layers[1].named_modules()
-             if isinstance(m, torch.nn.Linear)]
-    with torch.no_grad():
-        for s in _ids():
-            model(input_ids=torch.tensor([s]))
-    for h in hooks:
-        h.remove()
-    return sums
-
-
-def _decoded(run_cli, out: Path, dense: Path, modules: list[str]) -> dict[str, torch.Tensor]:
-    """Each module's weight decoded from the written checkpoint (dequantized to FP32 by convert)."""
-    from safetensors.torch import load_file
-
-    assert run_cli("convert", str(out), str(dense), "--recipe", "fp32", "--quiet")[0] == 0
-    found = {}
-    for f in dense.glob("*.safetensors"):
-        found.update({n.removesuffix(".weight"): t for n, t in load_file(f).items()
-                      if n.removesuffix(".weight") in modules})
-    assert sorted(found) == sorted(modules)
-    return found
+    return reference_statistics(model, "model.layers.1", [{"input_ids": torch.tensor([s])} for s in _ids()],
+                                decoded_layer0)
 
 
 def test_each_layers_statistic_sums_the_inputs_the_quantized_layers_before_it_give(env, tmp_path, run_cli):
@@ -152,7 +121,7 @@ def test_each_layers_statistic_sums_the_inputs_the_quantized_layers_before_it_gi
     out = tmp_path / "out"
     assert run_cli(*_argv(env, env["llama"], out, CASES["mxfp4-search"][1]))[0] == 0
     layer0 = sorted(m for m in wp.statistics if m.startswith("model.layers.0."))
-    quantized = _reference_statistics(env["llama"], _decoded(run_cli, out, tmp_path / "dense", layer0))
+    quantized = _reference_statistics(env["llama"], decoded(run_cli, out, tmp_path / "dense", layer0))
     dense = _reference_statistics(env["llama"], {})
     for m, ref in quantized.items():
         got = wp.statistics[m][0]

@@ -11,7 +11,8 @@ import torch
 
 from quantcli.model.buffer import ActivationBuffer
 from quantcli.model.inputs import input_hooks
-from quantcli.model.layers import HEAD, LayerPass, walk_layers
+from quantcli.model.layers import LayerPass, cache_kwarg, walk_layers
+from quantcli.model.stack import CAUSAL, HEAD, Stack
 from quantcli.model.weights import ExpertModules, WeightMap
 
 
@@ -78,12 +79,17 @@ class StatsPass(LayerPass):
         return RecordingCache()
 
     def layer_done(self, layer, prefix: str, weights: WeightMap, cache: RecordingCache) -> None:
+        if cache_kwarg(layer) is None:  # an encoder's block: no KV cache, nothing recorded
+            return
         attn = weights.checkpoint_module(prefix + "self_attn")
         self.stats.keys[attn], self.stats.values[attn] = cache.k, cache.v
 
-    def finish(self, model, get, buffer: ActivationBuffer, count: int) -> None:
-        """lm_head's input (the final norm of the last layer's output), for a quantized head."""
-        norm = model.model.norm
+    def finish(self, stack: Stack, get, buffer: ActivationBuffer, count: int) -> None:
+        """lm_head's input (the final norm of the last layer's output), for a quantized head; an
+        encoder has no head (its pooler, a head of its own, is never quantized)."""
+        if stack.kind != CAUSAL:
+            return
+        norm = stack.model.model.norm
         norm.load_state_dict({n: get(f"model.norm.{n}").to(buffer.device, torch.float32)
                               for n in norm.state_dict()}, assign=True)
         for j in range(count):

@@ -4,7 +4,6 @@ matmul timed on this machine (so the estimate is this machine's, not a datasheet
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import asdict, dataclass
 
@@ -12,9 +11,9 @@ import torch
 
 from quantcli.model.buffer import budget_bytes
 from quantcli.model.samples import token_ids
+from quantcli.model.stack import LAYER_TENSOR
 from quantcli.planning.plan import Plan
 
-LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 CONSTANT = 512 * 2**20  # interpreter, torch, transformers: measured ~0.4-0.5 GiB before any tensor
 # A forward runs at a fraction of the bare matmul rate (attention, norms, activations, hooks)
 # after a fixed start (importing transformers, building the model on meta): both fitted to
@@ -28,7 +27,7 @@ class CalibrationEstimate:
     samples: int
     tokens: int
     layers: int
-    layer_weight_bytes: int  # the largest decoder layer, in FP32 as the engine holds it
+    layer_weight_bytes: int  # the largest layer, in FP32 as the engine holds it
     activation_bytes: int  # the hidden states of every sample between two layers (FP32)
     spilled: bool  # above QUANTCLI_CALIBRATION_BUFFER_GIB: memory-mapped from a file instead
     peak_memory_bytes: int
@@ -49,7 +48,7 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
     tokens = sum(len(s) for s in ids)
     per_layer: dict[int, int] = {}
     for t in plan.tensors:
-        m = LAYER.match(t.name)
+        m = LAYER_TENSOR.match(t.name)
         if m:
             per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + t.numel
     config = plan.source.config

@@ -57,7 +57,7 @@ def collect_stats(plan: Plan, tensors, device: torch.device, progress: Callable[
 def walk_source(plan: Plan, tensors, device: torch.device, layer_pass: LayerPass, ids: list[list[int]],
                 progress: Callable[[int, str], None] | None = None, part: tuple[int, int] = (0, 1),
                 verb: str = "calibrating") -> None:
-    """Run `layer_pass` over the source's decoder layers on the calibration samples `ids`: the walk
+    """Run `layer_pass` over the source's layers on the calibration samples `ids`: the walk
     calibration runs on, for a weight pass (convert/passes/weight_walk.py)."""
     walk_layers(plan.source.config, tensors.get, tensors.release, _names(plan), ids, plan.options.calibration.batch,
                 device, layer_pass, _LayerProgress(progress, verb) if progress is not None else None, part)

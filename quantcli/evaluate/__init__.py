@@ -96,8 +96,8 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress):
     from quantcli.evaluate.declared import activation_steps
     from quantcli.evaluate.engine import Emulation, walk
     from quantcli.evaluate.metrics import Causal, Encoder, pooling_config
-    from quantcli.evaluate.stack import CAUSAL, build_stack
     from quantcli.model.layers import batches
+    from quantcli.model.stack import CAUSAL, build_stack
 
     stack = build_stack(ref.source.config, ref.names, ref.label)
     scales = quant.calibrated()
@@ -144,7 +144,7 @@ def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, de
 
 def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
     from quantcli.evaluate.declared import kv_steps
-    from quantcli.evaluate.stack import CAUSAL
+    from quantcli.model.stack import CAUSAL
     from quantcli.model.weights import WeightMap
 
     if stack.kind != CAUSAL and opts.kv_cache == "scale-one":
@@ -163,13 +163,19 @@ def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
 def _samples(opts: EvalOptions, ref, quant, stack) -> tuple[list[list[int]], list[str]]:
     from quantcli.formats.facts import Calibration
     from quantcli.model.samples import check_token_ids, data_digest, read_samples, token_ids
+    from quantcli.model.stack import ENCODER, encoder_positions
 
-    cal = Calibration(opts.data, opts.samples, opts.seq_len, opts.batch)
+    notes, seq_len = [], opts.seq_len
+    limit = encoder_positions(ref.source.config) if stack.kind == ENCODER else None
+    if limit is not None and seq_len > limit:
+        notes.append(f"--seq-len {seq_len}: the encoder has position embeddings for {limit} tokens; each sample "
+                     f"is cut to {limit}")
+        seq_len = limit
+    cal = Calibration(opts.data, opts.samples, seq_len, opts.batch)
     check_token_ids(read_samples(cal), cal, stack.config.vocab_size)
     ids = token_ids(cal, ref.source.root)
     if not ids:
         raise QuantcliError(f"--data {opts.data}: every sample tokenized to nothing")
-    notes = []
     manifest = quant.detected.manifest if quant.detected else None
     recorded = (manifest.calibration or {}) if manifest else {}
     if recorded.get("data_sha256") and recorded["data_sha256"] == data_digest(cal):

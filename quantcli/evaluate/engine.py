@@ -16,10 +16,10 @@ import torch
 from quantcli.errors import QuantcliError
 from quantcli.evaluate.emulate import ErrorSum, attach, detach
 from quantcli.evaluate.fake_quant import KvQuantCache
-from quantcli.evaluate.stack import Stack, capture
 from quantcli.memory import fix_mmap_threshold
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
-from quantcli.model.layers import cache_kwarg
+from quantcli.model.layers import run_batches
+from quantcli.model.stack import Stack, capture
 from quantcli.model.weights import WeightMap, experts_blocks
 
 
@@ -57,14 +57,6 @@ def release_block(layer, prefix: str, side, weights: WeightMap) -> None:
     for name in layer.state_dict():
         for src in weights.sources(prefix + name, experts):
             side.release(src)
-
-
-def run_batches(layer, buffer: ActivationBuffer, captured: list, cache=None) -> None:
-    key = cache_kwarg(layer) if cache is not None else None
-    for j, (args, kwargs) in enumerate(captured):
-        kw = {**kwargs, key: cache} if key else kwargs
-        out = layer(buffer.read(j), *args, **kw)
-        buffer.write(j, out[0] if isinstance(out, tuple) else out)
 
 
 def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, captured: list, emu: Emulation,

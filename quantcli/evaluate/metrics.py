@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from quantcli.errors import QuantcliError
 from quantcli.evaluate.emulate import ErrorSum
-from quantcli.model.layers import EMBEDDING, HEAD
+from quantcli.model.stack import EMBEDDING, HEAD
 
 # sentence-transformers' Pooling modes, in the order its forward concatenates them.
 POOLING_MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")

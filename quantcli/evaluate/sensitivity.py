@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from quantcli.evaluate.emulate import detach, experts_name, quantize_expert_inputs
-from quantcli.evaluate.engine import load_block, release_block, run_batches
+from quantcli.evaluate.engine import load_block, release_block
 from quantcli.evaluate.metrics import Causal
-from quantcli.evaluate.stack import CAUSAL, Stack, capture
 from quantcli.memory import fix_mmap_threshold
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
+from quantcli.model.layers import run_batches
+from quantcli.model.stack import CAUSAL, Stack, capture
 from quantcli.model.weights import WeightMap, experts_blocks
 
 

@@ -201,9 +201,10 @@ def token_ids(cal: Calibration, source_root: Path) -> list[list[int]]:
             tokenizer = tokenizer or _tokenizer(source_root, cal)
             if isinstance(s, list):
                 s = tokenizer.apply_chat_template(s, tokenize=False)
-            # verbose=False: transformers' "sequence length is longer than the specified maximum"
-            # warning is about running the ids untruncated, and they are cut to seq_len below
-            s = tokenizer(s, add_special_tokens=True, verbose=False)["input_ids"]
+            # cut by the tokenizer, which keeps the special tokens it adds at both ends (an encoder's
+            # [CLS] ... [SEP], as sentence-transformers cuts; a decoder's BOS as a slice would)
+            s = tokenizer(s, add_special_tokens=True, truncation=True, max_length=cal.seq_len,
+                          verbose=False)["input_ids"]
         if s:
             out.append(list(s[: cal.seq_len]))
     return out

@@ -11,15 +11,17 @@ from quantcli.formats.layouts import LAYOUTS, module_of
 from quantcli.formats.layouts.base import ONE, SCALAR
 from quantcli.model.buffer import budget_bytes
 from quantcli.model.samples import check_token_ids, check_tokenizer, read_samples
+from quantcli.model.stack import CAUSAL, ENCODER, encoder_positions, encoder_prefix, is_encoder
 from quantcli.planning.actions import Action
 from quantcli.planning.plan import Exclusion, Plan, TensorPlan
 from quantcli.planning.rounding_plan import unreached_warnings
 
 # Decoder-only architectures whose layers quantcli/calibrate/engine.py runs: dense Llama-style
 # attention + MLP, and MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters
-# (quantcli/model/weights.py).
+# (quantcli/model/weights.py). Besides these, BERT-like encoders (model/stack.py).
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
              "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+ENCODERS = "BERT-like encoders (an ...Model with embeddings and encoder.layer blocks: BertModel, RobertaModel)"
 HEAD = "lm_head.weight"
 UNREACHED = "not in the model's forward (no calibration statistics)"
 _SHAPES = {SCALAR: (), ONE: (1,)}
@@ -46,9 +48,9 @@ def checked_plan(plan: Plan) -> Plan:
     if plan.layout is None or plan.source_layout is not None:
         raise QuantcliError(f"--calibration: {plan.source.label} is already quantized; calibrate from the dense "
                             f"(BF16/FP16/FP32) checkpoint")
-    arch = (plan.source.config.get("architectures") or ["(none in config.json)"])[0]
-    if arch not in SUPPORTED:
-        raise QuantcliError(f"--calibration: architecture {arch} is not supported (supported: {', '.join(SUPPORTED)})")
+    if calibrated_kind(plan.source.config, _names(plan)) == ENCODER:
+        plan = _for_encoder(plan)
+        opts = plan.options
     samples = read_samples(opts.calibration)  # a missing or empty file is refused here,
     check_tokenizer(samples, opts.calibration, plan.source.root)  # text without a tokenizer too,
     vocab = plan.source.config.get("vocab_size")
@@ -76,6 +78,41 @@ def checked_plan(plan: Plan) -> Plan:
     return replace(plan, tensors=tensors, warnings=warnings)
 
 
+def calibrated_kind(config: dict, names, what: str = "architecture") -> str:
+    """CAUSAL or ENCODER: how the calibration walk runs a model of `config` with checkpoint
+    tensors `names`; a one-line refusal for an architecture it does not run."""
+    arch = (config.get("architectures") or ["(none in config.json)"])[0]
+    if arch in SUPPORTED:
+        return CAUSAL
+    prefix = encoder_prefix(names)
+    if arch.endswith("Model") and is_encoder(config, names) and any(n.startswith(f"{prefix}encoder.layer.")
+                                                                    for n in names):
+        return ENCODER
+    raise QuantcliError(f"--calibration: {what} {arch} is not supported (supported: {', '.join(SUPPORTED)}; "
+                        f"and {ENCODERS})")
+
+
+def _for_encoder(plan: Plan) -> Plan:
+    """`plan` for an encoder: --kv-cache fp8 refused (it keeps no KV cache), samples cut to what its
+    position embeddings reach (with a warning when --calibration-seq-len asks for more)."""
+    opts = plan.options
+    arch = (plan.source.config.get("architectures") or ["?"])[0]
+    if opts.kv_cache == "fp8":
+        raise QuantcliError(f"--kv-cache fp8: {arch} is an encoder-only model; it keeps no KV cache to quantize; "
+                            f"drop the option")
+    limit = encoder_positions(plan.source.config)
+    if limit is None or opts.calibration.seq_len <= limit:
+        return plan
+    cal = replace(opts.calibration, seq_len=limit)
+    warning = (f"--calibration-seq-len {opts.calibration.seq_len}: {arch} has position embeddings for {limit} "
+               f"tokens; calibrating on at most {limit} per sample")
+    return replace(plan, options=replace(opts, calibration=cal), warnings=[*plan.warnings, warning])
+
+
+def _names(plan: Plan) -> set[str]:
+    return {n for header in plan.source.headers.values() for n in header.tensors}
+
+
 def _added(plan: Plan, t) -> tuple[OutSpec, ...]:
     opts, layout = plan.options, plan.layout
     out: list[OutSpec] = []
@@ -96,14 +133,14 @@ def _added(plan: Plan, t) -> tuple[OutSpec, ...]:
 def reached_tensors(plan: Plan) -> set[str]:
     """The checkpoint tensors the transformers model of the source's architecture is built from
     (built on the meta device: no weights read)."""
-    from quantcli.model.layers import meta_model
+    from quantcli.model.stack import build_stack
     from quantcli.model.weights import WeightMap, experts_blocks
 
-    model = meta_model(plan.source.config)
-    weights = WeightMap({n for header in plan.source.headers.values() for n in header.tensors})
+    weights = WeightMap(_names(plan))
+    stack = build_stack(plan.source.config, weights.names, "--calibration")
     reached = {HEAD} & weights.names  # the engine records the final norm's output, lm_head's input
-    for i, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{i}."
+    for i, layer in enumerate(stack.layers):
+        prefix = stack.layer_prefix(i)
         experts = experts_blocks(layer, prefix, weights)
         for n in layer.state_dict():
             reached.update(weights.sources(prefix + n, experts))

@@ -72,8 +72,8 @@ class OutputErrors(LayerPass):
         self.stats_pass.layer_done(layer, prefix, weights, cache)
         self._deltas.clear()  # one layer's decoded weights at a time
 
-    def finish(self, model, get, buffer, count: int) -> None:
-        self.stats_pass.finish(model, get, buffer, count)
+    def finish(self, stack, get, buffer, count: int) -> None:
+        self.stats_pass.finish(stack, get, buffer, count)
 
     def _recorder(self, module: str, mod: torch.nn.Linear):
         def record(_, args) -> None:

@@ -20,7 +20,7 @@ from quantcli.errors import QuantcliError
 from quantcli.formats.activation_scales import FP8_DIVISOR, CalibratedScales
 from quantcli.formats.facts import Calibration
 from quantcli.model.samples import data_digest, is_hub_dataset, token_ids
-from quantcli.planning.calibration import SUPPORTED
+from quantcli.planning.calibration import calibrated_kind
 from quantcli.verify.outputs import collect_with_outputs
 
 RECALIBRATED = "static activation and KV-cache scales equal a rerun of the calibration on the reference"
@@ -47,11 +47,8 @@ def rerun(reference: str, revision: str | None, cal: Calibration, device: torch.
     """The calibration statistics of the reference, and (outputs.py) the layer-output errors of
     `targets` (checkpoint module -> (recipe, q)) decoded through `layout`."""
     ref = open_source(reference, revision)
-    arch = (ref.config.get("architectures") or ["(none in config.json)"])[0]
-    if arch not in SUPPORTED:
-        raise QuantcliError(f"--calibration: reference architecture {arch} is not supported "
-                            f"(supported: {', '.join(SUPPORTED)})")
     names = {n for header in ref.headers.values() for n in header.tensors}
+    calibrated_kind(ref.config, names, "reference architecture")
     with CheckpointTensors(ref) as tensors:
         ids = token_ids(cal, ref.root)
         if not targets:

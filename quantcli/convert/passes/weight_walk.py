@@ -35,7 +35,7 @@ from quantcli.errors import QuantcliError
 from quantcli.formats.decode import decode_module
 from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.model.inputs import input_hooks
-from quantcli.model.layers import LayerPass, batches, layer_prefix, load_layer
+from quantcli.model.layers import LayerPass, batches, load_layer
 
 KILL_ENV = "QUANTCLI_KILL_AFTER_LAYERS"  # crash-safety tests: SIGKILL once this many layers are staged
 
@@ -56,7 +56,7 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
     finished = world.settle_all(lambda: staged.finished(layers) if world.lead else None)[0]
     if finished < layers:
         ids = token_ids(cal, plan.source.root)
-        walk = WeightWalk(wp, reader, facts, world, staged, finished, layers, len(batches(ids, cal.batch)))
+        walk = WeightWalk(wp, reader, facts, world, staged, finished, len(batches(ids, cal.batch)))
         world.settle(lambda: walk_source(plan, reader.tensors, reader.device, walk, ids, reader.progress,
                                          part=(world.rank, world.size), verb=f"rounding ({wp.name})"))
     return staged
@@ -68,10 +68,10 @@ class WeightWalk(LayerPass):
     changes_weights = True
 
     def __init__(self, wp: WeightPass, reader: ModuleReader, facts: dict[str, ModuleFacts], world: World,
-                 staged: StagedWeights, finished: int, layers: int, batches: int):
+                 staged: StagedWeights, finished: int, batches: int):
         self.wp, self.reader, self.facts, self.world, self.staged = wp, reader, facts, world, staged
         self.finished, self.batches = finished, batches
-        self.index = {layer_prefix(i): i for i in range(layers)}
+        self.index: dict[str, int] = {}  # layer prefix -> layer index, from the model the walk runs
         plan = reader.plan
         self.taken = {t.name: t for t in plan.tensors if t.action == "quantize" and wp.takes(plan, t)}
         self.sequential = wp.feeds_quantized(plan)
@@ -81,6 +81,9 @@ class WeightWalk(LayerPass):
         self.layer_tensors: list = []
         self.sums: OrderedSum | None = None
         self.statistics: tuple[dict[str, torch.Tensor], dict[str, int]] = ({}, {})
+
+    def begin(self, stack) -> None:
+        self.index = {stack.layer_prefix(i): i for i in range(len(stack.layers))}
 
     def replay(self, prefix: str):
         i = self.index[prefix]
