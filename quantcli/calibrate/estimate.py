@@ -87,7 +87,8 @@ def _gptq_cost(plan: Plan, tokens: int) -> tuple[int, float]:
     flops = 0.0
     for t in taken:
         n, k = t.logical_shape
-        layer = int(LAYER.match(t.name).group(1)) if LAYER.match(t.name) else -1
+        m = LAYER_TENSOR.match(t.name)
+        layer = int(m.group(1)) if m else -1
         inputs.setdefault(layer, {})[t.fused_group or t.module] = k
         flops += 2.0 * n * k * k + float(k) ** 3
     sums = max((sum(8 * k * k for k in keys.values()) for keys in inputs.values()), default=0)

@@ -4,17 +4,14 @@ that is outside them (lm_head, a 3-D expert stack) is rounded to nearest, and th
 
 from __future__ import annotations
 
-import re
-
+from quantcli.model.stack import LAYER_TENSOR
 from quantcli.planning.actions import Action
 from quantcli.planning.plan import Plan, TensorPlan
 from quantcli.planning.rounding import GPTQ
 
-LAYER_MODULE = re.compile(r"(^|\.)(layers|layer|h)\.\d+\.")
-
 
 def gptq_reaches(t: TensorPlan) -> bool:
-    return len(t.logical_shape) == 2 and bool(LAYER_MODULE.search(t.module))
+    return len(t.logical_shape) == 2 and bool(LAYER_TENSOR.match(t.name))
 
 
 def unreached_warnings(plan: Plan) -> list[str]:
