@@ -69,28 +69,27 @@ def _reference(w: torch.Tensor, h: torch.Tensor, recipe, damp: float = 0.01, upd
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     h += damp * torch.diagonal(h).mean() * torch.eye(K, dtype=h.dtype)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    inverse = torch.cholesky_solve(torch.eye(K, dtype=h.dtype), torch.linalg.cholesky(h))
+    u = torch.linalg.cholesky(inverse, upper=True).float()
     values = _element_values(recipe)
-    scale = _per_element_scale(recipe, recipe.quantize("w", w))
-    w = w.float().clone()
-    q = torch.zeros_like(w)
+    scale = _per_element_scale(recipe, recipe.quantize("w", w)).T
+    wt = w.float().T.contiguous()  # W^T: rows are columns of W (the updates as BLAS calls, as quantcli's)
+    q = torch.zeros_like(wt)
     group = recipe.spec.group
     for b0 in range(0, K, 128):
-        errs = torch.zeros(w.shape[0], 128)
+        errs = torch.zeros(128, wt.shape[1])
         for i in range(128):
             c = b0 + i
             if updated and c % group == 0:
-                g = recipe.quantize("w", w[:, c:c + group].contiguous(),
+                g = recipe.quantize("w", wt[c:c + group].T.contiguous(),
                                     facts=ModuleFacts(group_amax=torch.tensor(float(_weight().abs().max()))))
-                scale[:, c:c + group] = _per_element_scale(recipe, g)
-            d = scale[:, c]
-            grid = values[None, :] * d[:, None]
-            q[:, c] = grid.gather(1, (grid - w[:, c:c + 1]).abs().argmin(1, keepdim=True))[:, 0]
-            e = (w[:, c] - q[:, c]) / u[c, c]
-            w[:, c:b0 + 128] -= e[:, None] * u[c, c:b0 + 128][None, :]
-            errs[:, i] = e
-        w[:, b0 + 128:] -= errs @ u[b0:b0 + 128, b0 + 128:]
-    return q
+                scale[c:c + group] = _per_element_scale(recipe, g).T
+            grid = values[None, :] * scale[c][:, None]
+            q[c] = grid.gather(1, (grid - wt[c][:, None]).abs().argmin(1, keepdim=True))[:, 0]
+            errs[i] = (wt[c] - q[c]) / u[c, c]
+            wt[c:b0 + 128].addmm_(u[c, c:b0 + 128, None], errs[i][None], alpha=-1)
+        wt[b0 + 128:].addmm_(u[b0:b0 + 128, b0 + 128:].T, errs, alpha=-1)
+    return q.T
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "fp8-channel", "fp8-block"])
