@@ -17,6 +17,7 @@ from rich.table import Table
 from quantcli.cli.grouping import group_names
 from quantcli.cli.name_tables import SCALE, Column, named_table, total, value_range
 from quantcli.cli.render_catalog import render_layouts, render_recipes  # noqa: F401 (commands.py imports them here)
+from quantcli.cli.render_rounding import render_rounding
 from quantcli.cli.render_verify import render_verify, render_verify_brief  # noqa: F401 (as render_catalog's)
 from quantcli.formats.layouts.base import Role
 from quantcli.reports import OMITTED, block_label, to_json
@@ -316,6 +317,7 @@ def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
         con.print(_modules_table(report.modules, con, per_tensor))
         if any(m.stats is not OMITTED for m in report.modules):
             con.print(_stats_table(report.modules, con, per_tensor))
+    render_rounding(report, con, per_tensor)
     if report.calibrated is not OMITTED:
         _scales_tables(report.calibrated, con, per_tensor)
     con.print(_totals_table(report.by_format))
