@@ -54,7 +54,7 @@ def _verify(run_cli, quant, src, *args):
 
 def _gptq_modules(dst: Path) -> list[str]:
     manifest = json.loads((dst / "quantcli_manifest.json").read_text())
-    return sorted(m["module"] for m in manifest["modules"] if m["rounding"]["method"] == "gptq")
+    return sorted(m["module"] for m in manifest["modules"] if m.get("rounding", {}).get("method") == "gptq")
 
 
 def test_exact_without_data_lists_gptq_modules_and_names_the_data(made, run_cli):
@@ -106,6 +106,24 @@ def test_codes_changed_after_convert_fail_exact_with_data(made, run_cli, tmp_pat
     assert [f["tensor"] for f in exact] == [DOWN]
     assert "of bytes differ from rerunning GPTQ with the recorded options and data" in exact[0]["fault"]
     assert doc["gptq_rerun"]["identical"] == doc["gptq_rerun"]["modules"] - 1
+
+
+def test_per_module_recipes_and_rounding_overrides_are_rebuilt_from_the_manifest(made, run_cli, tmp_path):
+    """A recipe file's [[override]] (the manifest records each module's recipe, not the pattern:
+    rebuilt as exact names) and [[rounding_override]] (recorded as given): the rerun has the
+    manifest's fingerprint and reproduces the bytes."""
+    config = tmp_path / "recipe.toml"
+    config.write_text('recipe = "nvfp4"\nrounding = "gptq"\n[[override]]\npattern = "mlp.down_proj"\n'
+                      'recipe = "fp8"\n[[rounding_override]]\npattern = "self_attn.o_proj"\nrounding = "nearest"\n')
+    dst = tmp_path / "mixed"
+    code, _, err = run_cli("convert", made["src"], dst, "--config", config, "--layout", "compressed-tensors",
+                           "--calibration", made["data"], "--gptq-min-tokens", "8", "--device", "cpu", "--quiet")
+    assert code == 0, err
+    gptq = _gptq_modules(dst)
+    assert DOWN in gptq and "model.layers.0.self_attn.o_proj" not in gptq
+    code, doc, _ = _verify(run_cli, dst, made["src"], "--exact", "--calibration", made["data"])
+    assert code == 0 and doc["passed"], doc["faults"]
+    assert doc["gptq_rerun"]["identical"] == doc["gptq_rerun"]["modules"] == len(gptq)
 
 
 def test_other_data_is_refused_in_one_line(made, run_cli, tmp_path):
