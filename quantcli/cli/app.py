@@ -205,14 +205,15 @@ def verify(
     tensors: Tensors = None,
     top: Annotated[int, typer.Option(metavar="N", min=0, help="How many worst tensors to list.")] = 10,
     exact: Annotated[bool, typer.Option(
-        "--exact", help="Re-quantize the reference and compare codes and scales byte for byte.")] = False,
+        "--exact", help=("Re-quantize the reference and compare codes and scales byte for byte (GPTQ-rounded "
+                         "modules: rerun with --calibration's data)."))] = False,
     tp: Annotated[Optional[int], typer.Option(
         metavar="N", help="Check that quantized dims split into whole blocks across N ranks.")] = None,
     threshold: Annotated[Optional[list[str]], typer.Option(
         metavar="METRIC=VALUE", help="Override a limit: METRIC=VALUE (rel_err, sqnr_db, cosine, margin).")] = None,
     calibration: Annotated[Optional[str], typer.Option(metavar="DATA", help=(
         "Rerun the calibration on --reference with this data (the manifest's amounts) "
-        "and check every static activation and KV-cache scale."))] = None,
+        "and check every static activation and KV-cache scale; with --exact, rerun GPTQ."))] = None,
     device: Device = "auto",
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="No progress bar; stdout gets only PASS or FAIL (each fault on stderr).")] = False,

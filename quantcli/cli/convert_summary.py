@@ -8,6 +8,7 @@ from pathlib import Path
 from quantcli.cli.name_tables import ERROR
 from quantcli.cli.render import console as _console
 from quantcli.cli.render import dense_reasons, human_bytes
+from quantcli.cli.render_rounding import rounding_summary
 from quantcli.reports import envelope, excluded_entries
 
 
@@ -78,17 +79,7 @@ def _rounding_line(dst: Path) -> str:
     from quantcli.checkpoint.manifest import MANIFEST_NAME, Manifest
 
     manifest = Manifest.from_json((dst / MANIFEST_NAME).read_text())
-    records = [m.rounding for m in manifest.modules if m.rounding]
-    gptq = [r for r in records if r["method"] == "gptq"]
-    line = f"{len(gptq)} modules by GPTQ"
-    if len(records) > len(gptq):
-        line += f", {len(records) - len(gptq)} to nearest (see the notes)"
-    if gptq:
-        before = sum(r["nearest_output_error"] for r in gptq) / len(gptq)
-        after = sum(r["output_error"] for r in gptq) / len(gptq)
-        line += (f"; layer-output error on the calibration data {before:.3g} -> {after:.3g} "
-                 f"(mean, round to nearest -> GPTQ)")
-    return line
+    return rounding_summary([m.rounding for m in manifest.modules if m.rounding], "see the notes")
 
 
 def _what_was_done(plan, result) -> str:

@@ -15,8 +15,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from quantcli.cli.grouping import group_names
-from quantcli.cli.name_tables import ERROR, SCALE, Column, fitted_table, named_table, total, value_range
+from quantcli.cli.name_tables import SCALE, Column, named_table, total, value_range
 from quantcli.cli.render_catalog import render_layouts, render_recipes  # noqa: F401 (commands.py imports them here)
+from quantcli.cli.render_rounding import render_rounding
+from quantcli.cli.render_verify import render_verify, render_verify_brief  # noqa: F401 (as render_catalog's)
 from quantcli.formats.layouts.base import Role
 from quantcli.reports import OMITTED, block_label, to_json
 
@@ -315,6 +317,7 @@ def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
         con.print(_modules_table(report.modules, con, per_tensor))
         if any(m.stats is not OMITTED for m in report.modules):
             con.print(_stats_table(report.modules, con, per_tensor))
+    render_rounding(report, con, per_tensor)
     if report.calibrated is not OMITTED:
         _scales_tables(report.calibrated, con, per_tensor)
     con.print(_totals_table(report.by_format))
@@ -325,72 +328,6 @@ def render_inspect(report, con: Console, per_tensor: bool = False) -> None:
     _inspect_problems(report, con)
     if report.kv_cache is not OMITTED:
         con.print(_kv_table(report.kv_cache))
-
-
-# ---------------------------------------------------------------- verify
-
-
-def _limit_text(row) -> str:
-    """The limit and what it is made of: '0 (identical ...)', '0.1234 = (nvfp4 0.09 + re-quantize 0.02) x 1.19'."""
-    basis = row.limit_basis
-    if not basis:
-        return ERROR.format(row.limit_rel_err)
-    if row.limit_rel_err == 0:
-        return f"0 ({basis})"
-    if basis.startswith("(quantcli's own)"):
-        return ERROR.format(row.limit_rel_err)
-    return f"{ERROR.format(row.limit_rel_err)} = {basis}"
-
-
-def _rows_table(rows, top: int, con: Console) -> Table:
-    """The worst tensors, worst first; names whole (a common prefix is cut, never the tail)."""
-    columns = [Column(h) for h in ("recipe", "rel err", "ours", "limit", "SQNR dB", "cosine", "max abs", "exact")]
-    cells = []
-    for r in rows[:top]:
-        exact = r.exact_identical_fraction
-        ours = "-" if r.baseline_rel_err is OMITTED else ERROR.format(r.baseline_rel_err) + (
-            "" if r.absmax_rel_err is OMITTED else f" (absmax {ERROR.format(r.absmax_rel_err)})")
-        cells.append([r.recipe, ERROR.format(r.rel_err), ours, _limit_text(r), f"{r.sqnr_db:.2f}", f"{r.cosine:.6f}",
-                      ERROR.format(r.max_abs), "-" if exact is OMITTED or exact is None else f"{exact:.2%}"])
-    return fitted_table(con, "tensor", [r.tensor for r in rows[:top]], cells, columns,
-                        title=f"worst {min(top, len(rows))} tensors")
-
-
-def _layer_bars(layers: dict[str, float], con: Console) -> None:
-    worst = max(layers.values()) or 1.0
-    con.print("relative error by layer (worst tensor):")
-    for layer, v in sorted(layers.items(), key=lambda kv: (kv[0] == "other", int(kv[0]) if kv[0].isdigit() else 0)):
-        con.print(f"  {layer:>5} {'█' * max(1, int(40 * v / worst))} {ERROR.format(v)}")
-
-
-def render_verify(report, con: Console, top: int) -> None:
-    reference, kind = report.reference, report.reference_kind
-    con.print(f"{report.checkpoint}: layout {report.layout}, {report.modules} quantized modules"
-              + (f", reference {reference}" + (f" ({kind})" if kind else "") if reference else ""))
-    for note in report.notes:
-        con.print(f"  {note}")
-    for c in report.checks:
-        status = "[green]ok[/green]  " if c.passed else f"[red]FAIL[/red] ({c.faults})"
-        con.print(f"  {status} {c.check}")
-    if report.tensors:
-        con.print(_rows_table(report.tensors, top, con))
-        _layer_bars(report.layers, con)
-    _verdict(report, con, con)
-
-
-def _verdict(report, con: Console, err: Console) -> None:
-    for w in report.warnings:
-        err.print(f"[yellow]warning[/yellow]: {w}")
-    for f in report.faults:
-        err.print(f"[red]FAIL[/red] {f.tensor}: {f.fault}")
-    unchecked = len(report.not_byte_checked)  # -q shows no notes: the verdict line says what it did not check
-    gap = f" ({unchecked} module(s) not byte-checked: need --calibration)" if unchecked else ""
-    con.print(("[green]PASS[/green]" if report.passed else f"[red]FAIL[/red]: {len(report.faults)} fault(s)") + gap)
-
-
-def render_verify_brief(report, con: Console, err: Console) -> None:
-    """verify -q: PASS or FAIL on stdout; each warning and fault on stderr."""
-    _verdict(report, con, err)
 
 
 __all__ = ["console", "dense_reasons", "emit_json", "excluded_lines", "human_bytes", "plan_table", "render_inspect",

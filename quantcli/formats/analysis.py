@@ -128,6 +128,9 @@ class ModuleDescription:
     bits_per_param: float | None = OMITTED
     problems: list[str] = field(default_factory=list)
     stats: ModuleStats = OMITTED
+    # the manifest's record of a data-aware rounding (GPTQ, or round to nearest instead and why):
+    # method, tokens, output_error, nearest_output_error, dampening, reason
+    rounding: dict = OMITTED
 
     @classmethod
     def undescribable(cls, module: str, recipe: str, problem: str) -> ModuleDescription:

@@ -112,6 +112,8 @@ class InspectReport:
     calibrated: CalibratedScales = OMITTED
     # each engine's verdict on this checkpoint (quantcli/formats/engines.py, conditions settled on the files)
     engines: list[EngineLoad] = OMITTED
+    # a data-aware rounding (GPTQ): the manifest's method and parameters (each module's in `modules`)
+    rounding: dict = OMITTED
 
 
 def inspect_checkpoint(path: str, revision: str | None = None, pattern: str | None = None,
@@ -145,12 +147,14 @@ def _quantized_modules(det: Detected | None, tensors: CheckpointTensors, pattern
         return [], set()
     rules = {m.module: m.scale_rule for m in det.manifest.modules} if det.manifest else {}
     searches = {m.module: m.scale_search for m in det.manifest.modules if m.scale_search} if det.manifest else {}
+    rounded = {m.module: dict(m.rounding) for m in det.manifest.modules if m.rounding} if det.manifest else {}
     modules, consumed = [], set()
     selected = [(m, r) for m, r in sorted(det.modules.items()) if not pattern or matches(pattern, m)]
     for module, recipe_name in selected:
         m = _describe(det, module, recipe_name, tensors, rules.get(module), stats)
         if module in searches and m.scale_rule is not OMITTED:  # how the block scales were chosen
             m.scale_rule = f"{m.scale_rule or 'absmax'} + {searches[module]} search"
+        m.rounding = rounded.get(module, OMITTED)
         if stats and progress is not None:  # --stats reads every module's data: minutes on a large model
             progress(module, len(selected))
         modules.append(m)
@@ -229,7 +233,8 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
         problems=_config_problems(source, det) + [f"{m.module}: {p}" for m in modules for p in m.problems]
         + unservable_problems(det, modules),
         warnings=list(source.warnings) + _kv_warnings(scales), config=config, calibrated=scales,
-        engines=engines if det else OMITTED)
+        engines=engines if det else OMITTED,
+        rounding=dict(det.manifest.rounding) if det and det.manifest and det.manifest.rounding else OMITTED)
 
 
 def _engine_loads(det: Detected | None, tensors: CheckpointTensors, config: dict, scales) -> list[EngineLoad]:

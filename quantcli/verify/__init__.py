@@ -32,9 +32,11 @@ from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions
 from quantcli.formats.detect import all_names, config_with_extras, detect
 from quantcli.kernels import cpu_workers
 from quantcli.planning.plan import matches
+from quantcli.reports import OMITTED
 from quantcli.verify.activation_scales import calibrated_check, recalibrated_check
 from quantcli.verify.direction import direction_check
 from quantcli.verify.findings import CONFIG, Findings, VerifyReport, build_report
+from quantcli.verify.gptq_exact import gptq_modules, gptq_notes, rerun_gptq
 from quantcli.verify.limits import Limits, parse_thresholds
 from quantcli.verify.reference import reference_checks
 from quantcli.verify.structure import Progress, no_progress, read_modules, structure_checks
@@ -68,6 +70,10 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
         _require_selection(pattern, source, det)
     config = config_with_extras(source, det.extra_files)
     rows, reference_kind = [], None
+    gptq = gptq_modules(det.manifest, det.modules, pattern) if exact and reference is not None else []
+    # before verify's thread pool: the rerun runs with torch's threads as convert does
+    rerun = rerun_gptq(source, det.manifest, reference, revision, calibration, device, gptq, progress) if (
+        gptq and calibration is not None) else None
     # convert's thread pool: bands of a tensor side by side on the CPU (kernels/chunks.py)
     threads = cpu_workers(torch.get_num_threads()) if dev.type == "cpu" else contextlib.nullcontext()
     with CheckpointTensors(source) as qt, threads:
@@ -86,9 +92,10 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
             rows, reference_kind = reference_checks(reference, revision, det, decoded_cache, qt, pattern, exact,
                                                     limits, dev, found, progress,
                                                     channel_ms=stats.channel_ms if stats is not None else None,
-                                                    outputs=outputs)
+                                                    outputs=outputs, rerun=rerun)
     return build_report(source, det.layout.name, reference, reference_kind, len(modules), found, rows,
-                        notes=tuple(found.notes))
+                        notes=(*found.notes, *gptq_notes(det.manifest, rerun, found)),
+                        gptq_rerun=rerun if rerun is not None else OMITTED)
 
 
 def config_faults(source, det) -> list[tuple[str, str]]:

@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from quantcli.reports import OMITTED
+from quantcli.reports import NOT_IN_JSON, OMITTED
 
 # Every check verify runs, in report order. Each gets its status from the faults filed under it,
 # so the report never says "checked" before the result is known.
@@ -81,6 +81,18 @@ class TensorRow:
 
 
 @dataclass
+class GptqRerun:
+    """--exact --calibration: quantcli's own conversion of the reference with the options and data
+    the manifest records (gptq_exact.py), and how many of the checkpoint's GPTQ modules it
+    reproduced byte for byte."""
+
+    seconds: float
+    modules: int
+    identical: int
+    fractions: dict[str, float] = field(default_factory=dict, metadata=NOT_IN_JSON)  # module -> identical bytes
+
+
+@dataclass
 class VerifyReport:
     checkpoint: str
     layout: str
@@ -94,9 +106,10 @@ class VerifyReport:
     layers: dict[str, float]
     warnings: list[str]
     passed: bool
-    # --exact: modules written with an activation-weighted scale search (manifest
-    # scale_search_weights) whose bytes need --calibration DATA to be reproduced, so were not checked
+    # --exact: modules whose bytes need --calibration DATA to be reproduced, so were not checked:
+    # written with an activation-weighted scale search (manifest scale_search_weights) or rounded by GPTQ
     not_byte_checked: list[str] = field(default_factory=list)
+    gptq_rerun: GptqRerun = OMITTED  # --exact --calibration on GPTQ modules
 
 
 class Findings:
@@ -107,6 +120,7 @@ class Findings:
         self.checks: list[str] = []
         self.notes: list[str] = []  # what the user must know about what was (not) checked
         self.not_byte_checked: list[str] = []  # --exact could not check these modules' bytes
+        self.gptq_unchecked: list[str] = []  # ... these, rounded by GPTQ, for want of --calibration
 
     def fault(self, check: str, tensor: str, what: str) -> None:
         self.faults.append(Fault(check=check, tensor=tensor, fault=what))
@@ -140,7 +154,8 @@ NOT_BYTE_CHECKED = ("--exact: {n} module(s) were quantized with an activation-we
 
 
 def build_report(source, layout_name: str, reference: str | None, reference_kind: str | None, modules: int,
-                 found: Findings, rows: list[TensorRow], notes: tuple[str, ...] = ()) -> VerifyReport:
+                 found: Findings, rows: list[TensorRow], notes: tuple[str, ...] = (),
+                 gptq_rerun: GptqRerun = OMITTED) -> VerifyReport:
     if found.not_byte_checked:
         notes = (*notes, NOT_BYTE_CHECKED.format(n=len(found.not_byte_checked)))
     rows.sort(key=lambda r: -r.rel_err)
@@ -152,4 +167,5 @@ def build_report(source, layout_name: str, reference: str | None, reference_kind
     return VerifyReport(checkpoint=source.label, layout=layout_name, reference=reference,
                         reference_kind=reference_kind, modules=modules, notes=list(notes), checks=found.summary(),
                         faults=found.faults, tensors=rows, layers=layers, warnings=list(source.warnings),
-                        passed=not found.faults, not_byte_checked=list(found.not_byte_checked))
+                        passed=not found.faults, not_byte_checked=[*found.not_byte_checked, *found.gptq_unchecked],
+                        gptq_rerun=gptq_rerun)

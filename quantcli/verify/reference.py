@@ -29,8 +29,10 @@ from quantcli.verify.findings import (
     REF_PRESENT,
     REF_SAME,
     Findings,
+    GptqRerun,
     TensorRow,
 )
+from quantcli.verify.gptq_exact import is_gptq, rerun_reason
 from quantcli.verify.limits import Limits
 from quantcli.verify.structure import Progress, finite_check, no_progress, nonfinite_fault, scale_rule_of
 
@@ -146,6 +148,7 @@ class _Comparison:
         self.group_amax: dict = {}
         self.channel_ms = None  # module -> mean squared input per channel, from --calibration
         self.outputs: dict = {}  # module -> outputs.OutputError, from --calibration
+        self.rerun: GptqRerun | None = None  # --exact --calibration: GPTQ rerun by quantcli's own conversion
 
     def consumed_names(self, module: str, recipe) -> list[str]:
         """Names of both sides' tensors that this module's comparison accounts for."""
@@ -214,7 +217,9 @@ class _Comparison:
         if nonfinite:
             self.found.fault(FINITE, module, nonfinite_fault(nonfinite))
             return None
-        if self.exact:
+        if self.exact and is_gptq(entry):
+            reasons += self._rerun_bytes(module, row)
+        elif self.exact:
             match = exact_match(self.layout, module, recipe, w, job.ours.to("cpu"), q, self.qt)
             row.exact_identical_fraction = match["exact_identical_fraction"]
             if "scale_rule_matches" in match:
@@ -222,13 +227,23 @@ class _Comparison:
             reasons += self._searched_bytes(entry, recipe, row.exact_identical_fraction, ms is not None)
         return row, reasons
 
+    def _rerun_bytes(self, module: str, row: TensorRow) -> list[str]:
+        """A GPTQ module's bytes against the rerun of GPTQ (gptq_exact.py); without the rerun
+        (no --calibration) listed as not byte-checked."""
+        fraction = self.rerun.fractions.get(module) if self.rerun is not None else None
+        if fraction is None:
+            self.found.gptq_unchecked.append(module)
+            return []
+        row.exact_identical_fraction = fraction
+        return [rerun_reason(fraction)] if fraction < 1.0 else []
+
     def _search_weights(self, entry, module: str):
         """The per-channel weights an activation-weighted search used, from --calibration's rerun;
         None for a data-free search, or when the weights are not at hand (then noted, once)."""
         if entry is None or not entry.scale_search_weights:
             return None
         ms = self.channel_ms(module) if self.channel_ms is not None else None
-        if ms is None and self.exact:
+        if ms is None and self.exact and not is_gptq(entry):  # a GPTQ module is listed as such
             self.found.not_byte_checked.append(module)
         return ms
 
@@ -247,18 +262,18 @@ class _Comparison:
 
 def reference_checks(reference: str, revision: str | None, det, decoded_cache: dict, qt: CheckpointTensors,
                      pattern: str | None, exact: bool, limits: Limits, dev, found: Findings,
-                     progress: Progress = no_progress, channel_ms=None, outputs: dict | None = None
-                     ) -> tuple[list[TensorRow], str]:
+                     progress: Progress = no_progress, channel_ms=None, outputs: dict | None = None,
+                     rerun: GptqRerun | None = None) -> tuple[list[TensorRow], str]:
     """Every read-back module against the reference, then the tensors neither side quantizes.
     `channel_ms(module)`: a calibration rerun's mean squared input per channel, for modules whose
     scale search it weighted (None: no --calibration); `outputs`: its layer-output errors per
-    module (outputs.py), which judge those modules."""
+    module (outputs.py), which judge those modules; `rerun`: --exact's GPTQ rerun (gptq_exact.py)."""
     rows = []
     ref_source = open_source(reference, revision)
     with CheckpointTensors(ref_source) as rt:
         ref = Reference(reference, ref_source, rt, dev)
         job = _Comparison(det, ref, qt, exact, limits, dev, found)
-        job.channel_ms, job.outputs = channel_ms, outputs or {}
+        job.channel_ms, job.outputs, job.rerun = channel_ms, outputs or {}, rerun
         progress("comparing", 0, len(decoded_cache), "(fused groups' amax)")
         job.group_amax = reference_group_amax(decoded_cache, ref, job.entries, dev)
         consumed = set()
