@@ -15,13 +15,14 @@ For W [N, K] and H = X^T X [K, K] (summed over every calibration token that reac
    given its scales (rounding/spans.py), err = (w_j - q_j) / U_jj updates the block's remaining
    columns at once and, at the block's end, every later column (err_block @ U[block, later]);
 5. scales: `updated` (the default) chooses a span's scales (a 1 x 16 NVFP4 block, 1 x 32 MX
-   block, 1 x 128 INT4 group, 128 x 128 FP8 tile) when the loop reaches its first column, from
-   the weights as updated so far, the usual GPTQ practice; `original` chooses every scale from
+   block, 1 x 128 INT4 group, 128 x 128 FP8 tile) when the loop first reaches one of its
+   columns, from the span's weights as updated so far (with a pending lazy update applied to
+   those in later blocks), the usual GPTQ practice; `original` chooses every scale from
    the original weights before the loop (then GPTQ changes only codes: scales equal round to
    nearest's). Per-tensor and per-row scales are chosen before the loop either way. The NVFP4
    global scale is always the original weights' (the fused group's, shared as engines require);
-6. `act_order = static`: columns in decreasing H_jj order, scales from the original weights
-   (groups stay contiguous on disk: no g_idx, which no layout here stores).
+6. `act_order = static`: columns in decreasing H_jj order; a span's columns stay together on
+   disk whatever the order (no g_idx, which no layout here stores).
 
 The codes written are the recipe's encoding of the values each column was rounded from, with
 the scales chosen: the bytes the loop's rounding decoded (tests/test_gptq.py). The result is
@@ -58,7 +59,7 @@ class GptqSettings:
     def record(self) -> dict:
         """What the manifest records of the method."""
         return {"method": "gptq", "dampening": self.dampening, "act_order": self.act_order,
-                "scales": "original" if self.act_order == "static" else self.scales,
+                "scales": self.scales,
                 "block_columns": self.block_columns}
 
 
@@ -136,44 +137,54 @@ def _rounded(w: torch.Tensor, up: torch.Tensor, perm: torch.Tensor | None, recip
     spans = Spans(spec, n, k, w.dtype, amax.to(w.device) if recipe.has_global_scale else None,
                   None if weight is None else weight.to(w.device), backend)
     wf = w.float()
-    if spans.chosen_per_span and settings.scales == "updated" and perm is None:
-        src = _loop(wf.clone(), up, spans, None, settings.block_columns)
-        divisor = torch.cat([spans.divisor(s, spans.width) for s in spans.stored], dim=1)[:, :k]
-    else:
-        divisor = spans.choose_all(wf)
-        if perm is None:
-            src = _loop(wf.clone(), up, spans, divisor, settings.block_columns)
-        else:
-            src = torch.empty_like(wf)
-            src[:, perm] = _loop(wf[:, perm].clone(), up, spans, divisor[:, perm], settings.block_columns)
+    order = torch.arange(k, device=w.device) if perm is None else perm
+    divisor = None if spans.chosen_per_span and settings.scales == "updated" else spans.choose_all(wf)
+    src, divisor = _loop(wf[:, order].T.contiguous(), up, order, spans, divisor, settings.block_columns)
     codes = spans.encode(src, divisor)
     return QuantizedTensor(recipe.name, (n, k), codes, spans.scale_tensor(), spans.s2, spec.scale_rule)
 
 
-def _loop(w: torch.Tensor, up: torch.Tensor, spans: Spans, divisor: torch.Tensor | None, block: int) -> torch.Tensor:
-    """The column loop on `w` [N, K] (FP32, loop order); returns the value each column was
-    rounded from. `divisor` [N, K]: the scales' divisors, or None to choose each span's scales
-    when the loop reaches it (`block` is a multiple of the span width, so a span never straddles
-    a block and its values are the updated ones). Works on W^T, where a column is a contiguous
-    row (10x faster on the CPU than strided columns)."""
-    wt = w.T.contiguous()
+def _loop(wt: torch.Tensor, up: torch.Tensor, order: torch.Tensor, spans: Spans, divisor: torch.Tensor | None,
+          block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column loop on `wt` = W^T [K, N] in loop order (`order[c]`: the column of W at loop
+    position c), in place; returns, in W's own order, the value each column was rounded from and
+    the divisors [N, K]. `divisor`: the scales' divisors, or None to choose each span's scales
+    when the loop first reaches one of its columns, from the span's values as updated so far
+    (`_current`). On W^T a column is a contiguous row (10x faster on the CPU than strided)."""
     k, n = wt.shape
     src = torch.empty_like(wt)
-    dt = None if divisor is None else divisor.T.contiguous()
-    span = span_start = None
+    at = torch.empty_like(order)
+    at[order] = torch.arange(k, device=order.device)  # loop position of each column of W
+    dt = torch.empty_like(wt) if divisor is None else divisor.T[order].contiguous()  # in loop order
+    chosen: set[int] = set()
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
         u = up[b0:b1, b0:b1]
         errors = torch.empty(b1 - b0, n, dtype=wt.dtype, device=wt.device)
         for i in range(b1 - b0):
             c = b0 + i
-            if dt is None and c % spans.width == 0:
-                span, span_start = spans.choose(wt[c:c + spans.width].T.contiguous(), c).T, c
-            d = dt[c] if dt is not None else span[c - span_start]
+            first = int(order[c]) // spans.width * spans.width
+            if divisor is None and first not in chosen:
+                chosen.add(first)
+                where = at[first:first + spans.width]
+                values = _current(wt, where, up, errors[:i], b0, b1)
+                dt[where] = spans.choose(values.T.contiguous(), first).T
             col = wt[c]
             src[c] = col
             e = errors[i]
-            torch.sub(col, spans.round(col, d), out=e).div_(u[i, i])
+            torch.sub(col, spans.round(col, dt[c]), out=e).div_(u[i, i])
             wt[c:b1].addmm_(u[i, i:, None], e[None], alpha=-1)  # a BLAS call: addr_ is 15x slower
         wt[b1:].addmm_(up[b0:b1, b1:].T, errors, alpha=-1)
-    return src.T
+    return src[at].T, dt[at].T
+
+
+def _current(wt: torch.Tensor, where: torch.Tensor, up: torch.Tensor, errors: torch.Tensor, b0: int,
+             b1: int) -> torch.Tensor:
+    """Rows `where` of W^T as updated so far: rows in the current block have every update; rows
+    after it still lack the block's pending one (errors so far @ up[block rows, row])."""
+    values = wt[where]
+    later = where >= b1
+    if bool(later.any()) and errors.shape[0]:
+        rows = where[later]
+        values[later] -= (up[b0:b0 + errors.shape[0], rows].T @ errors)
+    return values

@@ -31,7 +31,7 @@ class Spans:
         self.spec, self.n, self.k, self.dtype = spec, n, k, dtype
         self.global_amax, self.channel_weight, self.backend = global_amax, channel_weight, backend
         self.width = {GROUP: spec.group, BLOCK: FP8_BLOCK}.get(spec.geometry, k)
-        self.stored: list[torch.Tensor] = []  # per span, in order along K
+        self.stored: dict[int, torch.Tensor] = {}  # per span, by its first column
         self.s2: torch.Tensor | None = None
 
     @property
@@ -46,7 +46,7 @@ class Spans:
             x = x.to(self.dtype)
         weight = None if self.channel_weight is None else self.channel_weight[start:start + x.shape[-1]]
         r = kernel_quantize(x, self.spec, global_amax=self.global_amax, backend=self.backend, channel_weight=weight)
-        self.stored.append(r.scale)
+        self.stored[start] = r.scale
         self.s2 = r.global_scale
         return self.divisor(r.scale, x.shape[-1])
 
@@ -68,9 +68,8 @@ class Spans:
 
     def scale_tensor(self) -> torch.Tensor:
         """The stored scales of the whole weight, as the recipe's quantizer returns them."""
-        if len(self.stored) == 1:
-            return self.stored[0]
-        return torch.cat(self.stored, dim=-1)
+        parts = [self.stored[s] for s in sorted(self.stored)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def round(self, x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
         """The decoded values the recipe writes for `x` (FP32) given its scales' divisors."""
