@@ -65,6 +65,7 @@ What runs, and where llm-compressor 0.14.0 / compressed-tensors 0.19.0 define it
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -158,9 +159,7 @@ def main() -> None:
     ap.add_argument("--method", action="append", choices=METHODS, help="default: both")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child mode: write this one output folder
     args = ap.parse_args()
-    try:
-        import llmcompressor  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("llmcompressor") is None:  # found, not imported: its import logs to stdout
         print("gptq_peers: skipped, llmcompressor is not importable in this Python (run it from its own venv)")
         return
     if args.one:
