@@ -52,6 +52,12 @@ What runs, and where llm-compressor 0.14.0 / compressed-tensors 0.19.0 define it
   quantized outputs (propagate_error=True) and quantizes layer by layer. batch_size=1,
   shuffle_calibration_samples=True (a permutation; a Hessian is a sum, so the order only changes
   float rounding), data_collator="truncation" (a no-op at batch 1).
+- Dead columns: helpers.factorize_hessian zeroes the weight columns whose Hessian diagonal is 0
+  (as the original GPTQ does) and quantizes them to 0. Its Hessian is FP32 (GPTQ_PRECISION), so an
+  input that is not 0 but whose square underflows counts: all-MiniLM-L6-v2's hidden dims 127 and
+  223 are ~1e-32 on every token (the last LayerNorm's weight and bias are ~1e-32 there), so the
+  GPTQ outputs' pooler.dense has those two columns (7 % of its weight norm) at 0, harmless to its
+  outputs, which `quantcli verify` calls above rounding's error for the FP8 schemes.
 - Calibration: every line of the calibration file, one sample each, tokenized by the model's own
   tokenizer with truncation at 128 tokens ([CLS] ... [SEP], attention mask, token type ids), the
   GPTQ Hessian counting every token of every sample.
