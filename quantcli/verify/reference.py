@@ -309,8 +309,27 @@ def remaining_reference_tensors(rt: CheckpointTensors, qt: CheckpointTensors, co
             continue
         if name in qt:
             yield name
-        elif not any(name.startswith(mod) for mod in quantized):
+        elif any(name.startswith(mod) for mod in quantized):
+            continue
+        elif rebuilt_position_ids(rt, name):
+            found.notes.append(f"{name}: absent from {checked}; it is 0, 1, 2, ... (a position_ids buffer, which "
+                               f"transformers builds itself and no longer saves), so nothing is lost")
+        else:
             found.fault(REF_PRESENT, name, f"missing from {checked} (dropped)")
+
+
+def rebuilt_position_ids(rt: CheckpointTensors, name: str) -> bool:
+    """Whether reference tensor `name` is a `position_ids` buffer holding 0..n-1 along its last dim:
+    BERT-style embeddings register it non-persistent, so transformers saves a model without it and
+    rebuilds it on load (older checkpoints, all-MiniLM-L6-v2's among them, still carry it). Its
+    value is its shape: a checkpoint without it loses nothing."""
+    if name.rpartition(".")[2] != "position_ids":
+        return False
+    t = rt.get(name)
+    counts = (not t.is_floating_point() and not t.is_complex() and t.dim() > 0
+              and bool(torch.equal(t, torch.arange(t.shape[-1], dtype=t.dtype).expand_as(t))))
+    rt.release(name)
+    return counts
 
 
 def _unquantized_identical(rt: CheckpointTensors, qt: CheckpointTensors, consumed: set, pattern: str | None,
