@@ -62,9 +62,22 @@ def _per_element_scale(recipe, q) -> torch.Tensor:
     return s.reshape(-1, 1).expand(n, k) if s.dim() else s.expand(n, k)
 
 
-def _reference(w: torch.Tensor, h: torch.Tensor, recipe, damp: float = 0.01, updated: bool = False):
+def _reference(w: torch.Tensor, h: torch.Tensor, recipe, damp: float = 0.01, updated: bool = False,
+               act_order: bool = False):
     """The paper's Algorithm 1 (lazy batches of 128), dead channels as quantcli treats them,
-    rounding by argmin over the grid. `updated`: group scales from the updated weights."""
+    rounding by argmin over the grid. `updated`: group scales from the updated weights (natural
+    order only); `act_order`: columns by decreasing H_jj, scales from the original weights."""
+    if act_order:
+        perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+        scale = _per_element_scale(recipe, recipe.quantize("w", w))
+        q = _reference_loop(w.float()[:, perm], h[perm][:, perm], recipe, damp, False, scale[:, perm])
+        out = torch.empty_like(q)
+        out[:, perm] = q
+        return out
+    return _reference_loop(w, h, recipe, damp, updated, _per_element_scale(recipe, recipe.quantize("w", w)))
+
+
+def _reference_loop(w, h, recipe, damp, updated, scale):
     h = h.clone()
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
@@ -72,7 +85,7 @@ def _reference(w: torch.Tensor, h: torch.Tensor, recipe, damp: float = 0.01, upd
     inverse = torch.cholesky_solve(torch.eye(K, dtype=h.dtype), torch.linalg.cholesky(h))
     u = torch.linalg.cholesky(inverse, upper=True).float()
     values = _element_values(recipe)
-    scale = _per_element_scale(recipe, recipe.quantize("w", w)).T
+    scale = scale.T.clone()
     wt = w.float().T.contiguous()  # W^T: rows are columns of W (the updates as BLAS calls, as quantcli's)
     q = torch.zeros_like(wt)
     group = recipe.spec.group
@@ -95,14 +108,16 @@ def _reference(w: torch.Tensor, h: torch.Tensor, recipe, damp: float = 0.01, upd
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "fp8-channel", "fp8-block"])
 def test_codes_equal_a_plain_implementation_of_the_algorithm(name):
     recipe, w, h = get_recipe(name), _weight(), _h(_inputs())
-    out = gptq_quantize("w", w, h, recipe, NO_FACTS, GptqSettings(scales="original"))
+    out = gptq_quantize("w", w, h, recipe, NO_FACTS, GptqSettings(scales="original", act_order="none"))
     assert out.method == "gptq"
     assert torch.equal(recipe.dequantize(out.q), _reference(w, h, recipe))
+    ordered = gptq_quantize("w", w, h, recipe, NO_FACTS, GptqSettings(scales="original", act_order="static"))
+    assert torch.equal(recipe.dequantize(ordered.q), _reference(w, h, recipe, act_order=True))
 
 
 def test_scales_chosen_from_the_updated_weights_equal_the_plain_implementation():
     recipe, w, h = get_recipe("nvfp4"), _weight(), _h(_inputs())
-    out = gptq_quantize("w", w, h, recipe, NO_FACTS, GptqSettings(scales="updated"))
+    out = gptq_quantize("w", w, h, recipe, NO_FACTS, GptqSettings(scales="updated", act_order="none"))
     assert torch.equal(recipe.dequantize(out.q), _reference(w, h, recipe, updated=True))
     rtn = recipe.quantize("w", w)
     assert torch.equal(out.q.global_scale, rtn.global_scale)  # the global scale stays the original weights'
@@ -111,7 +126,7 @@ def test_scales_chosen_from_the_updated_weights_equal_the_plain_implementation()
 
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("settings", [GptqSettings(), GptqSettings(scales="original"),
-                                      GptqSettings(act_order="static")], ids=["updated", "original", "act-order"])
+                                      GptqSettings(act_order="none")], ids=["default", "original", "natural-order"])
 def test_layer_output_error_is_below_round_to_nearest(name, settings):
     recipe, w, x = get_recipe(name), _weight(torch.bfloat16), _inputs()
     out = gptq_quantize("w", w, _h(x), recipe, NO_FACTS, settings)

@@ -55,7 +55,7 @@ def test_the_manifest_records_the_method_and_each_modules_errors_and_verify_pass
     stdout = _convert(run_cli, env, env["llama"], out, "--recipe", "nvfp4", "--rounding", "gptq", "--kv-cache", "fp8")
     assert "rounded: 14 modules by GPTQ; layer-output error on the calibration data" in stdout
     m = _manifest(out)
-    assert m["rounding"] == {"method": "gptq", "dampening": 0.01, "act_order": "none", "scales": "updated",
+    assert m["rounding"] == {"method": "gptq", "dampening": 0.01, "act_order": "static", "scales": "updated",
                              "block_columns": 128, "min_tokens": 32, "inputs": "quantized", "default": "gptq",
                              "overrides": []}
     tokens = sum(8 + 4 * (i % 3) for i in range(12))

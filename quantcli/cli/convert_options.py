@@ -54,7 +54,7 @@ GptqDampening = Annotated[Optional[float], typer.Option(metavar="F", help=(
     "GPTQ: dampening, a fraction of mean diag(X^T X) added to it.  [default: 0.01]"))]
 GptqActOrder = Annotated[Optional[str], choice(
     "--gptq-act-order", "GPTQ column order", lambda: ["none", "static"], ["none", "static"], "ORDER",
-    "GPTQ: static rounds columns by decreasing input energy (scales from the original weights).  [default: none]")]
+    "GPTQ: static rounds columns by decreasing input energy, none in their order.  [default: static]")]
 GptqScales = Annotated[Optional[str], choice(
     "--gptq-scales", "GPTQ scale choice", lambda: ["updated", "original"], ["updated", "original"], "FROM",
     "GPTQ, block formats: choose each block's scale from the updated or the original weights.  [default: updated]")]

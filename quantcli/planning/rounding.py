@@ -67,7 +67,7 @@ def rounding_options(method: str | None, overrides: list[tuple[str, str]], gptq:
         k = sorted(given)[0]
         raise QuantcliError(f"{where.get(k, GPTQ_FLAGS[k])}: only used with --rounding gptq; add it or drop the option")
     settings = GptqSettings(dampening=_dampening(given.get("dampening", r.gptq.dampening), where),
-                            act_order=_one_of("act_order", given.get("act_order", "none"), ACT_ORDERS, where),
+                            act_order=_one_of("act_order", given.get("act_order", "static"), ACT_ORDERS, where),
                             scales=_one_of("scales", given.get("scales", "updated"), SCALE_CHOICES, where))
     tokens = given.get("min_tokens", MIN_TOKENS)
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
