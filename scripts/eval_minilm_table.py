@@ -23,7 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from measure_scale_search import EVAL, model_dir  # noqa: E402
 
-RECIPES = ("fp8", "fp8-channel", "fp8-block", "int8-channel", "mxfp8", "mxfp4", "nvfp4")
+RECIPES = ("fp8", "fp8-channel", "fp8-block", "int8-channel", "mxfp8", "mxfp4", "nvfp4", "int4")
+# llm-compressor 0.14's data-free (QuantizationModifier) outputs, written by scripts/gptq_peers.py
+PEERS = ("fp8_dynamic", "fp8_block", "mxfp4a16", "nvfp4a16", "w4a16")
 SEARCHES = ("mxfp8", "mxfp4", "nvfp4")  # the recipes --scale-search mse applies to
 
 
@@ -31,6 +33,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
+    ap.add_argument("--peers", type=Path, default=None,
+                    help="scripts/gptq_peers.py's output folder: adds llm-compressor's data-free rows")
     args = ap.parse_args()
     src = model_dir(args.model)
     work = args.work or Path(tempfile.mkdtemp(prefix="quantcli-eval-minilm-"))
@@ -42,14 +47,23 @@ def main() -> None:
     print("| recipe | scale search | layout | activations emulated | cosine mean | cosine min | "
           "last layer hidden rel err | worst module (own rel err) |")
     print("|---|---|---|---|---|---|---|---|")
-    for recipe in RECIPES:
+    for recipe in args.recipes:
         for search in ("none", "mse") if recipe in SEARCHES else ("none",):
             r = evaluate(EvalOptions(str(src), str(src), str(data), device="cpu", recipe=recipe, scale_search=search))
-            acts = "; ".join(a.scheme for a in r.activations) or "none (weight-only)"
-            worst = r.worst_modules[0]
-            print(f"| `{recipe}` | {search} | {r.layout} | {acts} | {r.encoder.cosine_mean:.6f} | "
-                  f"{r.encoder.cosine_min:.6f} | {r.layers[-1].hidden_rel_err:.4f} | "
-                  f"`{worst.module}` {worst.rel_err:.4f} |", flush=True)
+            print(_row(f"`{recipe}`", search, r), flush=True)
+    for preset in PEERS if args.peers is not None else ():
+        folder = args.peers / f"{preset}-rtn"
+        if (folder / "config.json").exists():  # `quantcli eval FOLDER --reference MODEL`
+            r = evaluate(EvalOptions(str(folder), str(src), str(data), device="cpu"))
+            print(_row(f"llm-compressor {preset.upper()} data-free ({', '.join(sorted(r.recipes))})", "none", r),
+                  flush=True)
+
+
+def _row(name: str, search: str, r) -> str:
+    acts = "; ".join(a.scheme for a in r.activations) or "none (weight-only)"
+    worst = r.worst_modules[0]
+    return (f"| {name} | {search} | {r.layout} | {acts} | {r.encoder.cosine_mean:.6f} | {r.encoder.cosine_min:.6f} | "
+            f"{r.layers[-1].hidden_rel_err:.4f} | `{worst.module}` {worst.rel_err:.4f} |")
 
 
 if __name__ == "__main__":
