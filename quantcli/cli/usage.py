@@ -14,7 +14,8 @@ EXAMPLES = {  # a long one goes on in a second line after ' \\'
                 "quantcli convert ./llama out/fp8 --recipe fp8-block --dry-run",
                 "quantcli convert ./llama out/w4a4 --recipe nvfp4 --activations static \\\n"
                 "    --calibration data.jsonl",
-                "quantcli convert ./llama out/int4 --recipe int4 --rounding gptq --calibration data.jsonl",
+                "quantcli convert ./llama out/int4 --recipe int4 --rounding gptq \\\n"
+                "    --calibration data.jsonl",
                 "quantcli convert out/nvfp4 out/nvfp4-ct --layout compressed-tensors"],
     "inspect": ["quantcli inspect out/nvfp4",
                 "quantcli inspect out/nvfp4 --stats --tensors model.layers.0",
