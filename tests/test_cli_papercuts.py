@@ -58,6 +58,24 @@ def test_quiet_and_verbose_together_are_refused(llama, tmp_path, run_cli, argv):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("extra, said", [
+    (["--per-tensor"], ["--per-tensor", "--dry-run"]),
+    (["--per-tensor", "-v"], ["--per-tensor", "--dry-run", "-v"]),
+    (["--private"], ["--private", "--push-to-hub REPO"]),
+    (["--push-revision", "dev"], ["--push-revision", "--push-to-hub REPO"]),
+])
+def test_options_that_only_change_another_are_refused_without_it(llama, tmp_path, run_cli, extra, said):
+    assert_one_line_error(*run_cli("convert", llama, tmp_path / "o", "--recipe", "fp8", *extra), *said)
+    assert not (tmp_path / "o").exists()
+
+
+def test_per_tensor_and_verbose_still_work_where_they_apply(llama, tmp_path, run_cli):
+    code, out, err = run_cli("convert", llama, tmp_path / "d", "--recipe", "fp8", "--dry-run", "--per-tensor")
+    assert code == 0 and "model.layers.0.self_attn.q_proj" in out, err
+    code, out, err = run_cli("convert", llama, tmp_path / "o", "--recipe", "fp8", "-v")  # -v: a line per tensor
+    assert code == 0 and "q_proj" in err, err
+
+
 def test_verify_revision_without_reference_is_refused(llama, run_cli):
     assert_one_line_error(*run_cli("verify", llama, "--revision", "main"), "--revision", "--reference SRC")
 
