@@ -222,11 +222,19 @@ def run_verify(quant: str, *, reference: str | None, revision: str | None, tenso
 
 
 def applied_thresholds(limits) -> dict:
-    """verify's tolerance as applied: the margin over quantcli's own error (one value from
-    --threshold margin=, else the per-tensor rule) and the absolute limits (null: not set)."""
+    """verify's tolerance as applied: the margin over quantcli's own error (--threshold margin=,
+    for every module), else the rule in words: no such margin, each module judged as a rounding
+    of the reference (verify/judge.py), and the size rule of verify/limits.py on the two
+    quantizations' errors of a module re-quantized from a quantized source (verify/compare.py);
+    and the absolute limits (null: not set)."""
+    from quantcli.verify.judge import ERROR_FACTOR, OUTPUT_MARGIN
     from quantcli.verify.limits import TOLERANCE_FLOOR, TOLERANCE_NOISE
 
-    rule = f"{TOLERANCE_FLOOR:g} + {TOLERANCE_NOISE:g} / sqrt(max(1, numel / 128))"
+    rule = (f"none over quantcli's own error: a module must be a rounding of the reference to its stored scales "
+            f"(error at most {ERROR_FACTOR:g} x the most rounding gives, or with --calibration a layer-output error "
+            f"at most {OUTPUT_MARGIN:.0%} above that of rounding to those scales); a module re-quantized from a "
+            f"quantized source: both quantizations' errors x (1 + {TOLERANCE_FLOOR:g} + {TOLERANCE_NOISE:g} / "
+            f"sqrt(max(1, numel / 128)))")
     return {"margin": limits.margin, "margin_rule": rule if limits.margin is None else None,
             "rel_err": limits.rel_err, "sqnr_db": limits.sqnr_db, "cosine": limits.cosine}
 
