@@ -109,7 +109,7 @@ def test_dry_run_is_grouped_and_convert_summary_names_dense_reasons(run_cli, mon
     code, out, err = run_cli("convert", "moe", "q", "--recipe", "fp8", "--quiet")
     assert (code, out) == (0, "q\n"), err
     out = run_cli("convert", "moe", "s", "--recipe", "fp8")[1]
-    assert "left dense: 2 MoE router/gate, 1 output head" in out
+    assert "left dense: 2 MoE routers/gates, 1 output head" in out
     assert "next: quantcli verify s --reference moe" in out
     assert re.search(r" at \d+\.\d\d (B|KiB|MiB|GiB)/s\)", out)  # binary units, as the progress bar
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 from quantcli.cli.bars import ConvertBar, PhaseBar, counting_bar
 from quantcli.cli.convert_summary import convert_summary as _convert_summary
 from quantcli.cli.convert_summary import print_convert_result as _print_convert_result
+from quantcli.cli.name_tables import counted
 from quantcli.cli.render import console as _console
 from quantcli.cli.render import (
     emit_json,
@@ -142,14 +143,15 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
     for w in plan.all_warnings:
         (_console(stderr=True) if quiet else con).print(f"warning: {w}")
     con.print(f"total {human_bytes(plan.bytes_in)} -> {human_bytes(plan.bytes_out)}, {doc['bits_per_param']:.2f} "
-              f"bits/param over {total_params:,} params ({params_q:,} quantized); estimated peak memory "
+              f"bits/param over {counted(total_params, 'param', spec=',')} ({params_q:,} quantized); estimated peak "
+              f"memory "
               f"{human_bytes(peak)} (process {human_bytes(PROCESS_BYTES)} + largest tensor's working set "
               f"{human_bytes(working_set)}); nothing written (--dry-run)")
     if calibration:
         c = calibration
         where = "memory-mapped from a temporary file" if c.spilled else "in memory"
-        con.print(f"calibration: {c.samples} samples, {c.tokens:,} tokens through {c.layers} "
-                  f"layer{'s' if c.layers != 1 else ''}; estimated peak "
+        con.print(f"calibration: {counted(c.samples, 'sample')}, {counted(c.tokens, 'token', spec=',')} through "
+                  f"{counted(c.layers, 'layer')}; estimated peak "
                   f"memory {human_bytes(c.peak_memory_bytes)} (largest layer {human_bytes(c.layer_weight_bytes)} in "
                   f"FP32, activations {human_bytes(c.activation_bytes)} {where}), about {c.seconds:.0f} s at "
                   f"{c.measured_flops_per_s / 1e9:.0f} GFLOP/s (FP32 matmul measured here)"
