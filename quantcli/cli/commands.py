@@ -29,9 +29,26 @@ from quantcli.reports import envelope, excluded_entries, to_json
 
 # ---------------------------------------------------------------- convert
 
-# Python, torch and quantcli before any tensor: peak RSS of `convert` on a 2-MiB checkpoint was
-# 250-255 MiB (/usr/bin/time, CPU torch); the dry run's peak is this plus the largest working set.
-PROCESS_BYTES = 256 * 2**20
+# The dry run's peak memory: PROCESS_BYTES (Python, torch, quantcli, the plan) plus the largest
+# quantized tensor's working set: its source and output bytes, the FP32 decode of a quantized
+# source, and CHUNK_BYTES_PER_ELEMENT for each chunk (kernels/chunks.py, 1M elements) the CPU
+# threads quantize at once: min(torch threads, the tensor's chunks), one for a single chunk.
+# Measured: peak RSS of `quantcli convert SRC DST --recipe R --device cpu -q` (getrusage of the
+# child; scripts/measure_convert_memory.py; torch 2.13.0+cpu, 2 threads), the most over fp8,
+# fp8-channel, fp8-block, mxfp8, mxfp4, nvfp4, int8-channel and int4, in two sessions whose
+# base differed by ~45 MiB for every checkpoint alike, and this estimate (MiB):
+#   SRC                                    session A  session B  estimate
+#   make_llama hidden 64, 2 shards             326.0      281.6  340.2
+#   make_llama hidden 128, 2 shards            326.5      282.6  340.8
+#   make_llama hidden 256, 2 shards            327.0      283.4  343.3-343.4
+#   make_checkpoint.py --hidden 512            323.8      289.4  353.3-353.5
+#   make_checkpoint.py --hidden 1024           376.4      342.0  393.0-394.1  (A: 512 and 1024
+#   make_checkpoint.py --hidden 2048           390.9      348.6  408.1-412.2  fp8, mx/nvfp4, int4)
+# (the old 256 MiB read 257 where 313 was measured). Each chunk thread past the first added
+# 17-35 MiB on nvfp4 and 4-12 MiB on fp8 (hidden 2048, nvfp4: 341, 361, 397, 463 MiB at 1, 2,
+# 4, 8 threads); 24 bytes an element covers the 2-thread runs and overshoots at 8.
+PROCESS_BYTES = 340 * 2**20
+CHUNK_BYTES_PER_ELEMENT = 24
 
 
 def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
@@ -115,10 +132,7 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
                      "recipe": t.recipe, "action": t.action, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,
                      "bits_per_param": round(8 * t.bytes_out / max(1, t.numel), 3),
                      "fused_group": t.fused_group, "outputs": [o.name for o in t.outputs]})
-    largest = max((t.bytes_in + t.bytes_out for t in plan.tensors), default=0)
-    # One source tensor, its FP32 upcast and its outputs are alive at once (plus the transposed view).
-    working_set = max((t.bytes_in + 4 * t.numel * 2 + t.bytes_out for t in plan.tensors if t.quantized),
-                      default=largest)
+    working_set = _working_set(plan)
     peak = PROCESS_BYTES + working_set
     params_q = plan.params(quantized=True)
     total_params = plan.params()
@@ -158,6 +172,23 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
                   + (f"; GPTQ's statistics and solve {human_bytes(c.rounding_bytes)} of it" if c.rounding_bytes
                      else ""))
     return 0
+
+
+def _working_set(plan) -> int:
+    """The largest tensor's working set (see PROCESS_BYTES): a copied tensor's bytes in and out,
+    a quantized one's with its FP32 decode (quantized source) and the chunks quantized at once."""
+    import torch
+
+    from quantcli.kernels.chunks import CHUNK_ELEMENTS
+
+    def one(t) -> int:
+        chunks = -(-t.numel // CHUNK_ELEMENTS)
+        at_once = min(max(1, torch.get_num_threads()), chunks) * min(t.numel, CHUNK_ELEMENTS)
+        decoded = 4 * t.numel if t.source_recipe is not None else 0
+        return t.bytes_in + t.bytes_out + decoded + CHUNK_BYTES_PER_ELEMENT * at_once
+
+    largest = max((t.bytes_in + t.bytes_out for t in plan.tensors), default=0)
+    return max((one(t) for t in plan.tensors if t.quantized), default=largest)
 
 
 def _calibration_estimate(plan, device: str):
