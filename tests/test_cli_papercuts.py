@@ -58,6 +58,24 @@ def test_quiet_and_verbose_together_are_refused(llama, tmp_path, run_cli, argv):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("extra, said", [
+    (["--per-tensor"], ["--per-tensor", "--dry-run"]),
+    (["--per-tensor", "-v"], ["--per-tensor", "--dry-run", "-v"]),
+    (["--private"], ["--private", "--push-to-hub REPO"]),
+    (["--push-revision", "dev"], ["--push-revision", "--push-to-hub REPO"]),
+])
+def test_options_that_only_change_another_are_refused_without_it(llama, tmp_path, run_cli, extra, said):
+    assert_one_line_error(*run_cli("convert", llama, tmp_path / "o", "--recipe", "fp8", *extra), *said)
+    assert not (tmp_path / "o").exists()
+
+
+def test_per_tensor_and_verbose_still_work_where_they_apply(llama, tmp_path, run_cli):
+    code, out, err = run_cli("convert", llama, tmp_path / "d", "--recipe", "fp8", "--dry-run", "--per-tensor")
+    assert code == 0 and "model.layers.0.self_attn.q_proj" in out, err
+    code, out, err = run_cli("convert", llama, tmp_path / "o", "--recipe", "fp8", "-v")  # -v: a line per tensor
+    assert code == 0 and "q_proj" in err, err
+
+
 def test_verify_revision_without_reference_is_refused(llama, run_cli):
     assert_one_line_error(*run_cli("verify", llama, "--revision", "main"), "--revision", "--reference SRC")
 
@@ -152,3 +170,40 @@ def test_each_help_ends_with_examples_that_parse(run_cli, command):
         sub = group.get_command(None, command)
         sub.make_context(command, args[2:])  # every option and value is one the command takes
         assert max(len(line) for line in example.split("\n")) <= 76, example  # fits 80 columns, indented
+
+
+# ---------------------------------------------------------------- a count agrees with its noun
+
+
+def test_a_count_takes_the_singular_only_for_one():
+    from quantcli.cli.name_tables import counted
+
+    assert (counted(1, "empty tensor"), counted(2, "empty tensor")) == ("1 empty tensor", "2 empty tensors")
+    assert (counted(0, "layer"), counted(2, "MoE router/gate")) == ("0 layers", "2 MoE routers/gates")
+    assert counted(1234, "param", spec=",") == "1,234 params"
+
+
+def test_left_dense_counts_agree_with_their_reasons():
+    from quantcli.cli.render import dense_reasons
+    from quantcli.planning.plan import Exclusion
+
+    reasons = ["empty tensor"] * 2 + ["MoE router/gate"] * 3 + ["--ignore"] * 2 + ["output head", "norm", "norm"]
+    said = dense_reasons([Exclusion(f"m{i}", r) for i, r in enumerate(reasons)])
+    assert said == "3 MoE routers/gates, 2 --ignore, 2 empty tensors, 2 norms, 1 output head"  # was: 2 empty tensor
+    assert dense_reasons([Exclusion("m", "dense in the source")] * 2) == "2 already dense in the source"
+
+
+def test_summary_lines_count_one_in_the_singular():
+    from types import SimpleNamespace
+
+    from quantcli.cli.convert_summary import _what_was_done
+    from quantcli.cli.render_rounding import rounding_summary, settings_line
+
+    one = SimpleNamespace(action="dequantize")
+    assert _what_was_done(SimpleNamespace(layout=None, tensors=[one], dense_dtype="bf16"), None) == \
+        "1 module dequantized to bf16"  # was: 1 modules
+    plan = SimpleNamespace(layout=object(), lossless=False, tensors=[one], recipes={"fp8"}, target="fp8")
+    assert _what_was_done(plan, SimpleNamespace(quantized=1)) == "1 of 1 tensor quantized (fp8 -> fp8)"
+    gptq = {"method": "gptq", "nearest_output_error": 0.2, "output_error": 0.1}
+    assert rounding_summary([gptq]).startswith("1 module by GPTQ;")
+    assert "at least 1 token a module" in settings_line({"method": "gptq", "min_tokens": 1})

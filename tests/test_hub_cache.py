@@ -166,7 +166,7 @@ def test_missing_repo_or_revision_is_one_line(command, tiny_llama, tiny_fp8, hub
         args = {"convert": ("convert", repo, dst, "--recipe", "fp8"), "inspect": ("inspect", repo),
                 "verify": ("verify", tiny_fp8, "--reference", repo)}[command]
         code, out, err = run_cli(*args, *extra)
-        assert_one_line_error(code, out, err, needle, "--revision")
+        assert_one_line_error(code, out, err, needle, "--revision", f"local Hugging Face cache {hub_cache} ")
         assert_nothing_left(dst)
 
 
@@ -174,7 +174,8 @@ def test_shard_missing_from_cache_is_one_line(tiny_llama, hub_cache, tmp_path, r
     snapshot = put_in_cache(hub_cache, "acme/tiny-llama", folder_files(tiny_llama), COMMIT)
     (snapshot / "model-00002-of-00002.safetensors").unlink()
     code, out, err = run_cli("convert", "acme/tiny-llama", tmp_path / "o", "--recipe", "fp8")
-    assert_one_line_error(code, out, err, "acme/tiny-llama", "model-00002-of-00002.safetensors", "HF_HUB_OFFLINE=0")
+    assert_one_line_error(code, out, err, "acme/tiny-llama", "model-00002-of-00002.safetensors", "HF_HUB_OFFLINE=0",
+                          f"local cache {hub_cache}")
     assert_nothing_left(tmp_path / "o")
 
 

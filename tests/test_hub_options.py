@@ -108,4 +108,8 @@ def test_cache_dir_and_token_reach_the_hub_calls(cached_repo, tiny_llama, tmp_pa
     code, out, err = run_cli("verify", tmp_path / "q", "--reference", "acme/tiny-llama", "-q", *hub)
     assert code == 0 and out.strip() == "PASS", (out, err)
     code, out, err = run_cli("inspect", "acme/tiny-llama", "-q")  # without it: the default cache, empty
-    assert_one_line_error(code, out, err, "acme/tiny-llama", "not in the local Hugging Face cache")
+    assert_one_line_error(code, out, err, "acme/tiny-llama", "not in the local Hugging Face cache",
+                          str(tmp_path / "default-cache"))  # the folder searched, named
+    empty = tmp_path / "empty-cache"
+    code, out, err = run_cli("inspect", "acme/tiny-llama", "-q", "--cache-dir", empty)
+    assert_one_line_error(code, out, err, "acme/tiny-llama", f"local Hugging Face cache {empty} ")

@@ -255,6 +255,15 @@ def test_verify_tp_divisibility_and_usage_errors(converted, tiny_llama, run_cli)
     assert code == 2 and "METRIC=VALUE" in err
 
 
+@pytest.mark.parametrize("pair, named", [(("fp8-channel", "modelopt"), "vLLM refuses"),  # SGLang: no
+                                         (("mxfp8", "compressed-tensors"), "vLLM refuses"),  # SGLang: no
+                                         (("nvfp4", "modelopt"), "vLLM and SGLang refuse")])
+def test_verify_tp_names_only_the_engines_that_load_the_pair(converted, run_cli, pair, named):
+    code, out, _ = run_cli("verify", converted[pair], "--tp", "3", "--json")  # 128 does not split 3 ways
+    faults = [f["fault"] for f in json.loads(out)["faults"] if "--tp 3" in f["fault"]]
+    assert code == 1 and faults and all(f.endswith(f"{named} to load it at TP=3") for f in faults), faults
+
+
 def test_inspect_reports_the_manifest_scale_rule(tiny_llama, tmp_path, run_cli):
     out = tmp_path / "floor"
     assert run_cli("convert", tiny_llama, out, "--recipe", "mxfp4", "--scale-rule", "floor", "--quiet")[0] == 0

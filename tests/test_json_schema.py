@@ -121,6 +121,21 @@ def test_verify_json_validates_and_records_thresholds(run_cli, sources, nvfp4):
     assert not strict["passed"] and strict["faults"]
 
 
+def test_margin_rule_says_what_verify_applies():
+    """Without --threshold margin= no module is held to quantcli's own error (judge.py judges it as
+    a rounding); the size rule of limits.py applies to re-quantized modules only (compare.py)."""
+    from quantcli.cli.commands import applied_thresholds
+    from quantcli.verify.judge import ERROR_FACTOR, OUTPUT_MARGIN
+    from quantcli.verify.limits import TOLERANCE_FLOOR, TOLERANCE_NOISE, Limits
+
+    rule = applied_thresholds(Limits())["margin_rule"]
+    assert rule.startswith("none over quantcli's own error") and f"{ERROR_FACTOR:g} x" in rule
+    assert f"{OUTPUT_MARGIN:.0%}" in rule and "--calibration" in rule
+    assert rule.endswith(f"re-quantized from a quantized source: both quantizations' errors x (1 + "
+                         f"{TOLERANCE_FLOOR:g} + {TOLERANCE_NOISE:g} / sqrt(max(1, numel / 128)))")
+    assert applied_thresholds(Limits(margin=0.05))["margin_rule"] is None
+
+
 def test_verify_json_without_reference_and_of_a_dequantized_output_validates(run_cli, sources, nvfp4, tmp_path):
     alone = validate("verify", run_json(run_cli, "verify", nvfp4))
     assert alone["source"] is None and alone["tensors"] == []

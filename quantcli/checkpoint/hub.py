@@ -44,6 +44,16 @@ def download_kwargs() -> dict[str, str]:
     return {k: v for k, v in (("token", _current.token), ("cache_dir", _current.cache_dir)) if v}
 
 
+def cache_folder() -> str:
+    """The Hub cache folder the downloads read and fill: --cache-dir, else huggingface_hub's
+    HF_HUB_CACHE (read at call time, as hf_hub_download does), absolute as it resolves it."""
+    from pathlib import Path
+
+    from huggingface_hub import constants
+
+    return str(Path(_current.cache_dir or constants.HF_HUB_CACHE).expanduser().resolve())
+
+
 def offline() -> bool:
     """HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE, TRANSFORMERS_OFFLINE) set: read the caches only."""
     flags = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -77,4 +87,5 @@ def quiet_retries() -> Iterator[None]:
             lg.setLevel(level)
 
 
-__all__ = ["HubAccess", "current", "download_kwargs", "hub_access", "network_errors", "offline", "quiet_retries"]
+__all__ = ["HubAccess", "cache_folder", "current", "download_kwargs", "hub_access", "network_errors", "offline",
+           "quiet_retries"]

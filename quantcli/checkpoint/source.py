@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from quantcli.checkpoint.config_files import _load_json, load_config  # noqa: F401  (load_config: re-exported)
-from quantcli.checkpoint.hub import current, download_kwargs, quiet_retries
+from quantcli.checkpoint.hub import cache_folder, current, download_kwargs, quiet_retries
 from quantcli.checkpoint.manifest import unfinished_conversion
 from quantcli.checkpoint.safetensors_io import Header, parse_header, read_header
 from quantcli.errors import CheckpointError
@@ -105,8 +105,8 @@ def hub_file(repo_id: str, filename: str, revision: str | None, label: str) -> P
             return Path(hf_hub_download(repo_id, filename, revision=revision, **download_kwargs()))
     except (EntryNotFoundError, OSError, ValueError) as exc:  # hub errors are OSErrors or EntryNotFound
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{label}: cannot get {filename} ({first}); is it in the local cache? "
-                              f"Set HF_HUB_OFFLINE=0 to download it") from None
+        raise CheckpointError(f"{label}: cannot get {filename} ({first}); is it in the local cache {cache_folder()} "
+                              f"(--cache-dir, else HF_HUB_CACHE)? Set HF_HUB_OFFLINE=0 to download it") from None
 
 
 def safe_member(name: object, what: str) -> str:
@@ -258,7 +258,8 @@ def _hub_failure(exc: Exception) -> str:
     if isinstance(exc, RepositoryNotFoundError):
         return "no such repo on the Hub (or it is private: log in with `hf auth login`)"
     if isinstance(exc, LocalEntryNotFoundError):
-        return "not in the local Hugging Face cache, and the Hub cannot be reached (offline or HF_HUB_OFFLINE=1)"
+        return (f"not in the local Hugging Face cache {cache_folder()} (--cache-dir, else HF_HUB_CACHE), and the Hub "
+                f"cannot be reached (offline or HF_HUB_OFFLINE=1)")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"the Hub or the local cache could not provide it ({first[:100]})"
 

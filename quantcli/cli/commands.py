@@ -10,6 +10,7 @@ from typing import Any, Callable
 from quantcli.cli.bars import ConvertBar, PhaseBar, counting_bar
 from quantcli.cli.convert_summary import convert_summary as _convert_summary
 from quantcli.cli.convert_summary import print_convert_result as _print_convert_result
+from quantcli.cli.name_tables import counted
 from quantcli.cli.render import console as _console
 from quantcli.cli.render import (
     emit_json,
@@ -28,9 +29,26 @@ from quantcli.reports import envelope, excluded_entries, to_json
 
 # ---------------------------------------------------------------- convert
 
-# Python, torch and quantcli before any tensor: peak RSS of `convert` on a 2-MiB checkpoint was
-# 250-255 MiB (/usr/bin/time, CPU torch); the dry run's peak is this plus the largest working set.
-PROCESS_BYTES = 256 * 2**20
+# The dry run's peak memory: PROCESS_BYTES (Python, torch, quantcli, the plan) plus the largest
+# quantized tensor's working set: its source and output bytes, the FP32 decode of a quantized
+# source, and CHUNK_BYTES_PER_ELEMENT for each chunk (kernels/chunks.py, 1M elements) the CPU
+# threads quantize at once: min(torch threads, the tensor's chunks), one for a single chunk.
+# Measured: peak RSS of `quantcli convert SRC DST --recipe R --device cpu -q` (getrusage of the
+# child; scripts/measure_convert_memory.py; torch 2.13.0+cpu, 2 threads), the most over fp8,
+# fp8-channel, fp8-block, mxfp8, mxfp4, nvfp4, int8-channel and int4, in two sessions whose
+# base differed by ~45 MiB for every checkpoint alike, and this estimate (MiB):
+#   SRC                                    session A  session B  estimate
+#   make_llama hidden 64, 2 shards             326.0      281.6  340.2
+#   make_llama hidden 128, 2 shards            326.5      282.6  340.8
+#   make_llama hidden 256, 2 shards            327.0      283.4  343.3-343.4
+#   make_checkpoint.py --hidden 512            323.8      289.4  353.3-353.5
+#   make_checkpoint.py --hidden 1024           376.4      342.0  393.0-394.1  (A: 512 and 1024
+#   make_checkpoint.py --hidden 2048           390.9      348.6  408.1-412.2  fp8, mx/nvfp4, int4)
+# (the old 256 MiB read 257 where 313 was measured). Each chunk thread past the first added
+# 17-35 MiB on nvfp4 and 4-12 MiB on fp8 (hidden 2048, nvfp4: 341, 361, 397, 463 MiB at 1, 2,
+# 4, 8 threads); 24 bytes an element covers the 2-thread runs and overshoots at 8.
+PROCESS_BYTES = 340 * 2**20
+CHUNK_BYTES_PER_ELEMENT = 24
 
 
 def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
@@ -114,10 +132,7 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
                      "recipe": t.recipe, "action": t.action, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,
                      "bits_per_param": round(8 * t.bytes_out / max(1, t.numel), 3),
                      "fused_group": t.fused_group, "outputs": [o.name for o in t.outputs]})
-    largest = max((t.bytes_in + t.bytes_out for t in plan.tensors), default=0)
-    # One source tensor, its FP32 upcast and its outputs are alive at once (plus the transposed view).
-    working_set = max((t.bytes_in + 4 * t.numel * 2 + t.bytes_out for t in plan.tensors if t.quantized),
-                      default=largest)
+    working_set = _working_set(plan)
     peak = PROCESS_BYTES + working_set
     params_q = plan.params(quantized=True)
     total_params = plan.params()
@@ -142,20 +157,38 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
     for w in plan.all_warnings:
         (_console(stderr=True) if quiet else con).print(f"warning: {w}")
     con.print(f"total {human_bytes(plan.bytes_in)} -> {human_bytes(plan.bytes_out)}, {doc['bits_per_param']:.2f} "
-              f"bits/param over {total_params:,} params ({params_q:,} quantized); estimated peak memory "
+              f"bits/param over {counted(total_params, 'param', spec=',')} ({params_q:,} quantized); estimated peak "
+              f"memory "
               f"{human_bytes(peak)} (process {human_bytes(PROCESS_BYTES)} + largest tensor's working set "
               f"{human_bytes(working_set)}); nothing written (--dry-run)")
     if calibration:
         c = calibration
         where = "memory-mapped from a temporary file" if c.spilled else "in memory"
-        con.print(f"calibration: {c.samples} samples, {c.tokens:,} tokens through {c.layers} "
-                  f"layer{'s' if c.layers != 1 else ''}; estimated peak "
+        con.print(f"calibration: {counted(c.samples, 'sample')}, {counted(c.tokens, 'token', spec=',')} through "
+                  f"{counted(c.layers, 'layer')}; estimated peak "
                   f"memory {human_bytes(c.peak_memory_bytes)} (largest layer {human_bytes(c.layer_weight_bytes)} in "
                   f"FP32, activations {human_bytes(c.activation_bytes)} {where}), about {c.seconds:.0f} s at "
                   f"{c.measured_flops_per_s / 1e9:.0f} GFLOP/s (FP32 matmul measured here)"
                   + (f"; GPTQ's statistics and solve {human_bytes(c.rounding_bytes)} of it" if c.rounding_bytes
                      else ""))
     return 0
+
+
+def _working_set(plan) -> int:
+    """The largest tensor's working set (see PROCESS_BYTES): a copied tensor's bytes in and out,
+    a quantized one's with its FP32 decode (quantized source) and the chunks quantized at once."""
+    import torch
+
+    from quantcli.kernels.chunks import CHUNK_ELEMENTS
+
+    def one(t) -> int:
+        chunks = -(-t.numel // CHUNK_ELEMENTS)
+        at_once = min(max(1, torch.get_num_threads()), chunks) * min(t.numel, CHUNK_ELEMENTS)
+        decoded = 4 * t.numel if t.source_recipe is not None else 0
+        return t.bytes_in + t.bytes_out + decoded + CHUNK_BYTES_PER_ELEMENT * at_once
+
+    largest = max((t.bytes_in + t.bytes_out for t in plan.tensors), default=0)
+    return max((one(t) for t in plan.tensors if t.quantized), default=largest)
 
 
 def _calibration_estimate(plan, device: str):
@@ -222,11 +255,19 @@ def run_verify(quant: str, *, reference: str | None, revision: str | None, tenso
 
 
 def applied_thresholds(limits) -> dict:
-    """verify's tolerance as applied: the margin over quantcli's own error (one value from
-    --threshold margin=, else the per-tensor rule) and the absolute limits (null: not set)."""
+    """verify's tolerance as applied: the margin over quantcli's own error (--threshold margin=,
+    for every module), else the rule in words: no such margin, each module judged as a rounding
+    of the reference (verify/judge.py), and the size rule of verify/limits.py on the two
+    quantizations' errors of a module re-quantized from a quantized source (verify/compare.py);
+    and the absolute limits (null: not set)."""
+    from quantcli.verify.judge import ERROR_FACTOR, OUTPUT_MARGIN
     from quantcli.verify.limits import TOLERANCE_FLOOR, TOLERANCE_NOISE
 
-    rule = f"{TOLERANCE_FLOOR:g} + {TOLERANCE_NOISE:g} / sqrt(max(1, numel / 128))"
+    rule = (f"none over quantcli's own error: a module must be a rounding of the reference to its stored scales "
+            f"(error at most {ERROR_FACTOR:g} x the most rounding gives, or with --calibration a layer-output error "
+            f"at most {OUTPUT_MARGIN:.0%} above that of rounding to those scales); a module re-quantized from a "
+            f"quantized source: both quantizations' errors x (1 + {TOLERANCE_FLOOR:g} + {TOLERANCE_NOISE:g} / "
+            f"sqrt(max(1, numel / 128)))")
     return {"margin": limits.margin, "margin_rule": rule if limits.margin is None else None,
             "rel_err": limits.rel_err, "sqnr_db": limits.sqnr_db, "cosine": limits.cosine}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from quantcli.cli.name_tables import ERROR
+from quantcli.cli.name_tables import ERROR, counted
 from quantcli.cli.render import console as _console
 from quantcli.cli.render import dense_reasons, human_bytes
 from quantcli.cli.render_rounding import rounding_summary
@@ -43,7 +43,7 @@ def print_convert_result(plan, result, src: str, overwrite: bool = False) -> Non
     if result.requantize_errors:  # the plan's warning said why; the `next:` line below says how to check
         errs = result.requantize_errors
         worst = max(errs, key=errs.get)
-        con.print(f"re-quantized {len(errs)} modules; relative error vs the decoded source: mean "
+        con.print(f"re-quantized {counted(len(errs), 'module')}; relative error vs the decoded source: mean "
                   f"{ERROR.format(sum(errs.values()) / len(errs))}, worst {ERROR.format(errs[worst])} ({worst})")
     con.print(f"wrote {result.dst}: {_what_was_done(plan, result)}, "
               f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)}{_timing(result)}")
@@ -68,7 +68,7 @@ def _calibrated_counts(plan) -> str:
     written = [o.name for t in plan.tensors for o in t.outputs]
     inputs = sum(n.endswith((".input_scale", ".input_global_scale")) for n in written)
     kv = sum(n.endswith((".k_scale", ".v_scale")) for n in written)
-    parts = [f"{inputs} activation scales"] * bool(inputs) + [f"{kv} KV-cache scales"] * bool(kv)
+    parts = [counted(inputs, "activation scale")] * bool(inputs) + [counted(kv, "KV-cache scale")] * bool(kv)
     parts += ["activation-weighted block scales (--scale-search mse)"] * (plan.options.scale_search == "mse")
     return ", ".join(parts)
 
@@ -85,9 +85,10 @@ def _rounding_line(dst: Path) -> str:
 def _what_was_done(plan, result) -> str:
     """'14 of 21 tensors quantized (nvfp4 -> modelopt)', or re-laid out, or dequantized."""
     if plan.layout is None:
-        return f"{sum(t.action == 'dequantize' for t in plan.tensors)} modules dequantized to {plan.dense_dtype}"
+        dequantized = sum(t.action == "dequantize" for t in plan.tensors)
+        return f"{counted(dequantized, 'module')} dequantized to {plan.dense_dtype}"
     verb = "carried over" if plan.lossless else "quantized"  # a re-layout copies codes and scales
-    return (f"{result.quantized} of {len(plan.tensors)} tensors {verb} "
+    return (f"{result.quantized} of {counted(len(plan.tensors), 'tensor')} {verb} "
             f"({', '.join(sorted(plan.recipes)) or 'none'} -> {plan.target})")
 
 

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from quantcli.cli.bars import PhaseBar
-from quantcli.cli.name_tables import ERROR
+from quantcli.cli.name_tables import ERROR, counted
 from quantcli.reports import OMITTED
 
 
@@ -90,11 +90,12 @@ def render_eval(report, con: Console, top: int) -> None:
     recipes = ", ".join(f"{n} {r}" for r, n in report.recipes.items()) or "no quantized module"
     con.print(f"{report.checkpoint} vs --reference {report.reference}: {report.model_kind}, "
               f"layout {report.layout or 'dense'} ({recipes})")
-    acts = "; ".join(f"{a.scheme} on {a.modules} modules" for a in report.activations) or "none declared (weight-only)"
+    acts = "; ".join(f"{a.scheme} on {counted(a.modules, 'module')}" for a in report.activations) or \
+        "none declared (weight-only)"
     con.print(f"  activations emulated: {acts}")
     con.print(f"  KV cache: {report.kv_cache}")
-    con.print(f"  {report.samples} samples, {report.tokens} tokens (at most {report.seq_len} each) on "
-              f"{report.device}, {report.seconds:.1f} s")
+    con.print(f"  {counted(report.samples, 'sample')}, {counted(report.tokens, 'token')} (at most {report.seq_len} "
+              f"each) on {report.device}, {report.seconds:.1f} s")
     for note in report.notes:
         con.print(f"  note: {note}")
     con.print(_layers_table(report, top))

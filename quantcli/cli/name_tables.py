@@ -28,6 +28,13 @@ ERROR = "{:#.4g}"
 SCALE = "{:.4g}"
 
 
+def counted(n: int, noun: str, plural: str | None = None, spec: str = "") -> str:
+    """A count and its noun, singular only for one: `1 empty tensor`, `2 empty tensors`,
+    `3 MoE routers/gates` (each `/` alternative takes the `s`); `spec` formats the number (`,`)."""
+    word = noun if n == 1 else plural or "/".join(part + "s" for part in noun.split("/"))
+    return f"{n:{spec}} {word}"
+
+
 @dataclass(frozen=True)
 class Column:
     header: str

@@ -15,11 +15,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from quantcli.cli.grouping import group_names
-from quantcli.cli.name_tables import SCALE, Column, named_table, total, value_range
+from quantcli.cli.name_tables import SCALE, Column, counted, named_table, total, value_range
 from quantcli.cli.render_catalog import render_layouts, render_recipes  # noqa: F401 (commands.py imports them here)
 from quantcli.cli.render_rounding import render_rounding
 from quantcli.cli.render_verify import render_verify, render_verify_brief  # noqa: F401 (as render_catalog's)
 from quantcli.formats.layouts.base import Role
+from quantcli.formats.module_kinds import DEFAULT_EXCLUDES
+from quantcli.planning.plan import EMPTY_TENSOR
 from quantcli.reports import OMITTED, block_label, to_json
 
 
@@ -107,13 +109,18 @@ def excluded_lines(exclusions, per_tensor: bool) -> list[str]:
             for g in groups]
 
 
+# exclusion reasons that name a kind of module (`2 norms`); the others read as they are (`2 --ignore`)
+NOUN_REASONS = frozenset({kind for kind, _ in DEFAULT_EXCLUDES} | {EMPTY_TENSOR})
+
+
 def dense_reasons(exclusions) -> str:
-    """'3 MoE router/gate, 1 output head': how many modules were left dense for each reason."""
+    """'3 MoE routers/gates, 1 output head': how many modules were left dense for each reason."""
     counts: dict[str, int] = {}
     for e in exclusions:
         reason = "already dense in the source" if e.reason == "dense in the source" else e.reason
         counts[reason] = counts.get(reason, 0) + 1
-    return ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return ", ".join(counted(n, reason) if reason in NOUN_REASONS else f"{n} {reason}"
+                     for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 # ---------------------------------------------------------------- inspect
@@ -231,7 +238,7 @@ def _totals_table(by_format) -> Table:
 
 
 def _kv_table(kv) -> Table:
-    t = Table(title=f"KV cache: {kv.layers} layers x {kv.per_layer}, budget {human_bytes(kv.budget_bytes)}")
+    t = Table(title=f"KV cache: {counted(kv.layers, 'layer')} x {kv.per_layer}, budget {human_bytes(kv.budget_bytes)}")
     for col in ("format", "bits/elem", "per token", "tokens in budget"):
         t.add_column(col)
     for r in kv.formats:
@@ -272,7 +279,7 @@ def _inspect_headline(report) -> str:
 
 
 def _bits_line(report) -> str:
-    return (f"{report.params:,} params in {human_bytes(report.bytes)}: {report.bits_per_param:.3f} "
+    return (f"{counted(report.params, 'param', spec=',')} in {human_bytes(report.bytes)}: {report.bits_per_param:.3f} "
             f"bits/param, {report.size_vs_bf16:.3f}x the BF16 size")
 
 

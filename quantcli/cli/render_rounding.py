@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from quantcli.cli.name_tables import ERROR, Column, named_table, value_range
+from quantcli.cli.name_tables import ERROR, Column, counted, named_table, value_range
 from quantcli.reports import OMITTED
 
 REASONS_SHOWN = 5  # without --per-tensor: the modules rounded to nearest instead that are named
@@ -18,7 +18,7 @@ def rounding_summary(records: list, where: str | None = None) -> str:
     """`14 modules by GPTQ, 2 to nearest (WHERE); layer-output error on the calibration data
     0.0092 -> 0.0063 (mean, round to nearest -> GPTQ)`, from the manifest's per-module records."""
     gptq = [r for r in records if r["method"] == "gptq"]
-    line = f"{len(gptq)} modules by GPTQ"
+    line = f"{counted(len(gptq), 'module')} by GPTQ"
     if len(records) > len(gptq):
         line += f", {len(records) - len(gptq)} to nearest" + (f" ({where})" if where else "")
     if gptq:
@@ -34,12 +34,16 @@ def settings_line(r: dict) -> str:
     tokens a module, inputs from the quantized layers); default gptq`, from the manifest."""
     inputs = "the quantized layers" if r.get("inputs") == "quantized" else f"the {r.get('inputs')} model"
     line = (f"{str(r.get('method', '?')).upper()} (dampening {r.get('dampening')}, act order {r.get('act_order')}, "
-            f"scales {r.get('scales')}, {r.get('block_columns')}-column blocks, at least {r.get('min_tokens')} "
-            f"tokens a module, inputs from {inputs}); default {r.get('default')}")
+            f"scales {r.get('scales')}, {r.get('block_columns')}-column blocks, at least "
+            f"{_tokens(r.get('min_tokens'))} a module, inputs from {inputs}); default {r.get('default')}")
     overrides = r.get("overrides") or []
     if overrides:
         line += ", overrides " + ", ".join(f"{p} -> {m}" for p, m in overrides)
     return line
+
+
+def _tokens(n) -> str:
+    return counted(n, "token") if isinstance(n, int) else f"{n} tokens"  # an old manifest may lack it
 
 
 def _errors(pairs: list) -> str:

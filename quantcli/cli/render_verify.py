@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from quantcli.cli.name_tables import ERROR, Column, fitted_table
+from quantcli.cli.name_tables import ERROR, Column, counted, fitted_table
 from quantcli.reports import OMITTED
 
 
@@ -33,7 +33,7 @@ def _rows_table(rows, top: int, con: Console) -> Table:
         cells.append([r.recipe, ERROR.format(r.rel_err), ours, _limit_text(r), f"{r.sqnr_db:.2f}", f"{r.cosine:.6f}",
                       ERROR.format(r.max_abs), "-" if exact is OMITTED or exact is None else f"{exact:.2%}"])
     return fitted_table(con, "tensor", [r.tensor for r in rows[:top]], cells, columns,
-                        title=f"worst {min(top, len(rows))} tensors")
+                        title=f"worst {counted(min(top, len(rows)), 'tensor')}")
 
 
 def _layer_bars(layers: dict[str, float], con: Console) -> None:
@@ -45,7 +45,7 @@ def _layer_bars(layers: dict[str, float], con: Console) -> None:
 
 def render_verify(report, con: Console, top: int) -> None:
     reference, kind = report.reference, report.reference_kind
-    con.print(f"{report.checkpoint}: layout {report.layout}, {report.modules} quantized modules"
+    con.print(f"{report.checkpoint}: layout {report.layout}, {counted(report.modules, 'quantized module')}"
               + (f", reference {reference}" + (f" ({kind})" if kind else "") if reference else ""))
     for note in report.notes:
         con.print(f"  {note}")

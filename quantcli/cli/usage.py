@@ -76,6 +76,15 @@ CONFLICTS = (
                                      "detail; choose one"),
     ("verify", "revision", False, "reference", "--revision applies to a --reference repo id (QUANT is read as "
                                                "given); add --reference SRC or drop --revision"),
+    # convert -v without --dry-run stays: it lists each tensor as it is written (stderr)
+    ("convert", "per_tensor", False, "dry_run", "--per-tensor only changes --dry-run's plan (a row per tensor); "
+                                                "add --dry-run or drop --per-tensor (-v lists each tensor as it is "
+                                                "written)"),
+    ("convert", "private", False, "push_to_hub", "--private only applies to the repo --push-to-hub REPO creates; "
+                                                 "add --push-to-hub REPO or drop --private"),
+    ("convert", "push_revision", False, "push_to_hub", "--push-revision only applies to --push-to-hub REPO's "
+                                                       "upload (--revision is the source's); add --push-to-hub REPO "
+                                                       "or drop --push-revision"),
 )
 
 

@@ -78,6 +78,9 @@ class TensorPlan:
         return sum(o.nbytes for o in self.outputs)
 
 
+EMPTY_TENSOR = "empty tensor"  # the exclusion reason of a weight with a 0-size dimension
+
+
 @dataclass(frozen=True)
 class Exclusion:
     module: str
@@ -317,7 +320,7 @@ def _exclusion_reason(module: str, info, is_experts: bool, opts: Options, layout
     """Why a Linear or expert module stays unquantized (first reason wins), or None."""
     reason = default_exclusion(module, config)
     if reason is None and math.prod(info.shape) == 0:
-        reason = "empty tensor"  # a 0-size dimension: nothing to quantize, passed through as is
+        reason = EMPTY_TENSOR  # a 0-size dimension: nothing to quantize, passed through as is
     if reason is None and any(matches(p, module) for p in opts.ignore):
         reason = "--ignore"
     if reason is None and opts.targets and not any(matches(p, module) for p in opts.targets):

@@ -61,7 +61,8 @@ def allowed_margin(numel: int) -> float:
 
 @dataclass
 class Limits:
-    margin: float | None = None  # per recipe (TOLERANCE) unless --threshold margin=... sets one for all
+    margin: float | None = None  # --threshold margin=: for every module; None: re-quantized modules only,
+    # by allowed_margin
     rel_err: float | None = None  # absolute cap, if given
     sqnr_db: float | None = None  # minimum
     cosine: float | None = None  # minimum

@@ -23,6 +23,7 @@ from quantcli.formats.analysis import (
 )
 from quantcli.formats.decode import decode_module
 from quantcli.formats.detect import all_names, block_scale_fault, global_scale_fault
+from quantcli.formats.engines import NO, SGLANG, VLLM, verdicts
 from quantcli.formats.experts import experts_module
 from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import layouts_for, module_of
@@ -135,7 +136,17 @@ def scale_faults(module: str, recipe, q) -> Iterator[Finding]:
             yield module, fault
 
 
-def tp_faults(module: str, recipe, shape, tp: int) -> Iterator[Finding]:
+def tp_engines(recipe: str, layout: str) -> str:
+    """`vLLM and SGLang refuse`: the tensor-parallel engines whose verdict on the pair
+    (quantcli/formats/engines.py) is not `no` (a pair outside the table: both)."""
+    found = verdicts(recipe, layout)
+    names = [e for e in (VLLM, SGLANG) if e not in found or found[e].status != NO]
+    if not names:
+        return "a tensor-parallel engine would refuse"
+    return f"{' and '.join(names)} refuse{'s' if len(names) == 1 else ''}"
+
+
+def tp_faults(module: str, recipe, shape, tp: int, layout: str = "") -> Iterator[Finding]:
     n, k = shape[-2], shape[-1]
     if ROW_PARALLEL.search(module):
         dim, size, block = "input dim K", k, recipe.block[1] or k
@@ -144,7 +155,7 @@ def tp_faults(module: str, recipe, shape, tp: int) -> Iterator[Finding]:
     if size % tp or (size // tp) % block:
         whole = f"whole {block}-wide blocks" if block > 1 else "equal parts"
         yield module, (f"{dim}={size} does not split into {whole} across --tp {tp} ranks "
-                       f"({size}/{tp} = {size / tp:g}); vLLM and SGLang refuse to load it at TP={tp}")
+                       f"({size}/{tp} = {size / tp:g}); {tp_engines(recipe.name, layout)} to load it at TP={tp}")
 
 
 def nonfinite_fault(bad: int) -> str:
@@ -202,7 +213,7 @@ def read_modules(det, modules: dict[str, ModuleDescription], qt: CheckpointTenso
             continue
         for tensor, what in scale_faults(module, recipe, q):
             found.fault(SCALES, tensor, what)
-        for tensor, what in (tp_faults(module, recipe, q.shape, tp) if tp else ()):
+        for tensor, what in (tp_faults(module, recipe, q.shape, tp, layout.name) if tp else ()):
             found.fault(TP.format(tp=tp), tensor, what)
         if decode:
             if not surely_finite(recipe, q):
