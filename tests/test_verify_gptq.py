@@ -165,7 +165,7 @@ def test_inspect_shows_the_rounding(made, run_cli):
 
     code, out, _ = run_cli("inspect", made["dst"], "--per-tensor")
     assert code == 0
-    assert "rounding: GPTQ (dampening 0.01, act order none, scales updated, 128-column blocks" in out
+    assert "rounding: GPTQ (dampening 0.01, act order static, scales updated, 128-column blocks" in out
     assert "modules by GPTQ; layer-output error on the calibration data" in out
     manifest = json.loads((made["dst"] / "quantcli_manifest.json").read_text())
     record = next(m["rounding"] for m in manifest["modules"] if m["module"] == DOWN)
