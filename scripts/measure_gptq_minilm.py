@@ -9,7 +9,7 @@ variants the defaults were chosen from: block scales from the original weights
 
 Every row is a command line (printed with the row): a convert with the 192 calibration sentences
 of scripts/data/calibration_sentences.txt (one sample each, at most 128 tokens), then
-`quantcli eval OUT --reference MODEL --data scripts/data/heldout_sentences.txt`; the round-to-
+`quantcli eval OUT --reference MODEL --data scripts/data/heldout_sentences.txt --samples 96`; the round-to-
 nearest rows are `quantcli eval MODEL --recipe R`, which reports what converting and then
 evaluating reports (tests/test_eval.py).
 
@@ -55,7 +55,7 @@ def quantcli(*args: str) -> tuple[dict | None, float]:
 
 def evaluate(target: str, model: Path, *extra: str) -> dict:
     doc, _ = quantcli("eval", target, *(["--reference", str(model)] if target != str(model) else []), *extra,
-                      "--data", str(DATA / "heldout_sentences.txt"), "--device", "cpu", "--json")
+                      "--data", str(DATA / "heldout_sentences.txt"), "--samples", "96", "--device", "cpu", "--json")
     return doc["encoder"]
 
 
