@@ -54,6 +54,14 @@ def _balanced_groups(names: list[str], sizes: list[int], n: int) -> list[list[st
     return groups
 
 
+def _kv_heads(hidden: int, head_dim: int) -> int:
+    """Half the attention heads, or a divisor of them (transformers needs heads % kv_heads == 0:
+    hidden 320 has 5 heads of 64, and 2 KV heads would not run)."""
+    import math
+
+    return math.gcd(max(1, hidden // head_dim), max(1, hidden // (2 * head_dim)))
+
+
 def make_llama(out: Path, hidden: int = 256, layers: int = 2, shards: int = 2, seed: int = 0,
                tie: bool = False, dtype: str = "bfloat16") -> Path:
     import torch
@@ -61,7 +69,7 @@ def make_llama(out: Path, hidden: int = 256, layers: int = 2, shards: int = 2, s
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=_kv_heads(hidden, 64),
                          max_position_embeddings=256, tie_word_embeddings=tie)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     _save(model, Path(out), shards)
@@ -75,7 +83,7 @@ def make_moe(out: Path, hidden: int = 128, layers: int = 2, shards: int = 2, see
 
     torch.manual_seed(seed)
     config = MixtralConfig(vocab_size=512, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                           num_attention_heads=max(1, hidden // 32), num_key_value_heads=max(1, hidden // 64),
+                           num_attention_heads=max(1, hidden // 32), num_key_value_heads=_kv_heads(hidden, 32),
                            num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=256)
     model = MixtralForCausalLM(config).to(torch.bfloat16)
     _save(model, Path(out), shards)

@@ -213,3 +213,30 @@ def test_non_finite_activations_are_refused_in_one_line(run_cli, env, tmp_path):
                            "--calibration", str(env["data"]), "--calibration-samples", "12", "--device", "cpu")
     assert code == 2 and "not finite" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_transformers_cannot_run_is_refused_before_the_walk(run_cli, env, tmp_path):
+    import shutil
+
+    src = tmp_path / "odd-heads"
+    shutil.copytree(env["llama"], src)
+    config = json.loads((src / "config.json").read_text())
+    config.update(num_attention_heads=5, num_key_value_heads=2)
+    (src / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "nvfp4", "--rounding", "gptq",
+                           "--calibration", str(env["data"]), "--calibration-samples", "12")
+    assert code == 2 and "not a multiple of num_key_value_heads 2" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_gptq_key_in_a_recipe_file_without_rounding_names_the_files_fix(run_cli, env, tmp_path):
+    cfg = tmp_path / "recipe.toml"
+    cfg.write_text('recipe = "nvfp4"\ngptq_dampening = 0.02\n')
+    code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--config", str(cfg),
+                           "--calibration", str(env["data"]), "--kv-cache", "fp8")
+    assert code == 2 and 'add rounding = "gptq" in the file' in err, err
+
+
+def test_make_llama_splits_heads_transformers_can_run(tmp_path):
+    config = json.loads((make_llama(tmp_path / "odd", hidden=320, layers=1, shards=1) / "config.json").read_text())
+    assert config["num_attention_heads"] == 5 and 5 % config["num_key_value_heads"] == 0

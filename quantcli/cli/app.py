@@ -83,8 +83,8 @@ __all__ = ["BACKEND_NAMES", "LAYOUT_NAMES", "RECIPE_NAMES", "SCALE_RULE_NAMES", 
 
 app = typer.Typer(cls=Commands, add_completion=True, pretty_exceptions_enable=False, no_args_is_help=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Quantize and convert Hugging Face safetensors checkpoints (FP8, MXFP8, MXFP4, NVFP4, INT8). "
-                       "Run 'quantcli help COMMAND' (or 'quantcli COMMAND --help') for a command's options.",
+                  help="Quantize and convert Hugging Face safetensors checkpoints (FP8, MXFP8, MXFP4, NVFP4, INT8, "
+                       "INT4). Run 'quantcli help COMMAND' (or 'quantcli COMMAND --help') for a command's options.",
                   epilog=EXIT_CODES)
 
 

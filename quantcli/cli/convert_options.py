@@ -57,13 +57,14 @@ GptqActOrder = Annotated[Optional[str], choice(
     "GPTQ: static rounds columns by decreasing input energy, none in their order.  [default: static]")]
 GptqScales = Annotated[Optional[str], choice(
     "--gptq-scales", "GPTQ scale choice", lambda: ["updated", "original"], ["updated", "original"], "FROM",
-    "GPTQ, block formats: choose each block's scale from the updated or the original weights.  [default: updated]")]
+    "GPTQ, block formats: choose each block's scale from the updated or the original weights (per-tensor and "
+    "per-row scales always come from the original weights).  [default: updated]")]
 GptqMinTokens = Annotated[Optional[int], typer.Option(metavar="N", help=(
     "GPTQ: a module (an MoE expert) fewer calibration tokens reached is rounded to nearest.  [default: 32]"))]
 GptqInputs = Annotated[Optional[str], choice(
     "--gptq-inputs", "GPTQ inputs", lambda: ["quantized", "dense"], ["quantized", "dense"], "FROM",
-    "GPTQ: each layer's inputs from the layers already quantized (sequential) or from the source.  "
-    "[default: quantized]")]
+    "GPTQ: quantized takes each layer's inputs from the layers already quantized (sequential), dense from the "
+    "source model.  [default: quantized]")]
 Activations = Annotated[Optional[str], choice(
     "--activations", "activation scheme", lambda: ["static", "dynamic"], ["static", "dynamic"], "MODE",
     "static: calibrated activation scales (nvfp4 W4A4, fp8); needs --calibration.")]

@@ -51,6 +51,7 @@ def checked_plan(plan: Plan) -> Plan:
     if calibrated_kind(plan.source.config, _names(plan)) == ENCODER:
         plan = _for_encoder(plan)
         opts = plan.options
+    _check_heads(plan.source.config, plan.source.label)
     samples = read_samples(opts.calibration)  # a missing or empty file is refused here,
     check_tokenizer(samples, opts.calibration, plan.source.root)  # text without a tokenizer too,
     vocab = plan.source.config.get("vocab_size")
@@ -72,8 +73,9 @@ def checked_plan(plan: Plan) -> Plan:
         raise QuantcliError(f"--kv-cache fp8: {plan.source.label} has no self_attn.k_proj/v_proj weights")
     warnings = list(plan.warnings)
     if found < opts.calibration.samples:
+        default = " (the default)" if opts.calibration.samples == 128 else ""
         warnings.append(f"--calibration {opts.calibration.data}: holds {found} sample(s), fewer than "
-                        f"--calibration-samples {opts.calibration.samples}; calibrating with {found}")
+                        f"--calibration-samples {opts.calibration.samples}{default}; calibrating with {found}")
     warnings += unreached_warnings(plan)
     return replace(plan, tensors=tensors, warnings=warnings)
 
@@ -167,3 +169,13 @@ def _without_unreached(plan: Plan, reached: set[str]) -> Plan:
         raise QuantcliError(f"--calibration: none of the quantized weights of {plan.source.label} is in the "
                             f"forward of its config's architecture; nothing can be calibrated")
     return replace(plan, tensors=tensors, exclusions=exclusions)
+
+
+def _check_heads(config: dict, label: str) -> None:
+    """A config transformers' attention cannot run (KV heads not dividing the heads) is refused
+    before the walk, in one line, rather than failing inside the first layer."""
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+        raise QuantcliError(f"{label}: config.json has num_attention_heads {heads}, not a multiple of "
+                            f"num_key_value_heads {kv}; transformers cannot run this model for --calibration "
+                            f"(fix the config)")

@@ -65,7 +65,9 @@ def rounding_options(method: str | None, overrides: list[tuple[str, str]], gptq:
     given = {k: v for k, v in gptq.items() if v is not None}
     if given and not r.data_aware:
         k = sorted(given)[0]
-        raise QuantcliError(f"{where.get(k, GPTQ_FLAGS[k])}: only used with --rounding gptq; add it or drop the option")
+        fix = 'rounding = "gptq" in the file' if "--config" in where.get(k, "") else "--rounding gptq"
+        raise QuantcliError(f"{where.get(k, GPTQ_FLAGS[k])}: only used with --rounding gptq; add {fix} or drop the "
+                            f"option")
     settings = GptqSettings(dampening=_dampening(given.get("dampening", r.gptq.dampening), where),
                             act_order=_one_of("act_order", given.get("act_order", "static"), ACT_ORDERS, where),
                             scales=_one_of("scales", given.get("scales", "updated"), SCALE_CHOICES, where))
