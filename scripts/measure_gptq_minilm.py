@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measure_scale_search import model_dir  # noqa: E402
+from minilm import model_dir  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 RECIPES = ("nvfp4", "mxfp4", "int4", "fp8-block", "fp8-channel", "mxfp8", "fp8", "int8-channel")

