@@ -180,6 +180,62 @@ def test_nvfp4_w4a4_equals_compressed_tensors_fake_quantize(run_cli, root):
     _check(doc, _expected(_model(root / "llama"), quant, _ids(0)))
 
 
+def _triton_mxfp8(x: torch.Tensor) -> torch.Tensor:
+    """Triton's downcast_to_mxfp(x, float8_e4m3fn, axis=-1) with its default ROUND_UP, then the
+    decode (triton_kernels numerics_details/mxfp.py, transcribed): per 1 x 32 block the
+    dequant scale amax / 448 rounded up to a power of two by its bit trick, x times its
+    reciprocal cast to E4M3, times the scale again."""
+    g = x.float().unflatten(-1, (-1, 32))
+    bits = (g.abs().amax(-1, keepdim=True) / 448.0).view(torch.int32)
+    scale = ((bits + 0x007FFFFF) & 0x7F800000).view(torch.float32)
+    quant_scale = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+    return ((g * quant_scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)
+
+
+@pytest.mark.parametrize("layout", ["fp8", "modelopt"])
+def test_mxfp8_activations_equal_tritons_downcast(run_cli, root, layout):
+    """SGLang's `quant_method: mxfp8` and ModelOpt's MXFP8 both take the exponent by rceil."""
+    dst, dense = _convert(run_cli, root, "llama", f"llama-mxfp8-{layout}", "--recipe", "mxfp8", "--layout", layout)
+    doc = _eval(run_cli, dst, root / "llama", root / "eval.jsonl")
+    assert doc["activations"] == [{"scheme": "MXFP8 dynamic 1x32 E8M0 blocks (rule rceil)", "modules": 14}]
+    quant = _model(dense)
+    linears = _linears(quant)
+    for name in _quantized_linears(dst):
+        linears[name].register_forward_pre_hook(lambda m, inputs: (_triton_mxfp8(inputs[0]),))
+    _check(doc, _expected(_model(root / "llama"), quant, _ids(0)))
+
+
+def test_compressed_tensors_mxfp4_w4a4_equals_its_fake_quantize(run_cli, root):
+    """llm-compressor's MXFP4 preset (W4A4): the config group its compressed-tensors writes declares
+    dynamic 1x32 MX activations (scale_dtype torch.uint8)."""
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    dst, dense = _convert(run_cli, root, "llama", "llama-mxfp4-w4a4", "--recipe", "mxfp4")
+    args = PRESET_SCHEMES["MXFP4"]["input_activations"]
+    config = json.loads((dst / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["input_activations"] = args.model_dump(mode="json")
+    (dst / "config.json").write_text(json.dumps(config))
+    doc = _eval(run_cli, dst, root / "llama", root / "eval.jsonl")
+    assert doc["activations"] == [{"scheme": "MXFP4 dynamic 1x32 E8M0 blocks (rule even)", "modules": 14}]
+    quant = _model(dense)
+    _ct_hooks(_linears(quant), {m: args for m in _quantized_linears(dst)})
+    _check(doc, _expected(_model(root / "llama"), quant, _ids(0)))
+
+
+def test_modelopt_w4a8_mxfp4_fp8_takes_each_static_fp8_input_scale():
+    from types import SimpleNamespace
+
+    from quantcli.evaluate.declared import _modelopt
+    from quantcli.formats.layouts.base import Direction
+
+    scales = SimpleNamespace(inputs=[SimpleNamespace(module="m", value=0.5, direction=Direction.MULTIPLY)])
+    step = _modelopt("W4A8_MXFP4_FP8", "m", "mxfp4", scales, "ckpt")
+    assert step.kind == "fp8-static" and step.value == 0.5
+    assert _modelopt("W4A8_MXFP4_FP8", "other", "fp8", scales, "ckpt") is None  # not one of its MXFP4 modules
+    assert _modelopt("MXFP8", "m", "mxfp8", scales, "ckpt").rule == "rceil"
+
+
 def _kv_patch(monkeypatch, model, scales: dict[int, tuple[float, float]]) -> None:
     """FP8 KV cache: keys after rotary and values through compressed-tensors' fake_quantize with each
     layer's k/v scale (static per tensor, as its QuantizedKVCache applies them)."""
@@ -311,7 +367,8 @@ def test_encoder_embedding_cosine_equals_transformers_mean_pooling(run_cli, root
 # ---------------------------------------------------------------- each scheme, bit for bit
 
 
-@pytest.mark.parametrize("kind", ["fp8-token", "fp8-group", "fp8-tensor", "int8-token", "fp8-static", "nvfp4"])
+@pytest.mark.parametrize("kind", ["fp8-token", "fp8-group", "fp8-tensor", "int8-token", "fp8-static", "nvfp4", "mxfp8",
+                                  "mxfp4"])
 def test_each_activation_scheme_equals_compressed_tensors_bit_for_bit(kind):
     from quantcli.evaluate.fake_quant import ActQuant
 
@@ -324,7 +381,11 @@ def test_each_activation_scheme_equals_compressed_tensors_bit_for_bit(kind):
             "int8-token": dict(num_bits=8, type="int", strategy="token", dynamic=True),
             "fp8-static": dict(num_bits=8, type="float", strategy="tensor", dynamic=False),
             "nvfp4": dict(num_bits=4, type="float", strategy="tensor_group", group_size=16, dynamic="local",
-                          scale_dtype=torch.float8_e4m3fn)}[kind]
+                          scale_dtype=torch.float8_e4m3fn),
+            "mxfp8": dict(num_bits=8, type="float", strategy="group", group_size=32, dynamic=True,
+                          scale_dtype=torch.uint8),
+            "mxfp4": dict(num_bits=4, type="float", strategy="group", group_size=32, dynamic=True,
+                          scale_dtype=torch.uint8)}[kind]
     qa = QuantizationArgs(symmetric=True, **args)
     if kind == "fp8-static":
         scale = float(x.abs().amax()) / 448 * 0.8  # a calibrated scale that saturates the largest values
@@ -334,7 +395,8 @@ def test_each_activation_scheme_equals_compressed_tensors_bit_for_bit(kind):
         scale, zp = compute_dynamic_scales_and_zp(x, qa, module=None, global_scale=gs)
         want = ct_forward.fake_quantize(x, scale, zp, qa, global_scale=gs)
         ours = ActQuant(kind, float(gs) if gs is not None else 0.0,
-                        group=args.get("group_size", 0) if kind != "nvfp4" else 0)
+                        group=args.get("group_size", 0) if kind == "fp8-group" else 0,
+                        rule="even" if kind.startswith("mx") else "")
     assert torch.equal(ours(x), want)
 
 

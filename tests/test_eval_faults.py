@@ -77,9 +77,13 @@ def test_data_the_tokenizer_cannot_read(run_cli, root, nvfp4):
 
 
 def test_a_format_that_cannot_be_emulated(run_cli, root):
-    _ok(run_cli, "convert", root / "llama", root / "mx", "--recipe", "mxfp8", "--layout", "modelopt", "-q")
-    line = _fails(run_cli, *_eval(root / "mx", "--reference", root / "llama", "--data", root / "eval.jsonl"))
-    assert "modelopt quant_algo MXFP8" in line and "cannot emulate" in line
+    _ok(run_cli, "convert", root / "llama", root / "int4a", "--recipe", "fp8-channel", "-q")
+    config = json.loads((root / "int4a" / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():  # INT4 activations: no engine runs them
+        group["input_activations"].update(num_bits=4, type="int")
+    (root / "int4a" / "config.json").write_text(json.dumps(config))
+    line = _fails(run_cli, *_eval(root / "int4a", "--reference", root / "llama", "--data", root / "eval.jsonl"))
+    assert "input_activations {num_bits: 4, type: int, strategy: token" in line and "cannot emulate" in line
     _ok(run_cli, "convert", root / "llama", root / "asym", "--recipe", "fp8-channel", "-q")
     config = json.loads((root / "asym" / "config.json").read_text())
     for group in config["quantization_config"]["config_groups"].values():

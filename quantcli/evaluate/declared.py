@@ -4,11 +4,16 @@ naming what eval cannot emulate.
 
 Read per layout from the config the checkpoint ships (docs/formats.md, "Calibrated scales"):
 - compressed-tensors: each module's config group `input_activations` (num_bits, type,
-  strategy, dynamic, group_size), and `kv_cache_scheme`;
+  strategy, dynamic, group_size, scale_dtype: `torch.uint8` marks MX blocks, whose exponents
+  compressed-tensors' fake-quantize takes by the `even` rule), and `kv_cache_scheme`;
 - modelopt: `quant_algo` (NVFP4 and FP8: static `input_scale`; FP8_PER_CHANNEL_PER_TOKEN:
-  dynamic per token; W4A16_NVFP4, FP8_PB_WO: weight-only) and `kv_cache_quant_algo`;
+  dynamic per token; MXFP8: dynamic MXFP8, rule `rceil` as ModelOpt's MXFP8QTensor and the
+  Blackwell kernels take it; W4A8_MXFP4_FP8: static FP8 `input_scale`; W4A16_NVFP4, FP8_PB_WO:
+  weight-only) and `kv_cache_quant_algo`;
 - fp8 (FineGrainedFP8 / DeepSeek): `activation_scheme` dynamic (per 1x128 group for block
-  weights, per tensor otherwise) or static (`input_scale`);
+  weights, per tensor otherwise) or static (`input_scale`); `quant_method: mxfp8` (SGLang):
+  dynamic MXFP8, rule `rceil` (SGLang's `mxfp8_group_quantize` calls Triton's
+  `downcast_to_mxfp`, whose default DequantScaleRoundingMode is ROUND_UP);
 - gpt-oss: weight-only.
 """
 
@@ -26,8 +31,11 @@ class NotEmulated(QuantcliError):
     """A checkpoint declares something eval cannot reproduce exactly."""
 
 
-MODELOPT_DYNAMIC = {"FP8_PER_CHANNEL_PER_TOKEN": "fp8-token"}
-MODELOPT_STATIC = {"NVFP4": "nvfp4", "FP8": "fp8-static"}
+MODELOPT_DYNAMIC = {"FP8_PER_CHANNEL_PER_TOKEN": ActQuant("fp8-token"), "MXFP8": ActQuant("mxfp8", rule="rceil")}
+# quant_algo -> (the recipe whose modules take the static input scale, how it is applied)
+MODELOPT_STATIC = {"NVFP4": ("nvfp4", "nvfp4"), "FP8": (None, "fp8-static"),
+                   "W4A8_MXFP4_FP8": ("mxfp4", "fp8-static")}
+MX_BITS = {8: "mxfp8", 4: "mxfp4"}
 MODELOPT_WEIGHT_ONLY = ("", "W4A16_NVFP4", "FP8_PB_WO")
 KV_MODES = ("auto", "scale-one", "none")
 
@@ -56,8 +64,11 @@ def _compressed_tensors(layout, config: Mapping, module: str, scales, label: str
     dynamic, size = ia.get("dynamic"), ia.get("group_size")
     said = f"compressed-tensors input_activations {{num_bits: {bits}, type: {kind}, strategy: {strategy}, " \
            f"dynamic: {dynamic}}} on {module}"
-    if ia.get("symmetric") is False or ia.get("actorder") or ia.get("zp_dtype"):
+    if ia.get("symmetric") is False or ia.get("actorder"):
         raise _refuse(label, f"asymmetric or reordered activations ({said})")
+    mx_blocks = strategy == "group" and size == 32 and ia.get("scale_dtype") == "torch.uint8"
+    if kind == "float" and bits in MX_BITS and dynamic is True and mx_blocks:
+        return ActQuant(MX_BITS[bits], rule="even")
     if kind == "float" and bits == 8 and dynamic is True:
         if strategy == "token":
             return ActQuant("fp8-token")
@@ -75,20 +86,21 @@ def _compressed_tensors(layout, config: Mapping, module: str, scales, label: str
 
 
 def _modelopt(algo: str, module: str, recipe: str, scales, label: str) -> ActQuant | None:
-    if algo in MODELOPT_WEIGHT_ONLY or (algo == "NVFP4" and recipe != "nvfp4"):
+    if algo in MODELOPT_WEIGHT_ONLY or (algo == "MXFP8" and recipe != "mxfp8"):
         return None
     if algo in MODELOPT_DYNAMIC:
-        return ActQuant(MODELOPT_DYNAMIC[algo])
+        return MODELOPT_DYNAMIC[algo]
     if algo in MODELOPT_STATIC:
-        return _static(module, scales, MODELOPT_STATIC[algo], label)
-    raise _refuse(label, f"modelopt quant_algo {algo} (its activation quantization, e.g. MX blocks)")
+        applies_to, kind = MODELOPT_STATIC[algo]
+        return None if applies_to not in (None, recipe) else _static(module, scales, kind, label)
+    raise _refuse(label, f"modelopt quant_algo {algo} (its activation quantization)")
 
 
 def _fp8(config: Mapping, module: str, recipe: str, scales, label: str) -> ActQuant | None:
     qc = config.get("quantization_config") or {}
     scheme = qc.get("activation_scheme")
     if qc.get("quant_method") == "mxfp8" or recipe == "mxfp8":
-        raise _refuse(label, "quant_method mxfp8 (MXFP8 activations, 1x32 E8M0 blocks)")
+        return ActQuant("mxfp8", rule="rceil")
     if scheme == "static":
         return _static(module, scales, "fp8-static", label)
     if scheme == "dynamic":

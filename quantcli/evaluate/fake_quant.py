@@ -13,6 +13,11 @@ llm-compressor and transformers run for these schemes, in FP32:
   `e = sb / gs`, `q = e2m1(x / e)` (round to nearest, ties to the even code, saturating at 6),
   `x' = q * e`, with `gs` the global divisor: compressed-tensors' `input_global_scale`, or
   1 / ModelOpt's `input_scale`.
+- MXFP8 / MXFP4 (dynamic MX activations): per 1 x 32 block of a row (a last partial block is its
+  own), the E8M0 scale `2^e` from the block amax by the declared exponent rule (kernels/scales.py
+  ScaleRule: `even` for compressed-tensors, `rceil` for ModelOpt and Triton's `downcast_to_mxfp`),
+  `x' = nearest(x / 2^e) * 2^e` with the element's own rounding (E4M3 saturating, E2M1 ties to
+  the even code, saturating at 6); an all-zero block stays zero.
 Engines' fused kernels compute the same quantities; a kernel that multiplies by a reciprocal
 where this divides can differ in the last bit of a scale (docs/cli.md, "quantcli eval").
 """
@@ -23,8 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
+from quantcli.kernels.elements import ELEMENTS
 from quantcli.kernels.reference import decode_e2m1, encode_e2m1
+from quantcli.kernels.scales import e8m0_byte, e8m0_to_float
 
+MX_BLOCK = 32
 E4M3_MAX = 448.0
 INT8_HALF_RANGE = 127.5  # (127 - (-128)) / 2
 E2M1_MAX = 6.0
@@ -82,13 +90,26 @@ def nvfp4(x: torch.Tensor, global_divisor: float) -> torch.Tensor:
     return (q * e).flatten(-2)
 
 
+def mx(x: torch.Tensor, element: str, rule: str) -> torch.Tensor:
+    """MX activations: dynamic 1 x 32 E8M0 block scales by `rule`, `element` codes (e4m3 | e2m1)."""
+    codec = ELEMENTS[element]
+    k = x.shape[-1]
+    g = torch.nn.functional.pad(x, (0, -k % MX_BLOCK)).unflatten(-1, (-1, MX_BLOCK))
+    scale = e8m0_to_float(e8m0_byte(g.abs().amax(-1, keepdim=True), codec, rule))
+    return (codec.nearest(g / scale) * scale).flatten(-2)[..., :k]
+
+
+MX_ELEMENTS = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
+
+
 @dataclass(frozen=True)
 class ActQuant:
     """How one module's input is quantized: `kind` and its static number, if any."""
 
-    kind: str  # fp8-static | fp8-token | fp8-group | fp8-tensor | int8-token | nvfp4
+    kind: str  # fp8-static | fp8-token | fp8-group | fp8-tensor | int8-token | nvfp4 | mxfp8 | mxfp4
     value: float = 0.0  # fp8-static: the scale (multiplier); nvfp4: the global divisor
     group: int = 0  # fp8-group
+    rule: str = ""  # mxfp8 / mxfp4: the E8M0 exponent rule (floor | even | rceil)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.float32)
@@ -102,6 +123,8 @@ class ActQuant:
             return fp8_per_tensor(x)
         if self.kind == "int8-token":
             return int8_per_token(x)
+        if self.kind in MX_ELEMENTS:
+            return mx(x, MX_ELEMENTS[self.kind], self.rule)
         return nvfp4(x, self.value)
 
     @property
@@ -109,7 +132,9 @@ class ActQuant:
         return {"fp8-static": "FP8 static per-tensor input scale", "fp8-token": "FP8 dynamic per token",
                 "fp8-group": f"FP8 dynamic per 1x{self.group} group", "fp8-tensor": "FP8 dynamic per tensor",
                 "int8-token": "INT8 dynamic per token",
-                "nvfp4": "NVFP4 W4A4 (static global scale, dynamic 1x16 E4M3 block scales)"}[self.kind]
+                "nvfp4": "NVFP4 W4A4 (static global scale, dynamic 1x16 E4M3 block scales)",
+                "mxfp8": f"MXFP8 dynamic 1x32 E8M0 blocks (rule {self.rule})",
+                "mxfp4": f"MXFP4 dynamic 1x32 E8M0 blocks (rule {self.rule})"}[self.kind]
 
 
 class KvQuantCache:
