@@ -91,11 +91,12 @@ def make_moe(out: Path, hidden: int = 128, layers: int = 2, shards: int = 2, see
 
 
 def make_gpt_oss(out: Path, hidden: int = 128, layers: int = 2, shards: int = 2, seed: int = 0,
-                 experts: int = 4) -> Path:
+                 experts: int = 4, sliding_window: int = 128) -> Path:
     """A random GptOss (transformers' GptOssForCausalLM): 3-D expert stacks `mlp.experts.gate_up_proj`
     [E, hidden, 2 * intermediate] and `down_proj` [E, intermediate, hidden], stored [E, in, out],
     for `--layout gpt-oss` (recipes/examples/mxfp4-gpt-oss-experts.toml). MXFP4 blocks are 32 wide
-    along each stack's input, so hidden is rounded up to a multiple of 32."""
+    along each stack's input, so hidden is rounded up to a multiple of 32. Its layers alternate
+    sliding-window (`sliding_window` tokens) and full attention, as gpt-oss's do."""
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -104,7 +105,8 @@ def make_gpt_oss(out: Path, hidden: int = 128, layers: int = 2, shards: int = 2,
     heads = max(1, hidden // 64)
     config = GptOssConfig(vocab_size=512, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=layers,
                           num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=64,
-                          num_local_experts=experts, num_experts_per_tok=min(2, experts))
+                          num_local_experts=experts, num_experts_per_tok=min(2, experts),
+                          sliding_window=sliding_window)
     model = GptOssForCausalLM(config).to(torch.bfloat16)
     _save(model, Path(out), shards)
     return Path(out)

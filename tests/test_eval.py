@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcli.testing import make_llama, make_moe
+from quantcli.testing import make_gpt_oss, make_llama, make_moe
 
 transformers = pytest.importorskip("transformers")
 ct_forward = pytest.importorskip("compressed_tensors.quantization.lifecycle.forward")
@@ -45,6 +45,8 @@ def root(tmp_path_factory) -> Path:
     _jsonl(root / "cal.jsonl", _ids(101, 6))
     make_llama(root / "llama", hidden=64, layers=2, shards=2)
     make_moe(root / "moe", hidden=64, layers=2, shards=1)
+    # a window of 8 tokens, shorter than every sample: its sliding layers see other masks than its full ones
+    make_gpt_oss(root / "gpt-oss", hidden=64, layers=2, shards=1, sliding_window=8)
     return root
 
 
@@ -115,6 +117,22 @@ def test_weight_only_nvfp4_moe_equals_transformers_forward(run_cli, root):
     doc = _eval(run_cli, dst, root / "moe", root / "eval.jsonl")
     assert any(m["module"].endswith("block_sparse_moe.experts") for m in doc["worst_modules"])
     _check(doc, _expected(_model(root / "moe"), _model(dense), _ids(0)))
+
+
+def test_gpt_oss_mxfp4_equals_transformers_forward(run_cli, root):
+    """gpt-oss: MXFP4 expert stacks stored [E, out, in] with biases beside them, run by transformers'
+    own GptOss experts; sliding-window layers between full-attention ones, each with its own mask."""
+    dst, dense = _convert(run_cli, root, "gpt-oss", "gpt-oss-mxfp4", "--config",
+                          "recipes/examples/mxfp4-gpt-oss-experts.toml")
+    doc = _eval(run_cli, dst, root / "gpt-oss", root / "eval.jsonl")
+    assert doc["layout"] == "gpt-oss" and doc["recipes"] == {"mxfp4": 4} and doc["activations"] == []
+    assert [m["module"] for m in doc["layers"][0]["worst_modules"]] == ["model.layers.0.mlp.experts"]
+    _check(doc, _expected(_model(root / "gpt-oss"), _model(dense), _ids(0)))
+    code, out, err = run_cli("eval", root / "gpt-oss", "--recipe", "mxfp4", "--layout", "gpt-oss", "--data",
+                             root / "eval.jsonl", "--device", "cpu", "--json")
+    assert code == 0, err
+    emulated = validate("eval", json.loads(out))
+    assert emulated["causal"] == doc["causal"] and emulated["layers"] == doc["layers"]
 
 
 # ---------------------------------------------------------------- activations: compressed-tensors' fake-quantize

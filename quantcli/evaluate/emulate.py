@@ -17,7 +17,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from quantcli.model.weights import ExpertModules, WeightMap
+from quantcli.evaluate.declared import NotEmulated
+from quantcli.model.weights import ExpertModules, WeightMap, mixtral_shaped
 
 
 class ErrorSum:
@@ -87,6 +88,10 @@ def experts_forward(block, hidden: torch.Tensor, top_k_index: torch.Tensor, top_
 def quantize_expert_inputs(block, modules: ExpertModules, steps: dict) -> None:
     """Each expert's inputs quantized as its Linears declare (when any does); `detach` undoes it."""
     if any(m in steps for m in modules.all):
+        if not mixtral_shaped(block):
+            raise NotEmulated(f"{experts_name(modules)}: quantized inputs declared for an experts block of "
+                              f"{type(block).__name__}'s shape (transposed or biased), which quantcli eval "
+                              f"cannot emulate exactly; nothing was run")
         def per_expert(e: int):
             return tuple(steps.get(m) for m in modules.of(e))
 
@@ -97,14 +102,31 @@ def quantize_expert_inputs(block, modules: ExpertModules, steps: dict) -> None:
         block.forward = emulated  # the loaded instance only; it goes back to meta after the block
 
 
-def _experts_hooks(block, modules: ExpertModules, steps: dict, ref: tuple, err: ErrorSum) -> list:
+def own_forward(block, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> torch.Tensor:
+    """The block's own class forward (transformers' experts code, whatever its shape) run with
+    `params` in place of its parameters, which are then put back."""
+    saved = {n: block._parameters[n] for n in params}
+    try:
+        block._parameters.update(params)
+        return type(block).forward(block, *args, **kwargs)
+    finally:
+        block._parameters.update(saved)
+
+
+def _experts_hooks(block, modules: ExpertModules, steps: dict, ref: dict[str, torch.Tensor], err: ErrorSum) -> list:
     """Quantized inputs per expert (when any of its Linears declares them) and the block's own error."""
     quantize_expert_inputs(block, modules, steps)
+    if not mixtral_shaped(block):  # gpt-oss: transformers' own forward with the reference's parameters
+        def own(m, args, kwargs, out):
+            err.add(out, own_forward(m, ref, args, kwargs))
+
+        return [block.register_forward_hook(own, with_kwargs=True)]
+    ref_weights = (ref["gate_up_proj"], ref["down_proj"])
 
     def after(m, args, kwargs, out):
         call = dict(zip(("hidden", "top_k_index", "top_k_weights"), args))
         call.update({k if k != "hidden_states" else "hidden": v for k, v in kwargs.items()})
-        err.add(out, experts_forward(block, call["hidden"], call["top_k_index"], call["top_k_weights"], *ref))
+        err.add(out, experts_forward(block, call["hidden"], call["top_k_index"], call["top_k_weights"], *ref_weights))
 
     return [block.register_forward_hook(after, with_kwargs=True)]
 
@@ -128,8 +150,8 @@ def attach(layer, prefix: str, weights: WeightMap, experts: dict[str, ExpertModu
             handles += _linear_hooks(mod, steps.get(module), ref[f"{sub}.weight"], ref.get(f"{sub}.bias"), err)
         elif path in experts:
             err = errors.setdefault(experts_name(experts[path]), ErrorSum())
-            handles += _experts_hooks(mod, experts[path], steps, (ref[f"{sub}.gate_up_proj"], ref[f"{sub}.down_proj"]),
-                                      err)
+            own = {n: ref[f"{sub}.{n}"] for n, _ in mod.named_parameters(recurse=False)}
+            handles += _experts_hooks(mod, experts[path], steps, own, err)
     return handles
 
 

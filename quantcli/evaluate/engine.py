@@ -40,7 +40,7 @@ class Walked:
 
 def load_block(layer, prefix: str, side, weights: WeightMap) -> dict[str, torch.Tensor]:
     """Assign `side`'s FP32 parameters of one block (shapes checked); returns them by name."""
-    experts = experts_blocks(layer, prefix, weights)
+    experts = experts_blocks(layer, prefix, weights, whole=True)
     params = {}
     for name, meta in layer.state_dict().items():
         t = weights.tensor(prefix + name, side.get, experts)
@@ -53,7 +53,7 @@ def load_block(layer, prefix: str, side, weights: WeightMap) -> dict[str, torch.
 
 
 def release_block(layer, prefix: str, side, weights: WeightMap) -> None:
-    experts = experts_blocks(layer, prefix, weights)
+    experts = experts_blocks(layer, prefix, weights, whole=True)
     for name in layer.state_dict():
         for src in weights.sources(prefix + name, experts):
             side.release(src)
@@ -67,8 +67,8 @@ def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, capture
     run_batches(layer, ref_buf, captured)
     load_block(layer, prefix, quant, quant_map)
     errors: dict[str, ErrorSum] = {}
-    handles = attach(layer, prefix, quant_map, experts_blocks(layer, prefix, quant_map), ref_params, emu.steps,
-                     errors)
+    experts = experts_blocks(layer, prefix, quant_map, whole=True)
+    handles = attach(layer, prefix, quant_map, experts, ref_params, emu.steps, errors)
     attention = quant_map.checkpoint_module(prefix + "self_attn")
     cache = KvQuantCache(*emu.kv[attention]) if attention in emu.kv else None
     try:

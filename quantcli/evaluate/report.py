@@ -61,7 +61,9 @@ class EvalReport:
 
 
 def module_rows(errors: dict, top: int) -> list[ModuleError]:
-    ranked = sorted(errors.items(), key=lambda kv: (-kv[1].rel, kv[0]))
+    """The `top` modules by own error; a module with none (left dense: the same weights on the
+    same input) is not listed."""
+    ranked = sorted(((m, e) for m, e in errors.items() if e.rel > 0), key=lambda kv: (-kv[1].rel, kv[0]))
     return [ModuleError(m, e.rel) for m, e in ranked[:top]]
 
 

@@ -40,7 +40,7 @@ class Score:
 
 def module_paths(layer, prefix: str, weights: WeightMap) -> dict[str, list[str]]:
     """{checkpoint module: its paths in the block (Linears, or an experts block)}, as emulate.attach names them."""
-    experts = experts_blocks(layer, prefix, weights)
+    experts = experts_blocks(layer, prefix, weights, whole=True)
     out: dict[str, list[str]] = {}
     for sub, mod in layer.named_modules():
         if isinstance(mod, torch.nn.Linear):
@@ -53,7 +53,7 @@ def module_paths(layer, prefix: str, weights: WeightMap) -> dict[str, list[str]]
 def _swap(layer, prefix: str, subs: list[str], quant, quant_map: WeightMap, steps: dict, module: str):
     """Load the quantized side's parameters of `subs` over the reference's and hook their input
     quantization; returns (the reference's parameters to put back, hook handles)."""
-    experts = experts_blocks(layer, prefix, quant_map)
+    experts = experts_blocks(layer, prefix, quant_map, whole=True)
     saved, params, handles = {}, {}, []
     for sub in subs:
         mod = layer.get_submodule(sub)

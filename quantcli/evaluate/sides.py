@@ -33,15 +33,23 @@ class Side:
         manifest = self.detected.manifest if self.detected else None
         self.rules = {m.module: m.scale_rule for m in manifest.modules} if manifest else {}
         self.config = config_with_extras(source, self.detected.extra_files) if self.detected else dict(source.config)
-        self.names = set(tensors.where) | {f"{m}.weight" for m in self.modules}
+        # a quantized module's model parameter: `<module>.weight`, or the 3-D stack itself (gpt-oss)
+        self.params = {self._param(m): m for m in self.modules}
+        self.names = set(tensors.where) | set(self.params)
 
     @property
     def quantized(self) -> bool:
         return bool(self.modules)
 
+    def _param(self, module: str) -> str:
+        return self.layout.dense_name(module)[0]
+
+    def _transposed(self, module: str) -> bool:
+        """Whether the model holds the module's weight as [E, in, out] (gpt-oss's stacks)."""
+        return self.layout.dense_name(module)[1]
+
     def _module(self, name: str) -> str | None:
-        module = name[: -len(".weight")] if name.endswith(".weight") else name
-        return module if module in self.modules else None
+        return self.params.get(name)
 
     def _recipe(self, module: str):
         rule = self.rules.get(module)
@@ -57,7 +65,7 @@ class Side:
         except (KeyError, RuntimeError, ValueError) as exc:
             raise QuantcliError(f"{self.label}: {module} cannot be decoded as {self.layout.name} "
                                 f"{recipe.name}: {exc}") from None
-        return decode_module(self.layout, module, recipe, q, device=self.device)
+        return decode_module(self.layout, module, recipe, q, transpose=self._transposed(module), device=self.device)
 
     def release(self, name: str) -> None:
         module = self._module(name)
@@ -75,7 +83,8 @@ class Side:
         if module is None:
             return tuple(self.tensors.info(name).shape) if name in self.tensors else None
         codes = self.layout.describe(module, self._recipe(module))[0].name
-        return tuple(self.layout.logical_shape(self._recipe(module), tuple(self.tensors.info(codes).shape)))
+        shape = tuple(self.layout.logical_shape(self._recipe(module), tuple(self.tensors.info(codes).shape)))
+        return (*shape[:-2], shape[-1], shape[-2]) if self._transposed(module) else shape
 
     def calibrated(self) -> CalibratedScales | None:
         """The activation scheme, input scales and KV-cache scales the checkpoint declares."""
@@ -106,8 +115,6 @@ class RecipeSide(Side):
                                 f"the dense model, or evaluate this checkpoint with --reference SRC")
         self.plan = plan
         self.planned = {t.name: t for t in plan.tensors if t.quantized}
-        if any(t.transpose for t in self.planned.values()):
-            raise QuantcliError(f"--recipe: {label} stores transposed expert stacks, which eval does not emulate")
         self.groups = plan.fused_groups()
         self.modules = {t.module: t.recipe for t in self.planned.values()}
         self.layout = plan.layout
@@ -130,8 +137,11 @@ class RecipeSide(Side):
         recipe = self.plan.recipes[t.recipe]
         facts = ModuleFacts(group_amax=self._group_amax(t.fused_group)) \
             if t.fused_group and recipe.has_global_scale else NO_FACTS
-        q = recipe.quantize(name, self.tensors.get(name).to(self.device), facts=facts)
-        return recipe.dequantize(q).to(torch.float32)
+        w = self.tensors.get(name).to(self.device)
+        # a stack stored [E, in, out] (gpt-oss) is quantized as [E, out, in], as convert does
+        q = recipe.quantize(name, w.transpose(-1, -2) if t.transpose else w, facts=facts)
+        d = recipe.dequantize(q).to(torch.float32)
+        return d.transpose(-1, -2) if t.transpose else d
 
     def release(self, name: str) -> None:
         if name in self.tensors:

@@ -27,7 +27,7 @@ import torch
 
 from quantcli.memory import fix_mmap_threshold
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
-from quantcli.model.stack import CAUSAL, FINAL_NORM, Stack, build_stack, capture
+from quantcli.model.stack import CAUSAL, FINAL_NORM, MasksByLayer, Stack, build_stack, capture
 from quantcli.model.weights import ExpertModules, WeightMap, experts_blocks
 
 
@@ -85,6 +85,14 @@ def cache_kwarg(layer) -> str | None:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def layer_index(layer) -> int | None:
+    """The index a decoder layer knows itself by (its attention's `layer_idx`), or None."""
+    for mod in layer.modules():
+        if isinstance(getattr(mod, "layer_idx", None), int):
+            return mod.layer_idx
+    return None
+
+
 def run_batches(layer, buffer: ActivationBuffer, captured: list[tuple], cache=None, write: bool = True,
                 batch_done=lambda j: None) -> None:
     """Run every batch through the loaded `layer` with the arguments model/stack.capture took for
@@ -92,7 +100,10 @@ def run_batches(layer, buffer: ActivationBuffer, captured: list[tuple], cache=No
     attention's KV cache (none for a layer without self_attn); its outputs replace its inputs in
     `buffer` when `write`."""
     key = cache_kwarg(layer) if cache is not None else None
+    index = layer_index(layer)
     for j, (args, kwargs) in enumerate(captured):
+        if isinstance(kwargs.get("attention_mask"), MasksByLayer):
+            kwargs = {**kwargs, "attention_mask": kwargs["attention_mask"][index]}
         out = layer(buffer.read(j), *args, **({**kwargs, key: cache} if key else kwargs))
         if write:
             buffer.write(j, out[0] if isinstance(out, tuple) else out)

@@ -117,26 +117,62 @@ class _Stop(Exception):
     pass
 
 
-def first_layer_inputs(body, first_layer, device: torch.device, input_batches: list[torch.Tensor],
-                       record) -> None:
-    """Run `body` on each batch only until `first_layer` would start, and hand its inputs to
-    `record(hidden_states, other_args, kwargs)`: the embedding (and whatever else sits before the
-    first layer) is all that must be loaded."""
+class MasksByLayer(dict):
+    """{layer index: the attention mask the model's own forward gives that layer}, captured in
+    place of layer 0's mask when the layers differ in kind (`config.layer_types`: gpt-oss's,
+    Gemma's and Mistral-style sliding-window layers between full-attention ones); layers.run_batches
+    hands each layer its own."""
+
+
+def layer_kinds(config) -> list | None:
+    """`config.layer_types` when its layers are not all of one kind, else None."""
+    kinds = getattr(config, "layer_types", None)
+    return list(kinds) if kinds and len(set(kinds)) > 1 else None
+
+
+def first_layer_inputs(body, layers, device: torch.device, input_batches: list[torch.Tensor], record,
+                       per_layer_masks: bool = False) -> None:
+    """Run `body` on each batch only until the first of `layers` would start, and hand its inputs
+    to `record(hidden_states, other_args, kwargs)`: the embedding (and whatever else sits before
+    the first layer) is all that must be loaded. With `per_layer_masks`, every layer is stepped
+    over (its forward returns its input, its weights untouched on the meta device) to take the
+    mask the model gives it: kwargs' `attention_mask` is then a MasksByLayer."""
+    taken: list = []
+
     def catch(module, args, kwargs):
         kwargs = dict(kwargs)
         hidden = args[0] if args else kwargs.pop("hidden_states")
-        record(hidden, tuple(args[1:]), kwargs)
-        raise _Stop
+        if not per_layer_masks:
+            record(hidden, tuple(args[1:]), kwargs)
+            raise _Stop
+        taken.append((hidden, tuple(args[1:]), kwargs, MasksByLayer()))
 
-    hook = first_layer.register_forward_pre_hook(catch, with_kwargs=True)
+    def step_over(i: int):
+        def forward(*args, **kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            taken[-1][3][i] = kwargs.get("attention_mask")
+            if i == len(layers) - 1:
+                raise _Stop
+            return hidden
+        return forward
+
+    hook = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    if per_layer_masks:
+        for i, layer in enumerate(layers):
+            layer.forward = step_over(i)
     try:
         for ids in input_batches:
             try:
                 body(input_ids=ids.to(device), use_cache=False)
             except _Stop:
                 pass
+            if taken:
+                hidden, args, kwargs, masks = taken.pop()
+                record(hidden, args, {**kwargs, "attention_mask": masks})
     finally:
         hook.remove()
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
 
 
 def _materialize(stack: Stack, get, device: torch.device) -> tuple[torch.nn.Module, list[str]]:
@@ -169,6 +205,7 @@ def capture(stack: Stack, get, device: torch.device, input_batches: list[torch.T
         buffer.write(len(captured), hidden.to(torch.float32))
         captured.append((args, kwargs))
 
-    first_layer_inputs(body, stack.layers[0], device, input_batches, record)
+    first_layer_inputs(body, stack.layers, device, input_batches, record,
+                       per_layer_masks=stack.kind != ENCODER and layer_kinds(stack.config) is not None)
     (stack.model.embeddings if stack.kind == ENCODER else body.embed_tokens).to("meta")
     return captured, names

@@ -110,18 +110,27 @@ class WeightMap:
         return [source] if source else []
 
 
-def experts_blocks(layer, prefix: str, weights: WeightMap) -> dict[str, ExpertModules]:
+def mixtral_shaped(block) -> bool:
+    """Whether an experts block is transformers' Mixtral-style one (gate and up rows concatenated,
+    [E, out, in], no biases), the shape whose per-expert inputs a walk can record and quantize."""
+    return bool(getattr(block, "has_gate", False) and getattr(block, "is_concatenated", False)
+                and not getattr(block, "is_transposed", True) and not getattr(block, "has_bias", True)
+                and not getattr(block, "has_post_expert_norm", False))
+
+
+def experts_blocks(layer, prefix: str, weights: WeightMap, whole: bool = False) -> dict[str, ExpertModules]:
     """{model path of an experts block in `layer`: its checkpoint modules}. An experts block of a
-    shape the engine cannot record (transposed, interleaved, biased, gateless) is refused."""
+    shape the walk cannot record (transposed, interleaved, biased, gateless) is refused, unless
+    `whole` (eval): a checkpoint that stores the block's own 3-D parameters under its names
+    (gpt-oss) is then loaded as it is and run by transformers' own forward."""
     out = {}
     for sub, mod in layer.named_modules():
         if not isinstance(getattr(mod, "gate_up_proj", None), torch.nn.Parameter):
             continue
         path = prefix + sub
-        shape_ok = (getattr(mod, "has_gate", False) and getattr(mod, "is_concatenated", False)
-                    and not getattr(mod, "is_transposed", True) and not getattr(mod, "has_bias", True)
-                    and not getattr(mod, "has_post_expert_norm", False))
-        found = weights.experts(path, mod.gate_up_proj.shape[0]) if shape_ok else None
+        found = weights.experts(path, mod.gate_up_proj.shape[0]) if mixtral_shaped(mod) or whole else None
+        if found is not None and not mixtral_shaped(mod) and len(found.gate) > 1:
+            found = None  # per-expert Linears of a block of another shape: no mapping known
         if found is None:
             raise QuantcliError(f"--calibration: cannot map the experts block {path} ({type(mod).__name__}) to "
                                 f"the checkpoint's expert tensors; this MoE architecture is not supported")
