@@ -256,6 +256,7 @@ def layouts(json_out: JsonOut = False) -> None:
 
 @app.command(name="eval", cls=Command, epilog=examples("eval"))
 def eval_command(
+    ctx: typer.Context,
     checkpoint: Annotated[str, typer.Argument(metavar="DST", help=(
         "The quantized checkpoint (folder, .safetensors file or Hub repo id); "
         "with --recipe, the dense model to emulate it on."))],
@@ -293,6 +294,9 @@ def eval_command(
     revision: Annotated[Optional[str], typer.Option(
         metavar="REV", help="Hub revision of a --reference repo id.")] = None,
     device: Device = "auto",
+    workers: Annotated[int, typer.Option(metavar="N", min=1, help=(
+        "Split the samples over N processes on this machine, each walking the model on its share "
+        "(torch.distributed; under torchrun the ranks come from torchrun)."))] = 1,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="No progress bar; stdout gets one line of headline numbers.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One stderr line per layer as it finishes.")] = False,
@@ -306,7 +310,8 @@ def eval_command(
 
     raise typer.Exit(run_eval(checkpoint, reference=reference, data=data, samples=samples, seq_len=seq_len,
                               batch=batch, kv_cache=kv_cache, top=top, revision=revision, device=device,
-                              quiet=quiet, verbose=verbose, json_out=json_out,
+                              quiet=quiet, verbose=verbose, json_out=json_out, workers=workers,
+                              argv=ctx.meta.get(ARGV), entry=main,
                               sensitivity=sensitivity, emulate=dict(recipe=recipe, layout=layout,
                                                                     scale_rule=scale_rule, scale_search=scale_search)))
 

@@ -323,8 +323,10 @@ def _push(folder: Path, hub: dict, api, quiet: bool):
 
 def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int, seq_len: int, batch: int,
              kv_cache: str, top: int, revision: str | None, device: str, quiet: bool, verbose: bool, json_out: bool,
-             emulate: dict, sensitivity: str | None = None) -> int:
+             emulate: dict, sensitivity: str | None = None, workers: int = 1, argv: list[str] | None = None,
+             entry: Callable[[list[str]], Any] | None = None) -> int:
     from quantcli.cli.eval_view import LayerBar, render_eval, render_eval_brief
+    from quantcli.cli.launch import rank_world
     from quantcli.evaluate import ALL, EvalOptions, evaluate
 
     if emulate["recipe"] and reference:
@@ -337,9 +339,15 @@ def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int,
     opts = EvalOptions(checkpoint, reference or checkpoint, data, samples=samples, seq_len=seq_len, batch=batch,
                        device=device, kv_cache=kv_cache, revision=revision, top=top,
                        sensitivity=ALL if sensitivity == "all" else int(sensitivity or 0), **emulate)
-    show = sys.stderr.isatty() and not quiet and not json_out
-    with LayerBar(_console(stderr=True), show, verbose) as bar:
-        report = evaluate(opts, bar)
+    # One process, or the ranks --workers / torchrun started: each walks its share of the batches,
+    # rank 0 shows the progress of its own share and prints the merged report.
+    with rank_world(device, workers, argv, entry) as world:
+        opts.device = world.rank_device(device)
+        show = sys.stderr.isatty() and not quiet and not json_out and world.lead
+        with LayerBar(_console(stderr=True), show, verbose and world.lead) as bar:
+            report = evaluate(opts, bar, world)
+    if not world.lead:
+        return 0
     if json_out:
         emit_json(envelope("eval", report, source=report.reference))
     elif quiet:

@@ -255,8 +255,12 @@ def open_world(device: str, store: Any = None, env: Mapping[str, str] | None = N
         else:
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout)
     _opened[0] += 1
+    # A store spawn_ranks serves is fresh, and the ranks it started are new processes whose first
+    # world this is: every rank numbers it 1 (a second --workers job in this process would
+    # otherwise look for keys its ranks never write).
+    number = 1 if store is not None else _opened[0]
     world = World(rank, size, local, dist.distributed_c10d._get_default_store(),
-                  torch.device("cuda", local) if cuda else torch.device("cpu"), _prefix=f"quantcli/{_opened[0]}")
+                  torch.device("cuda", local) if cuda else torch.device("cpu"), _prefix=f"quantcli/{number}")
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(world, stop), daemon=True)
     beat.start()

@@ -53,8 +53,10 @@ def _as_eval() -> Iterator[None]:
         raise type(exc)(re.sub(r"--calibration\b", "--data", text)) from None
 
 
-def evaluate(opts: EvalOptions, progress: Callable[..., None] | None = None):
-    """The EvalReport of `opts.checkpoint` against `opts.reference` on `opts.data`."""
+def evaluate(opts: EvalOptions, progress: Callable[..., None] | None = None, world=None):
+    """The EvalReport of `opts.checkpoint` against `opts.reference` on `opts.data`. `world`: the
+    ranks of a split run (quantcli.convert.world.World; None: this process alone), each of which
+    walks its share of the batches; every rank returns the whole report."""
     from quantcli.checkpoint.source import open_source
     from quantcli.checkpoint.tensors import CheckpointTensors
     from quantcli.convert.device import resolve_device
@@ -72,7 +74,7 @@ def evaluate(opts: EvalOptions, progress: Callable[..., None] | None = None):
             quant = _recipe_side(opts, quant_src, qt, device) if opts.recipe else Side(quant_src.label, quant_src, qt,
                                                                                        device)
             check_same_model(ref, quant)
-            report = _run(opts, ref, quant, device, progress)
+            report = _run(opts, ref, quant, device, progress, world)
     report.seconds = round(time.monotonic() - start, 3)
     return report
 
@@ -91,11 +93,29 @@ def _recipe_side(opts: EvalOptions, source, tensors, device: torch.device):
     return RecipeSide(f"{source.label} (--recipe {opts.recipe}, emulated)", source, tensors, device, plan)
 
 
-def _run(opts: EvalOptions, ref, quant, device: torch.device, progress):
+def share(input_batches: list[torch.Tensor], rank: int, size: int) -> list[torch.Tensor]:
+    """Rank `rank`'s batches out of `size` ranks: the largest first, each to the rank with the
+    fewest tokens so far (lowest rank on a tie), kept in their order."""
+    loads, owner = [0] * size, {}
+    for i in sorted(range(len(input_batches)), key=lambda i: (-input_batches[i].numel(), i)):
+        r = min(range(size), key=lambda r: (loads[r], r))
+        owner[i] = r
+        loads[r] += input_batches[i].numel()
+    return [b for i, b in enumerate(input_batches) if owner[i] == rank]
+
+
+def _together(world, work: Callable[[], object], to_json: Callable, from_json: Callable, merge: Callable):
+    """`work()` on this rank, merged with every other rank's (sent as JSON: nothing unpickled)."""
+    if world is None or world.size == 1:
+        return work()
+    return merge([from_json(doc) for doc in world.settle_all(lambda: to_json(work()))])
+
+
+def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=None):
     from quantcli.evaluate import report as rep
     from quantcli.evaluate.declared import activation_steps
-    from quantcli.evaluate.engine import Emulation, walk
-    from quantcli.evaluate.metrics import Causal, Encoder, pooling_config
+    from quantcli.evaluate.engine import Emulation, Walked, walk
+    from quantcli.evaluate.metrics import Causal, CausalSums, Encoder, EncoderSums, pooling_config
     from quantcli.model.layers import batches
     from quantcli.model.stack import CAUSAL, build_stack
 
@@ -105,16 +125,26 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress):
     kv, kv_said = _kv(opts, stack, quant, scales)
     ids, notes = _samples(opts, ref, quant, stack)
     input_batches = batches(ids, opts.batch)
+    if world is not None and world.size > 1:
+        input_batches = share(input_batches, world.rank, world.size)
+    sums = CausalSums if stack.kind == CAUSAL else EncoderSums
     if stack.kind == CAUSAL:
         finish = Causal(ref, quant, input_batches, steps.get("lm_head"))
     else:
         finish = Encoder(*pooling_config([ref.source.root, quant.source.root]))
-    walked = walk(stack, ref, quant, input_batches, device, Emulation(steps, kv), finish, progress)
+
+    def walk_mine():
+        if not input_batches:  # more ranks than batches
+            return Walked.empty(len(stack.layers), sums.empty())
+        return walk(stack, ref, quant, input_batches, device, Emulation(steps, kv), finish, progress)
+
+    walked = _together(world, walk_mine, Walked.to_json, lambda doc: Walked.from_json(doc, sums), Walked.merge)
     ranked = _sensitivity(opts, stack, (ref, quant), input_batches, device, steps, walked,
-                          None if stack.kind == CAUSAL else finish, progress)
+                          None if stack.kind == CAUSAL else finish, progress, world)
     if not quant.quantized:
         notes.append(f"{quant.label} holds no quantized module: both sides run the same kind of weights")
-    metrics = {"causal" if stack.kind == CAUSAL else "encoder": walked.final}
+    final = walked.final.metrics() if stack.kind == CAUSAL else finish.metrics(walked.final)
+    metrics = {"causal" if stack.kind == CAUSAL else "encoder": final}
     return rep.EvalReport(
         checkpoint=quant.label, reference=ref.source.label, model_kind=stack.kind,
         layout=quant.layout.name if quant.layout else None, recipes=rep.recipes(quant.modules),
@@ -125,10 +155,11 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress):
 
 
 def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, device: torch.device, steps: dict,
-                 walked, pooled, progress) -> list:
-    """The chosen modules ranked by the model output error with each alone quantized (sensitivity.py)."""
+                 walked, pooled, progress, world=None) -> list:
+    """The chosen modules ranked by the model output error with each alone quantized (sensitivity.py);
+    every rank chooses the same ones (from the merged walk) and measures them on its batches."""
     from quantcli.evaluate import report as rep
-    from quantcli.evaluate.sensitivity import walk_sensitivity
+    from quantcli.evaluate.sensitivity import ScoreSums, walk_sensitivity
 
     if not opts.sensitivity:
         return []
@@ -138,8 +169,19 @@ def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, de
     chosen: dict[int, list[str]] = {}
     for module, (layer, _) in candidates.items():
         chosen.setdefault(layer, []).append(module)
-    scores = walk_sensitivity(stack, *sides, input_batches, device, steps, chosen, pooled, progress)
-    return rep.sensitivity_rows(candidates, scores)
+    causal = pooled is None
+
+    def mine() -> dict:
+        if not input_batches:
+            return {m: ScoreSums(0.0, 0 if causal else None, 0) for m in candidates}
+        return walk_sensitivity(stack, *sides, input_batches, device, steps, chosen, pooled, progress)
+
+    def merge(parts: list[dict]) -> dict:
+        return {m: ScoreSums.merge([p[m] for p in parts]) for m in candidates}
+
+    sums = _together(world, mine, lambda d: {m: [s.error, s.agree, s.count] for m, s in d.items()},
+                     lambda doc: {m: ScoreSums(*v) for m, v in doc.items()}, merge)
+    return rep.sensitivity_rows(candidates, {m: s.score() for m, s in sums.items()})
 
 
 def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:

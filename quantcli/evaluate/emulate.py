@@ -33,6 +33,17 @@ class ErrorSum:
         self.d2 += float((out - ref).square().sum())
         self.r2 += float(ref.square().sum())
 
+    @staticmethod
+    def of(sums: list[float]) -> ErrorSum:
+        """From [d2, r2] (a split run's ranks send their sums as JSON)."""
+        err = ErrorSum()
+        err.d2, err.r2 = sums
+        return err
+
+    @property
+    def sums(self) -> list[float]:
+        return [self.d2, self.r2]
+
     @property
     def rel(self) -> float:
         if self.r2 > 0:

@@ -9,7 +9,7 @@ blocks' weights + two activation buffers + a constant, whatever the depth."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -31,11 +31,43 @@ class Emulation:
 
 @dataclass
 class Walked:
-    """What the loop measured; `finish` is called with both buffers before they are freed."""
+    """What the loop measured; `finish` is called with both buffers before they are freed. Each
+    part is a sum over the batches walked, so the walks of a split run's ranks add up (`merge`)."""
 
     layers: list[ErrorSum] = field(default_factory=list)
     modules: list[dict[str, ErrorSum]] = field(default_factory=list)
-    final: object = None
+    final: object = None  # metrics.CausalSums | metrics.EncoderSums
+
+    @staticmethod
+    def empty(layers: int, final) -> Walked:
+        """What a rank with no batches measured: nothing, in the shape the others send."""
+        return Walked([ErrorSum() for _ in range(layers)], [{} for _ in range(layers)], final)
+
+    def to_json(self) -> dict:
+        return {"layers": [e.sums for e in self.layers],
+                "modules": [{m: e.sums for m, e in mods.items()} for mods in self.modules],
+                "final": asdict(self.final)}
+
+    @staticmethod
+    def from_json(doc: dict, final_type) -> Walked:
+        return Walked([ErrorSum.of(e) for e in doc["layers"]],
+                      [{m: ErrorSum.of(e) for m, e in mods.items()} for mods in doc["modules"]],
+                      final_type(**doc["final"]))
+
+    @staticmethod
+    def merge(parts: list[Walked]) -> Walked:
+        if len(parts) == 1:
+            return parts[0]
+
+        def add(errors: list[ErrorSum]) -> ErrorSum:
+            return ErrorSum.of([sum(e.d2 for e in errors), sum(e.r2 for e in errors)])
+
+        layers = [add([p.layers[i] for p in parts]) for i in range(len(parts[0].layers))]
+        modules = []
+        for i in range(len(parts[0].modules)):
+            names = sorted({m for p in parts for m in p.modules[i]})
+            modules.append({m: add([p.modules[i][m] for p in parts if m in p.modules[i]]) for m in names})
+        return Walked(layers, modules, type(parts[0].final).merge([p.final for p in parts]))
 
 
 def load_block(layer, prefix: str, side, weights: WeightMap) -> dict[str, torch.Tensor]:

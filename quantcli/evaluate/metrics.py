@@ -47,6 +47,37 @@ class EncoderMetrics:
     cosine_min: float
 
 
+@dataclass
+class CausalSums:
+    """What a causal LM's metrics are made of, over the batches one process ran: the processes
+    of a split run (--workers, torchrun) each send theirs as JSON and rank 0 adds them up."""
+
+    nll: list[float]  # summed negative log-likelihood: [reference, quantized]
+    kl: list[float]  # KL(ref || quant) at each predicting position
+    agree: int  # positions whose top-1 tokens agree
+    logits: list[float]  # ErrorSum of the logits: [d2, r2]
+
+    @staticmethod
+    def empty() -> CausalSums:
+        return CausalSums([0.0, 0.0], [], 0, [0.0, 0.0])
+
+    @staticmethod
+    def merge(parts: list[CausalSums]) -> CausalSums:
+        return CausalSums([sum(p.nll[k] for p in parts) for k in (0, 1)], [v for p in parts for v in p.kl],
+                          sum(p.agree for p in parts), [sum(p.logits[k] for p in parts) for k in (0, 1)])
+
+    def metrics(self) -> CausalMetrics:
+        kl = torch.tensor(self.kl, dtype=torch.float64)
+        n = kl.numel()
+        if n == 0:
+            raise QuantcliError("--data: every sample is a single token; perplexity and KL need samples of at least "
+                                "2 tokens")
+        logit_err = ErrorSum.of(self.logits)
+        return CausalMetrics(n, math.exp(self.nll[0] / n), math.exp(self.nll[1] / n),
+                             float(kl.mean()), float(torch.quantile(kl, 0.99)), float(kl.max()), self.agree / n,
+                             logit_err.rel)
+
+
 class Causal:
     """finish() of a causal LM: `ids` are the batches, `head_step` the head's input quantization."""
 
@@ -59,7 +90,7 @@ class Causal:
         head = f"{HEAD}.weight" if f"{HEAD}.weight" in side.names else EMBEDDING  # tied: the embedding
         return norm, side.get(head), [*(f"model.norm.{n}" for n in norm_names), head]
 
-    def __call__(self, stack, bufs, count: int) -> CausalMetrics:
+    def __call__(self, stack, bufs, count: int) -> CausalSums:
         norm = stack.model.model.norm
         sides = [(side, *self._head(side, list(norm.state_dict()))) for side in (self.ref, self.quant)]
         nll, kls, agree, logit_err = [0.0, 0.0], [], 0, ErrorSum()
@@ -83,14 +114,8 @@ class Causal:
         for side, _, _, names in sides:
             for name in names:
                 side.release(name)
-        kl = torch.cat(kls)
-        n = kl.numel()
-        if n == 0:
-            raise QuantcliError("--data: every sample is a single token; perplexity and KL need samples of at least "
-                                "2 tokens")
-        return CausalMetrics(n, math.exp(nll[0] / n), math.exp(nll[1] / n),
-                             float(kl.mean()), float(torch.quantile(kl, 0.99)), float(kl.max()), agree / n,
-                             logit_err.rel)
+        kl = torch.cat(kls).tolist() if kls else []
+        return CausalSums(nll, kl, agree, [logit_err.d2, logit_err.r2])
 
 
 def pooling_config(roots: list[Path]) -> tuple[list[str], str]:
@@ -139,14 +164,32 @@ def pool(hidden: torch.Tensor, modes: list[str]) -> torch.Tensor:
     return torch.cat(out, dim=-1)
 
 
+@dataclass
+class EncoderSums:
+    """An encoder's per-sample embedding cosines over the batches one process ran (see CausalSums)."""
+
+    cosines: list[float]
+
+    @staticmethod
+    def empty() -> EncoderSums:
+        return EncoderSums([])
+
+    @staticmethod
+    def merge(parts: list[EncoderSums]) -> EncoderSums:
+        return EncoderSums([c for p in parts for c in p.cosines])
+
+
 class Encoder:
     def __init__(self, modes: list[str], source: str):
         self.modes, self.source = modes, source
 
-    def __call__(self, stack, bufs, count: int) -> EncoderMetrics:
+    def __call__(self, stack, bufs, count: int) -> EncoderSums:
         cos = []
         for j in range(count):
             a, b = (pool(buf.read(j).double(), self.modes) for buf in bufs)
             cos.append(F.cosine_similarity(a, b, dim=-1))
-        c = torch.cat(cos)
+        return EncoderSums(torch.cat(cos).tolist() if cos else [])
+
+    def metrics(self, sums: EncoderSums) -> EncoderMetrics:
+        c = torch.tensor(sums.cosines, dtype=torch.float64)
         return EncoderMetrics(c.numel(), self.modes, self.source, float(c.mean()), float(c.min()))

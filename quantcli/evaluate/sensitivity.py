@@ -38,6 +38,26 @@ class Score:
     top1_agreement: float | None  # causal LM only
 
 
+@dataclass
+class ScoreSums:
+    """One module's Score as sums over the batches one process ran (the ranks of a split run add
+    theirs up): summed KL and agreeing positions over `count` positions (causal LM), or summed
+    1 - cosine over `count` samples (encoder, `agree` None)."""
+
+    error: float
+    agree: int | None
+    count: int
+
+    @staticmethod
+    def merge(parts: list[ScoreSums]) -> ScoreSums:
+        agree = None if parts[0].agree is None else sum(p.agree for p in parts)
+        return ScoreSums(sum(p.error for p in parts), agree, sum(p.count for p in parts))
+
+    def score(self) -> Score:
+        n = max(self.count, 1)
+        return Score(self.error / n, None if self.agree is None else self.agree / n)
+
+
 def module_paths(layer, prefix: str, weights: WeightMap) -> dict[str, list[str]]:
     """{checkpoint module: its paths in the block (Linears, or an experts block)}, as emulate.attach names them."""
     experts = experts_blocks(layer, prefix, weights, whole=True)
@@ -97,7 +117,7 @@ def _block(stack: Stack, i: int, sides: tuple, maps: tuple, ref_buf, bufs: dict,
 
 
 def walk_sensitivity(stack: Stack, ref, quant, input_batches: list[torch.Tensor], device: torch.device,
-                     steps: dict, chosen: dict[int, list[str]], pooled=None, progress=None) -> dict[str, Score]:
+                     steps: dict, chosen: dict[int, list[str]], pooled=None, progress=None) -> dict[str, ScoreSums]:
     """{module: Score} for `chosen` ({block index: checkpoint modules in it}); `pooled` is the
     encoder's metrics.Encoder (None for a causal LM); `progress(done, total, seconds_per_block, phase)`."""
     fix_mmap_threshold()
@@ -118,11 +138,14 @@ def walk_sensitivity(stack: Stack, ref, quant, input_batches: list[torch.Tensor]
                 progress(i + 1, len(stack.layers), (time.monotonic() - start) / (i + 1), phase)
         if stack.kind == CAUSAL:
             return _causal_scores(stack, ref, input_batches, ref_buf, bufs)
-        return {m: Score(1.0 - pooled(stack, (ref_buf, buf), len(captured)).cosine_mean, None)
-                for m, buf in bufs.items()}
+        out = {}
+        for m, buf in bufs.items():
+            cosines = pooled(stack, (ref_buf, buf), len(captured)).cosines
+            out[m] = ScoreSums(sum(1.0 - c for c in cosines), None, len(cosines))
+        return out
 
 
-def _causal_scores(stack: Stack, ref, input_batches: list, ref_buf, bufs: dict) -> dict[str, Score]:
+def _causal_scores(stack: Stack, ref, input_batches: list, ref_buf, bufs: dict) -> dict[str, ScoreSums]:
     """KL(reference || module-quantized) mean and top-1 agreement over every predicting position,
     both sides through the reference's final norm and head."""
     norm = stack.model.model.norm
@@ -140,4 +163,4 @@ def _causal_scores(stack: Stack, ref, input_batches: list, ref_buf, bufs: dict) 
     norm.to("meta")
     for name in names:
         ref.release(name)
-    return {m: Score(kl[m] / max(n, 1), agree[m] / max(n, 1)) for m in bufs}
+    return {m: ScoreSums(kl[m], agree[m], n) for m in bufs}
