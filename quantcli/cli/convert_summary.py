@@ -59,8 +59,26 @@ def print_convert_result(plan, result, src: str, overwrite: bool = False) -> Non
         con.print(f"calibrated: {_calibrated_counts(plan)} from {cal.data}")
     if plan.options.rounding.data_aware:
         con.print(f"rounded: {_rounding_line(result.dst)}", markup=False)
-    recheck = f" --calibration {shlex.quote(cal.data)}" if cal is not None else ""
-    con.print(f"next: quantcli verify {shlex.quote(str(result.dst))} --reference {shlex.quote(src)}{recheck}")
+    con.print(f"next: {_verify_command(plan, result, src)}")
+
+
+def _verify_command(plan, result, src: str) -> str:
+    """`quantcli verify DST --reference SRC`, reading what this convert read: a Hub source at the
+    same --revision, the Hub cache folder (--cache-dir) where the source or a Hub --calibration
+    dataset came from it, and the calibration data."""
+    from quantcli.checkpoint.hub import current
+    from quantcli.model.samples import is_hub_dataset
+
+    cal = plan.options.calibration
+    args = ["quantcli", "verify", str(result.dst), "--reference", src]
+    if plan.source.repo_id is not None and plan.source.revision:
+        args += ["--revision", plan.source.revision]
+    cache = current().cache_dir  # --cache-dir, set for the length of the command (cli/app.py)
+    if cache and (plan.source.repo_id is not None or (cal is not None and is_hub_dataset(cal.data))):
+        args += ["--cache-dir", cache]
+    if cal is not None:
+        args += ["--calibration", cal.data]
+    return shlex.join(args)
 
 
 def _calibrated_counts(plan) -> str:
