@@ -237,6 +237,32 @@ def test_a_gptq_key_in_a_recipe_file_without_rounding_names_the_files_fix(run_cl
     assert code == 2 and 'add rounding = "gptq" in the file' in err, err
 
 
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-channel", "int8-channel"])
+def test_gptq_scales_is_refused_where_every_rounded_module_has_per_tensor_or_per_row_scales(run_cli, env, tmp_path,
+                                                                                             recipe):
+    """Those scales come from the original weights either way, so --gptq-scales (either value, or
+    gptq_scales in --config) would change nothing: refused, as --scale-search is for a recipe
+    that does not search; the default (not given) is not, nor a plan whose GPTQ modules include
+    block scales."""
+    gptq = ("--rounding", "gptq", "--calibration", str(env["data"]), "--dry-run", "-q")
+    for value in ("original", "updated"):
+        code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--recipe", recipe, *gptq,
+                               "--gptq-scales", value)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"--gptq-scales {value}: changes nothing for {recipe}" in err and "drop the option" in err, err
+    cfg = tmp_path / "recipe.toml"
+    cfg.write_text(f'recipe = "{recipe}"\ngptq_scales = "original"\n')
+    code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--config", str(cfg), *gptq)
+    assert code == 2 and 'gptq_scales = "original" in --config: changes nothing for' in err, err
+    code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--recipe", recipe, *gptq)
+    assert code == 0, err
+    cfg.write_text(f'recipe = "{recipe}"\ngptq_scales = "original"\n[[override]]\npattern = "*mlp*"\n'
+                   f'recipe = "fp8-block"\n')  # the MLPs' 128 x 128 blocks: the choice matters there
+    code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--config", str(cfg), *gptq)
+    assert code == 0, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_make_llama_splits_heads_transformers_can_run(tmp_path):
     config = json.loads((make_llama(tmp_path / "odd", hidden=320, layers=1, shards=1) / "config.json").read_text())
     assert config["num_attention_heads"] == 5 and 5 % config["num_key_value_heads"] == 0
