@@ -113,11 +113,14 @@ def _what_was_done(plan, result) -> str:
 def _timing(result) -> str:
     """' in 5.3 s (start-up 3.2 s, converting 2.1 s at 25.80 MiB/s)': the wall time since the
     process started, then the conversion's own; a resumed run shows no rate (its bytes are those
-    of every shard)."""
+    of every shard, and its time leaves out what the interrupted run did: shards written, layers a
+    weight pass rounded)."""
     wall = max(result.wall_seconds or 0.0, result.seconds)
     head = f" in {_seconds(wall)} (start-up {_seconds(wall - result.seconds)}, converting {_seconds(result.seconds)}"
-    if result.shards_resumed:  # bytes_in counts every shard, so a rate here would count the resumed ones
-        return f"{head}); {result.shards_written} shard(s) written, {result.shards_resumed} resumed"
+    layers, of = result.layers_resumed
+    if result.shards_resumed or layers:  # bytes_in counts every shard, so a rate here would count the resumed ones
+        rounded = f", {counted(layers, 'rounded layer')} of {of} resumed" if layers else ""
+        return f"{head}); {result.shards_written} shard(s) written, {result.shards_resumed} resumed{rounded}"
     rate = result.bytes_in / max(result.seconds, 1e-9)  # binary units, as the progress bar shows it
     return f"{head} at {human_bytes(rate)}/s)"
 

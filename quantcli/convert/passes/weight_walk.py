@@ -54,6 +54,7 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
     staged = StagedWeights(reader.stage, wp.name)
     layers = int(plan.source.config["num_hidden_layers"])
     finished = world.settle_all(lambda: staged.finished(layers) if world.lead else None)[0]
+    staged.resumed = (finished, layers)
     if finished < layers:
         ids = token_ids(cal, plan.source.root)
         walk = WeightWalk(wp, reader, facts, world, staged, finished, len(batches(ids, cal.batch)))
