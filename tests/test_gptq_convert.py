@@ -145,6 +145,17 @@ def test_moe_experts_get_their_routed_tokens_and_the_few_token_fallback_is_named
     assert all(r["method"] == "gptq" for name, r in experts.items() if name not in few)
 
 
+def test_the_progress_names_the_rounding_phase_layer_by_layer(run_cli, env, tmp_path):
+    """Bytes advance only as shards are written: before that the bar's label says which phase and
+    layer the walk is in (-v prints each label as a line, as without a terminal)."""
+    code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--recipe", "nvfp4", "--rounding",
+                           "gptq", "--calibration", str(env["data"]), "--device", "cpu", "-v")
+    assert code == 0, err
+    phases = [ln.split(",")[0] for ln in err.splitlines() if ln.startswith("rounding (gptq): ")]
+    assert phases == ["rounding (gptq): tokenizing the data", "rounding (gptq): layer 0/2",
+                      "rounding (gptq): layer 1/2", "rounding (gptq): layer 2/2"], err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--rounding", "gptq"], "--rounding gptq needs --calibration DATA"),
     (["--gptq-dampening", "0.1", "--calibration", "DATA", "--kv-cache", "fp8"],
