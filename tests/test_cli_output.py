@@ -114,6 +114,35 @@ def test_dry_run_is_grouped_and_convert_summary_names_dense_reasons(run_cli, mon
     assert re.search(r" at \d+\.\d\d (B|KiB|MiB|GiB)/s\)", out)  # binary units, as the progress bar
 
 
+def test_next_verify_line_reads_the_same_hub_revision_and_cache(tiny_llama, tmp_path, run_cli, monkeypatch):
+    """A Hub source opened with --revision and --cache-dir: the suggested verify carries both
+    (quoted), and runs as printed with only that cache, offline, against that revision."""
+    import shlex
+
+    import huggingface_hub.constants as constants
+    from test_hub_cache import COMMIT, COMMIT2, folder_files, put_in_cache
+
+    cache = tmp_path / "my cache"  # a space: the line must quote it
+    files = folder_files(tiny_llama)
+    put_in_cache(cache, "acme/tiny-llama", files, COMMIT)
+    config = json.loads(files["config.json"])
+    files2 = {**files, "config.json": json.dumps({**config, "rope_theta": 1234.0}).encode()}
+    put_in_cache(cache, "acme/tiny-llama", files2, COMMIT2, refs=("v2",))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "default-cache"))  # empty
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli("convert", "acme/tiny-llama", "q", "--recipe", "fp8", "--revision", "v2",
+                             "--cache-dir", cache)
+    assert code == 0, err
+    line = next(ln for ln in out.splitlines() if ln.startswith("next: "))
+    assert line == f"next: quantcli verify q --reference acme/tiny-llama --revision v2 --cache-dir '{cache}'"
+    code, out, err = run_cli(*shlex.split(line.removeprefix("next: quantcli ")), "-q")
+    assert code == 0 and out.strip() == "PASS", (out, err)
+    out = run_cli("convert", tiny_llama, "local", "--recipe", "fp8", "--cache-dir", cache)[1]
+    assert f"next: quantcli verify local --reference {tiny_llama}\n" in out  # a local source reads no cache
+
+
 def test_recipes_and_layouts_list_the_registries(run_cli):
     from quantcli.formats.layouts import LAYOUTS
     from quantcli.recipes import RECIPES

@@ -145,6 +145,17 @@ def test_moe_experts_get_their_routed_tokens_and_the_few_token_fallback_is_named
     assert all(r["method"] == "gptq" for name, r in experts.items() if name not in few)
 
 
+def test_the_progress_names_the_rounding_phase_layer_by_layer(run_cli, env, tmp_path):
+    """Bytes advance only as shards are written: before that the bar's label says which phase and
+    layer the walk is in (-v prints each label as a line, as without a terminal)."""
+    code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--recipe", "nvfp4", "--rounding",
+                           "gptq", "--calibration", str(env["data"]), "--device", "cpu", "-v")
+    assert code == 0, err
+    phases = [ln.split(",")[0] for ln in err.splitlines() if ln.startswith("rounding (gptq): ")]
+    assert phases == ["rounding (gptq): tokenizing the data", "rounding (gptq): layer 0/2",
+                      "rounding (gptq): layer 1/2", "rounding (gptq): layer 2/2"], err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--rounding", "gptq"], "--rounding gptq needs --calibration DATA"),
     (["--gptq-dampening", "0.1", "--calibration", "DATA", "--kv-cache", "fp8"],
@@ -235,6 +246,32 @@ def test_a_gptq_key_in_a_recipe_file_without_rounding_names_the_files_fix(run_cl
     code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--config", str(cfg),
                            "--calibration", str(env["data"]), "--kv-cache", "fp8")
     assert code == 2 and 'add rounding = "gptq" in the file' in err, err
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-channel", "int8-channel"])
+def test_gptq_scales_is_refused_where_every_rounded_module_has_per_tensor_or_per_row_scales(run_cli, env, tmp_path,
+                                                                                             recipe):
+    """Those scales come from the original weights either way, so --gptq-scales (either value, or
+    gptq_scales in --config) would change nothing: refused, as --scale-search is for a recipe
+    that does not search; the default (not given) is not, nor a plan whose GPTQ modules include
+    block scales."""
+    gptq = ("--rounding", "gptq", "--calibration", str(env["data"]), "--dry-run", "-q")
+    for value in ("original", "updated"):
+        code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--recipe", recipe, *gptq,
+                               "--gptq-scales", value)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"--gptq-scales {value}: changes nothing for {recipe}" in err and "drop the option" in err, err
+    cfg = tmp_path / "recipe.toml"
+    cfg.write_text(f'recipe = "{recipe}"\ngptq_scales = "original"\n')
+    code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--config", str(cfg), *gptq)
+    assert code == 2 and 'gptq_scales = "original" in --config: changes nothing for' in err, err
+    code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--recipe", recipe, *gptq)
+    assert code == 0, err
+    cfg.write_text(f'recipe = "{recipe}"\ngptq_scales = "original"\n[[override]]\npattern = "*mlp*"\n'
+                   f'recipe = "fp8-block"\n')  # the MLPs' 128 x 128 blocks: the choice matters there
+    code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--config", str(cfg), *gptq)
+    assert code == 0, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_make_llama_splits_heads_transformers_can_run(tmp_path):

@@ -66,6 +66,17 @@ def test_killed_mid_walk_resume_continues_after_the_last_finished_layer(killed, 
     assert not dst.with_name("resumed.partial").exists()
 
 
+def test_a_resumed_walk_shows_no_rate(killed, run_cli):
+    """docs/cli.md: a run with --resume shows what it resumed and no rate. A walk killed before
+    any shard was written resumes no shard, but its staged layers are work of the earlier run."""
+    argv, dst = _copy(killed, "summary")
+    install(NearestPass())
+    code, out, err = run_cli(*[a for a in argv if a != "--quiet"], "--resume")
+    assert code == 0, err
+    line = next(ln for ln in out.splitlines() if ln.startswith("wrote "))
+    assert "B/s" not in line and line.endswith("); 2 shard(s) written, 0 resumed, 1 rounded layer of 2 resumed"), line
+
+
 def test_resume_refuses_another_pass_s_products(killed, run_cli):
     argv, dst = _copy(killed, "other")
     stage = dst.with_name("other.partial")

@@ -59,6 +59,8 @@ def walk_source(plan: Plan, tensors, device: torch.device, layer_pass: LayerPass
                 verb: str = "calibrating") -> None:
     """Run `layer_pass` over the source's layers on the calibration samples `ids`: the walk
     calibration runs on, for a weight pass (convert/passes/weight_walk.py)."""
+    if progress is not None:  # the bar names the phase before the first layer is done
+        progress(0, f"{verb}: layer 0/{plan.source.config.get('num_hidden_layers', '?')}, {len(ids)} samples")
     walk_layers(plan.source.config, tensors.get, tensors.release, _names(plan), ids, plan.options.calibration.batch,
                 device, layer_pass, _LayerProgress(progress, verb) if progress is not None else None, part)
 

@@ -59,8 +59,26 @@ def print_convert_result(plan, result, src: str, overwrite: bool = False) -> Non
         con.print(f"calibrated: {_calibrated_counts(plan)} from {cal.data}")
     if plan.options.rounding.data_aware:
         con.print(f"rounded: {_rounding_line(result.dst)}", markup=False)
-    recheck = f" --calibration {shlex.quote(cal.data)}" if cal is not None else ""
-    con.print(f"next: quantcli verify {shlex.quote(str(result.dst))} --reference {shlex.quote(src)}{recheck}")
+    con.print(f"next: {_verify_command(plan, result, src)}")
+
+
+def _verify_command(plan, result, src: str) -> str:
+    """`quantcli verify DST --reference SRC`, reading what this convert read: a Hub source at the
+    same --revision, the Hub cache folder (--cache-dir) where the source or a Hub --calibration
+    dataset came from it, and the calibration data."""
+    from quantcli.checkpoint.hub import current
+    from quantcli.model.samples import is_hub_dataset
+
+    cal = plan.options.calibration
+    args = ["quantcli", "verify", str(result.dst), "--reference", src]
+    if plan.source.repo_id is not None and plan.source.revision:
+        args += ["--revision", plan.source.revision]
+    cache = current().cache_dir  # --cache-dir, set for the length of the command (cli/app.py)
+    if cache and (plan.source.repo_id is not None or (cal is not None and is_hub_dataset(cal.data))):
+        args += ["--cache-dir", cache]
+    if cal is not None:
+        args += ["--calibration", cal.data]
+    return shlex.join(args)
 
 
 def _calibrated_counts(plan) -> str:
@@ -95,11 +113,14 @@ def _what_was_done(plan, result) -> str:
 def _timing(result) -> str:
     """' in 5.3 s (start-up 3.2 s, converting 2.1 s at 25.80 MiB/s)': the wall time since the
     process started, then the conversion's own; a resumed run shows no rate (its bytes are those
-    of every shard)."""
+    of every shard, and its time leaves out what the interrupted run did: shards written, layers a
+    weight pass rounded)."""
     wall = max(result.wall_seconds or 0.0, result.seconds)
     head = f" in {_seconds(wall)} (start-up {_seconds(wall - result.seconds)}, converting {_seconds(result.seconds)}"
-    if result.shards_resumed:  # bytes_in counts every shard, so a rate here would count the resumed ones
-        return f"{head}); {result.shards_written} shard(s) written, {result.shards_resumed} resumed"
+    layers, of = result.layers_resumed
+    if result.shards_resumed or layers:  # bytes_in counts every shard, so a rate here would count the resumed ones
+        rounded = f", {counted(layers, 'rounded layer')} of {of} resumed" if layers else ""
+        return f"{head}); {result.shards_written} shard(s) written, {result.shards_resumed} resumed{rounded}"
     rate = result.bytes_in / max(result.seconds, 1e-9)  # binary units, as the progress bar shows it
     return f"{head} at {human_bytes(rate)}/s)"
 

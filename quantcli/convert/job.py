@@ -70,6 +70,7 @@ class ConversionJob:
         self.progress = self.world.progress(progress)  # several ranks: bytes of all, on rank 0's bar
         self.start = time.time()
         self.records: ProgressFile | RankRecords | None = None
+        self.layers_resumed = (0, 0)  # the weight pass's layers staged by an interrupted run, of all
 
     def execute(self) -> ConvertResult:
         self.start = time.time()
@@ -168,6 +169,7 @@ class ConversionJob:
                                   self.progress if self.world.lead else None)
             facts = learn_facts(reader, world=self.world)
             staged = learn_weights(reader, facts, world=self.world)  # None: no weight pass takes a tensor
+            self.layers_resumed = staged.resumed if staged is not None else (0, 0)
             try:
                 return self.world.settle(lambda: self._write_shards(stage, reader, facts, staged,
                                                                     [s for s in sizes if s in mine]))
@@ -194,7 +196,7 @@ class ConversionJob:
         plan = self.plan
         return ConvertResult(self.dst, time.time() - self.start, plan.bytes_in, plan.bytes_out, written, resumed,
                              sum(t.quantized for t in plan.tensors), [*plan.all_warnings, *warnings], notes,
-                             errors or {}, already_complete)
+                             errors or {}, already_complete, self.layers_resumed)
 
     def _finish_installed(self, stage: Path, lock: StagingLock) -> ConvertResult:
         """The staging folder is complete (the run died between the manifest and the rename)."""

@@ -79,4 +79,5 @@ class ConvertResult:
     notes: list[str] = field(default_factory=list)
     requantize_errors: dict[str, float] = field(default_factory=dict)
     already_complete: bool = False  # --resume found DST finished with the same fingerprint
+    layers_resumed: tuple[int, int] = (0, 0)  # (rounded layers an interrupted run had staged, layers)
     wall_seconds: float | None = None  # since the process started (the command line sets it): start-up too

@@ -51,6 +51,7 @@ class StagedWeights:
     def __init__(self, stage: Path, pass_name: str):
         self.stage = stage
         self.pass_name = pass_name
+        self.resumed = (0, 0)  # (layers an interrupted run had staged, layers): --resume replays those
         self._index: dict[str, tuple[TensorReader, list[str], dict]] | None = None
 
     def write_layer(self, layer: int, tensors: Mapping[str, torch.Tensor], products: Mapping[str, list[str]],

@@ -14,7 +14,7 @@ from quantcli.model.samples import check_token_ids, check_tokenizer, read_sample
 from quantcli.model.stack import CAUSAL, ENCODER, encoder_positions, encoder_prefix, is_encoder
 from quantcli.planning.actions import Action
 from quantcli.planning.plan import Exclusion, Plan, TensorPlan
-from quantcli.planning.rounding_plan import unreached_warnings
+from quantcli.planning.rounding_plan import check_scales_option, unreached_warnings
 
 # Decoder-only architectures whose layers quantcli/calibrate/engine.py runs: dense Llama-style
 # attention + MLP, and MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters
@@ -52,6 +52,7 @@ def checked_plan(plan: Plan) -> Plan:
         plan = _for_encoder(plan)
         opts = plan.options
     _check_heads(plan.source.config, plan.source.label)
+    check_scales_option(plan)
     samples = read_samples(opts.calibration)  # a missing or empty file is refused here,
     check_tokenizer(samples, opts.calibration, plan.source.root)  # text without a tokenizer too,
     vocab = plan.source.config.get("vocab_size")

@@ -26,6 +26,10 @@ class Rounding:
     gptq: GptqSettings = field(default_factory=GptqSettings)
     min_tokens: int = MIN_TOKENS
     inputs: str = "quantized"  # each layer's statistics from the quantized layers before it, or the source's
+    # How the user gave the scale choice (`--gptq-scales original`, `gptq_scales = "original" in
+    # --config`); None: the default. Not a setting (no part of the fingerprint or of equality):
+    # planning refuses it where it changes nothing (rounding_plan.check_scales_option).
+    scales_given: str | None = field(default=None, compare=False)
 
     def method_for(self, module: str) -> str:
         for pattern, method in self.overrides:
@@ -76,7 +80,14 @@ def rounding_options(method: str | None, overrides: list[tuple[str, str]], gptq:
         flag = where.get("min_tokens", "--gptq-min-tokens")
         raise QuantcliError(f"{flag}: must be a positive integer, got {tokens!r}")
     return Rounding(method, tuple(overrides), settings, tokens, _one_of("inputs", given.get("inputs", "quantized"),
-                                                                        INPUTS, where))
+                                                                        INPUTS, where),
+                    _given_as("scales", settings.scales, where) if "scales" in given else None)
+
+
+def _given_as(key: str, value: str, where: dict) -> str:
+    """`--gptq-scales original`, or `gptq_scales = "original" in --config`: how the user said it."""
+    flag = where.get(key, GPTQ_FLAGS[key])
+    return f"{flag} {value}" if flag.startswith("--") else f'{flag.split()[0]} = "{value}" in --config'
 
 
 def _dampening(value: object, where: dict) -> float:

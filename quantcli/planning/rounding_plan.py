@@ -4,10 +4,13 @@ that is outside them (lm_head, a 3-D expert stack) is rounded to nearest, and th
 
 from __future__ import annotations
 
+from quantcli.errors import QuantcliError
 from quantcli.model.stack import LAYER_TENSOR
 from quantcli.planning.actions import Action
 from quantcli.planning.plan import Plan, TensorPlan
 from quantcli.planning.rounding import GPTQ
+from quantcli.recipes import RECIPES
+from quantcli.rounding.spans import scales_per_span
 
 
 def gptq_reaches(t: TensorPlan) -> bool:
@@ -31,6 +34,24 @@ def unreached_warnings(plan: Plan) -> list[str]:
         out.append(f"--rounding gptq: {_names(stacks)} 3-D expert stacks: rounded to nearest (GPTQ rounds "
                    f"2-D Linears, one per expert)")
     return out
+
+
+def check_scales_option(plan: Plan) -> None:
+    """A scale choice the user gave (--gptq-scales, gptq_scales in --config) is refused where
+    every module GPTQ rounds has per-tensor or per-row scales: those come from the original
+    weights either way, so it would change nothing (as --scale-search and --scale-rule are
+    refused for recipes that do not take them)."""
+    rounding = plan.options.rounding
+    if rounding.scales_given is None:
+        return
+    rounded = {t.recipe for t in plan.tensors if t.action == Action.QUANTIZE and
+               rounding.method_for(t.module) == GPTQ and gptq_reaches(t)}
+    if rounded and not any(scales_per_span(plan.recipes[r].spec) for r in rounded):
+        blocks = [name for name, recipe in RECIPES.items() if scales_per_span(recipe.spec)]
+        raise QuantcliError(f"{rounding.scales_given}: changes nothing for "
+                            f"{', '.join(sorted(rounded))}, whose per-tensor or per-row scales GPTQ always takes "
+                            f"from the original weights (it chooses block scales for {', '.join(blocks)}); drop "
+                            f"the option")
 
 
 def _names(modules: list[str]) -> str:

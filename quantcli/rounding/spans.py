@@ -23,6 +23,13 @@ from quantcli.kernels import quantize as kernel_quantize
 from quantcli.kernels.spec import BLOCK, FP8_BLOCK, GROUP, QuantSpec
 
 
+def scales_per_span(spec: QuantSpec) -> bool:
+    """Whether GPTQ can choose the scales span by span as its loop goes (block and group
+    geometries), which `--gptq-scales` decides; per-tensor and per-row scales are chosen once,
+    from the original weights."""
+    return spec.geometry in (GROUP, BLOCK)
+
+
 class Spans:
     """The scales of one weight `[N, K]` (source dtype `dtype`), chosen span by span."""
 
@@ -37,7 +44,7 @@ class Spans:
     @property
     def chosen_per_span(self) -> bool:
         """Whether scales can be chosen as the loop reaches each span (else once, up front)."""
-        return self.spec.geometry in (GROUP, BLOCK)
+        return scales_per_span(self.spec)
 
     def choose(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Scales for the span at column `start` from its current values `x` [N, width] (FP32);

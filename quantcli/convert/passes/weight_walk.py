@@ -54,11 +54,15 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
     staged = StagedWeights(reader.stage, wp.name)
     layers = int(plan.source.config["num_hidden_layers"])
     finished = world.settle_all(lambda: staged.finished(layers) if world.lead else None)[0]
+    staged.resumed = (finished, layers)
     if finished < layers:
+        verb = f"rounding ({wp.name})"
+        if reader.progress is not None:  # else the bar still says the calibration's last layer
+            reader.progress(0, f"{verb}: tokenizing the data")
         ids = token_ids(cal, plan.source.root)
         walk = WeightWalk(wp, reader, facts, world, staged, finished, len(batches(ids, cal.batch)))
         world.settle(lambda: walk_source(plan, reader.tensors, reader.device, walk, ids, reader.progress,
-                                         part=(world.rank, world.size), verb=f"rounding ({wp.name})"))
+                                         part=(world.rank, world.size), verb=verb))
     return staged
 
 
