@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from quantcli.formats.layouts import get_layout
 from quantcli.recipes import get_recipe
 from quantcli.testing import make_llama, make_moe
+from quantcli.verify.findings import REF_OUTPUT
 
 pytest.importorskip("compressed_tensors")
 
@@ -344,3 +345,49 @@ def test_calibration_judges_gptq_by_layer_outputs(tmp_path, run_cli):
     faults = json.loads(out)["faults"]
     assert code == 1 and {f["tensor"] for f in faults} == {UP}
     assert any("layer-output error" in f["fault"] for f in faults)
+    assert {f["check"] for f in faults if "layer-output error" in f["fault"]} == {REF_OUTPUT}
+    code, out, _ = run_cli("verify", good, "--reference", src, "--calibration", data)
+    assert f"ok {REF_OUTPUT}" in " ".join(out.split()) and "output err" in out
+
+
+def test_calibration_judges_moe_experts_by_their_own_outputs(tmp_path, run_cli):
+    """Each expert's Linears get a layer-output error over the tokens the router sent that expert
+    (gate / up: those tokens' hidden states; down: act(gate) * up), equal to one computed from
+    transformers' own Mixtral forward with the checkpoint's decoded weights."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    src = make_moe(tmp_path / "moe", hidden=64, layers=1, shards=1)
+    data = tmp_path / "cal.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [(3 * i + 7 * j + 1) % 512 for j in range(20)]}) + "\n"
+                            for i in range(6)))
+    dst, dense = tmp_path / "nvfp4", tmp_path / "decoded"
+    for args in ((src, dst, "--recipe", "nvfp4"), (dst, dense, "--recipe", "fp32")):
+        assert run_cli("convert", *args, "-q")[0] == 0
+    code, out, err = run_cli("verify", dst, "--reference", src, "--calibration", data, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["passed"], doc["faults"]
+    judged = {t["tensor"]: t for t in doc["tensors"]}
+    experts = [m for m in judged if ".experts." in m]
+    assert experts and all("output_rel_err" in judged[m] for m in experts)
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    block = model.model.layers[0].mlp.experts
+    seen = []
+    block.register_forward_pre_hook(lambda m, args: seen.append((args[0].detach(), args[1].detach())))
+    with torch.no_grad():
+        for line in data.read_text().splitlines():
+            model(torch.tensor([json.loads(line)["input_ids"]]))
+    ref, dec = load_file(src / "model.safetensors"), load_file(dense / "model.safetensors")
+    for e, role in ((0, "w1"), (1, "w2"), (3, "w3")):
+        module = f"model.layers.0.block_sparse_moe.experts.{e}.{role}"
+        w, d = ref[f"{module}.weight"].float(), dec[f"{module}.weight"].float()
+        sums = [0.0, 0.0]
+        for hidden, index in seen:
+            x = hidden[(index == e).any(-1)]
+            if role == "w2":
+                w1, w3 = (ref[f"model.layers.0.block_sparse_moe.experts.{e}.{r}.weight"].float() for r in ("w1", "w3"))
+                x = torch.nn.functional.silu(x @ w1.T) * (x @ w3.T)
+            sums[0] += float(((x @ (d - w).T).double() ** 2).sum())
+            sums[1] += float(((x @ w.T).double() ** 2).sum())
+        assert judged[module]["output_rel_err"] == pytest.approx((sums[0] / sums[1]) ** 0.5, rel=1e-4)

@@ -8,10 +8,14 @@ from rich.table import Table
 
 from quantcli.cli.name_tables import ERROR, Column, counted, fitted_table
 from quantcli.reports import OMITTED
+from quantcli.verify.judge import output_limit
 
 
 def _limit_text(row) -> str:
-    """The limit and what it is made of: '0 (identical ...)', '0.1234 = (nvfp4 0.09 + re-quantize 0.02) x 1.19'."""
+    """The limit and what it is made of: '0 (identical ...)', '0.1234 = (nvfp4 0.09 + re-quantize 0.02) x 1.19';
+    for a module judged by its layer outputs (--calibration), the limit on its output error."""
+    if row.output_rel_err is not OMITTED and row.output_rounded_rel_err is not OMITTED:
+        return f"output {ERROR.format(output_limit(row.output_rounded_rel_err))} = 1.25 x rounding's"
     basis = row.limit_basis
     if not basis:
         return ERROR.format(row.limit_rel_err)
@@ -24,14 +28,19 @@ def _limit_text(row) -> str:
 
 def _rows_table(rows, top: int, con: Console) -> Table:
     """The worst tensors, worst first; names whole (a common prefix is cut, never the tail)."""
-    columns = [Column(h) for h in ("recipe", "rel err", "ours", "limit", "SQNR dB", "cosine", "max abs", "exact")]
+    outputs = any(r.output_rel_err is not OMITTED for r in rows[:top])  # --calibration judged some by outputs
+    headers = ("recipe", "rel err", *(("output err",) if outputs else ()), "ours", "limit", "SQNR dB", "cosine",
+               "max abs", "exact")
+    columns = [Column(h) for h in headers]
     cells = []
     for r in rows[:top]:
         exact = r.exact_identical_fraction
         ours = "-" if r.baseline_rel_err is OMITTED else ERROR.format(r.baseline_rel_err) + (
             "" if r.absmax_rel_err is OMITTED else f" (absmax {ERROR.format(r.absmax_rel_err)})")
-        cells.append([r.recipe, ERROR.format(r.rel_err), ours, _limit_text(r), f"{r.sqnr_db:.2f}", f"{r.cosine:.6f}",
-                      ERROR.format(r.max_abs), "-" if exact is OMITTED or exact is None else f"{exact:.2%}"])
+        output = ["-" if r.output_rel_err is OMITTED else ERROR.format(r.output_rel_err)] if outputs else []
+        cells.append([r.recipe, ERROR.format(r.rel_err), *output, ours, _limit_text(r), f"{r.sqnr_db:.2f}",
+                      f"{r.cosine:.6f}", ERROR.format(r.max_abs),
+                      "-" if exact is OMITTED or exact is None else f"{exact:.2%}"])
     return fitted_table(con, "tensor", [r.tensor for r in rows[:top]], cells, columns,
                         title=f"worst {counted(min(top, len(rows)), 'tensor')}")
 

@@ -25,6 +25,8 @@ DIRECTION = "global scales agree in direction with the rest of the checkpoint"
 TP = "quantized dims split into whole blocks across {tp} ranks"
 REF_MODULES = "every quantized module has a reference tensor of the same shape"
 REF_ERROR = "decoded weights are a rounding of the reference to the stored scales (gain, error, blocks, scales)"
+REF_OUTPUT = ("layer outputs on the calibration data no worse than rounding the reference to the stored scales "
+              "(+25 %), in place of the weight-error rule")
 REF_SAME = "modules of the same recipe identical to the decoded reference (lossless re-layout)"
 REF_PRESENT = "every reference tensor present in the checkpoint"
 REF_IDENTICAL = "unquantized tensors bit-identical to the reference"

@@ -107,13 +107,22 @@ def judge(st: BlockStats, recipe, shape: tuple[int, ...], output: tuple[float, f
     return v
 
 
+class OutputReason(str):
+    """A fault of the layer-output rule (--calibration), filed under its own check."""
+
+
+def output_limit(rounded: float) -> float:
+    """The most a module's layer-output error may be: rounding's to the stored scales + OUTPUT_MARGIN."""
+    return (1 + OUTPUT_MARGIN) * rounded + 1e-6
+
+
 def _output_reasons(checkpoint: float, rounded: float) -> list[str]:
-    limit = (1 + OUTPUT_MARGIN) * rounded + 1e-6
+    limit = output_limit(rounded)
     if checkpoint <= limit:
         return []
-    return [f"layer-output error {checkpoint:.4g} on the calibration data is above {limit:.4g}, that of the "
-            f"reference rounded to nearest under the stored scales ({rounded:.4g}) plus {OUTPUT_MARGIN:.0%}: the "
-            f"codes do not encode the reference"]
+    return [OutputReason(f"layer-output error {checkpoint:.4g} on the calibration data is above {limit:.4g}, that "
+                         f"of the reference rounded to nearest under the stored scales ({rounded:.4g}) plus "
+                         f"{OUTPUT_MARGIN:.0%}: the codes do not encode the reference")]
 
 
 def _gain_cause(gain: float) -> str:

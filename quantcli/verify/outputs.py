@@ -9,19 +9,22 @@ rounding of the reference to those scales, or better: round-to-nearest in any va
 a hair of R, a scale search's codes are R, GPTQ's error feedback lands below it. Swapped codes or
 a rescaled block land far above. Output errors replace the weight-error rule of judge.py for
 these modules (GPTQ's weight error may exceed it while its outputs are better); the gain, block
-and scale rules stay. MoE experts that transformers runs fused (no nn.Linear to hook) and expert
-stacks keep the weight rules.
+and scale rules stay. The inputs are model/inputs.py's: a Linear's own, and each MoE expert's
+Linears' (the tokens routed to it, and act(gate) * up), with the expert's reference rows of the
+experts block the layer holds; expert stacks stored 3-D keep the weight rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from quantcli.calibrate.engine import Stats, StatsPass
 from quantcli.formats.decode import decode_module
 from quantcli.kernels.decode import apply_scale, scale_values
+from quantcli.model.inputs import input_hooks
 from quantcli.model.layers import LayerPass, walk_layers
 
 
@@ -59,11 +62,14 @@ class OutputErrors(LayerPass):
 
     def observe(self, layer, prefix: str, weights, experts) -> list:
         hooks = self.stats_pass.observe(layer, prefix, weights, experts)
-        for sub, mod in layer.named_modules():
-            module = weights.checkpoint_module(prefix + sub) if isinstance(mod, torch.nn.Linear) else None
-            if module in self.targets and tuple(mod.weight.shape) == tuple(self.targets[module][1].shape):
-                hooks.append(mod.register_forward_pre_hook(self._recorder(module, mod)))
-        return hooks
+        self._reference = {m: w for m, w in reference_weights(layer, prefix, weights, experts).items()
+                           if m in self.targets and tuple(w().shape) == tuple(self.targets[m][1].shape)}
+
+        def record(module: str, x: torch.Tensor) -> None:
+            if module in self._reference:
+                self._record(module, x)
+
+        return hooks + input_hooks(layer, prefix, weights, experts, record)
 
     def cache(self, prefix: str):
         return self.stats_pass.cache(prefix)
@@ -75,20 +81,36 @@ class OutputErrors(LayerPass):
     def finish(self, stack, get, buffer, count: int) -> None:
         self.stats_pass.finish(stack, get, buffer, count)
 
-    def _recorder(self, module: str, mod: torch.nn.Linear):
-        def record(_, args) -> None:
-            w = mod.weight.to(torch.float32)
-            if module not in self._deltas:
-                recipe, q = self.targets[module]
-                d = decode_module(self.layout, module, recipe, q, device=w.device)
-                self._deltas[module] = (d.sub_(w), round_to_scales(w, recipe, q).sub_(w))
-            x = args[0].reshape(-1, w.shape[1]).to(torch.float32)
-            dq, dr = self._deltas[module]
-            e = self.errors.setdefault(module, OutputError())
-            e.reference += float(torch.linalg.vector_norm(x @ w.T, dtype=torch.float64) ** 2)
-            e.checkpoint += float(torch.linalg.vector_norm(x @ dq.T, dtype=torch.float64) ** 2)
-            e.rounded += float(torch.linalg.vector_norm(x @ dr.T, dtype=torch.float64) ** 2)
-        return record
+    def _record(self, module: str, x: torch.Tensor) -> None:
+        w = self._reference[module]().to(torch.float32)
+        if module not in self._deltas:
+            recipe, q = self.targets[module]
+            d = decode_module(self.layout, module, recipe, q, device=w.device)
+            self._deltas[module] = (d.sub_(w), round_to_scales(w, recipe, q).sub_(w))
+        x = x.reshape(-1, w.shape[1]).to(torch.float32)
+        dq, dr = self._deltas[module]
+        e = self.errors.setdefault(module, OutputError())
+        e.reference += float(torch.linalg.vector_norm(x @ w.T, dtype=torch.float64) ** 2)
+        e.checkpoint += float(torch.linalg.vector_norm(x @ dq.T, dtype=torch.float64) ** 2)
+        e.rounded += float(torch.linalg.vector_norm(x @ dr.T, dtype=torch.float64) ** 2)
+
+
+def reference_weights(layer, prefix: str, weights, experts) -> dict[str, Callable[[], torch.Tensor]]:
+    """{checkpoint module: its 2-D weight [out, in] in the loaded `layer`}: each Linear's, and each
+    MoE expert's gate, up and down rows of its block's fused parameters (gate rows, then up rows,
+    in `gate_up_proj`), read when called."""
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    for sub, mod in layer.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            out[weights.checkpoint_module(prefix + sub)] = lambda mod=mod: mod.weight
+        elif prefix + sub in experts and len(experts[prefix + sub].gate) > 1:  # per-expert Linears
+            modules = experts[prefix + sub]
+            for e in range(len(modules.gate)):
+                gate, up, down = modules.of(e)
+                out[gate] = lambda mod=mod, e=e: mod.gate_up_proj[e].chunk(2, dim=0)[0]
+                out[up] = lambda mod=mod, e=e: mod.gate_up_proj[e].chunk(2, dim=0)[1]
+                out[down] = lambda mod=mod, e=e: mod.down_proj[e]
+    return out
 
 
 def collect_with_outputs(config: dict, get, release, names, ids, batch: int, device, layout,

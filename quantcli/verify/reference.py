@@ -13,6 +13,7 @@ from quantcli.formats.fused import fused_group_of
 from quantcli.kernels import tensor_amax
 from quantcli.planning.plan import TRANSPOSED_EXPERTS, matches
 from quantcli.recipes import RECIPES
+from quantcli.reports import OMITTED
 from quantcli.verify.compare import (
     IDENTICAL,
     Comparison,
@@ -26,6 +27,7 @@ from quantcli.verify.findings import (
     REF_ERROR,
     REF_IDENTICAL,
     REF_MODULES,
+    REF_OUTPUT,
     REF_PRESENT,
     REF_SAME,
     Findings,
@@ -33,6 +35,7 @@ from quantcli.verify.findings import (
     TensorRow,
 )
 from quantcli.verify.gptq_exact import is_gptq, rerun_reason
+from quantcli.verify.judge import OutputReason
 from quantcli.verify.limits import Limits
 from quantcli.verify.structure import Progress, finite_check, no_progress, nonfinite_fault, scale_rule_of
 
@@ -198,7 +201,7 @@ class _Comparison:
                 return None
             (row, reasons), check = got, REF_ERROR
         for r in reasons:
-            self.found.fault(check, module, r)
+            self.found.fault(REF_OUTPUT if isinstance(r, OutputReason) else check, module, r)
         return row
 
     def _against_source(self, module, recipe, q, w) -> tuple[TensorRow, list[str]] | None:
@@ -295,6 +298,8 @@ def reference_checks(reference: str, revision: str | None, det, decoded_cache: d
             found.ran(REF_SAME)
         if any(r.limit_basis != IDENTICAL for r in rows) or not rows:
             found.ran(REF_ERROR)
+        if any(r.output_rel_err is not OMITTED for r in rows):
+            found.ran(REF_OUTPUT)
         _unquantized_identical(rt, qt, consumed, pattern, det.modules, found)
     return rows, ref.kind
 
