@@ -40,9 +40,9 @@ from quantcli.verify.structure import Progress, no_progress
 
 GPTQ = "gptq"
 NOT_BYTE_CHECKED_GPTQ = ("--exact: {n} module(s) were rounded by GPTQ (manifest rounding.method gptq): their bytes "
-                         "depend on the calibration data and were not checked; pass --calibration {data} (the data "
-                         "convert used, SHA-256 {sha}...) to rerun GPTQ with the recorded options and compare byte "
-                         "for byte")
+                         "depend on the calibration data and were not checked; pass --calibration with the data "
+                         "convert used (recorded as {data}, SHA-256 {sha}...: a file's name, or a Hub dataset) to "
+                         "rerun GPTQ with the recorded options and compare byte for byte")
 
 
 def is_gptq(entry) -> bool:
