@@ -25,6 +25,7 @@ import inspect
 
 import torch
 
+from quantcli.errors import QuantcliError
 from quantcli.memory import fix_mmap_threshold
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
 from quantcli.model.stack import CAUSAL, FINAL_NORM, MasksByLayer, Stack, build_stack, capture
@@ -103,6 +104,10 @@ def run_batches(layer, buffer: ActivationBuffer, captured: list[tuple], cache=No
     index = layer_index(layer)
     for j, (args, kwargs) in enumerate(captured):
         if isinstance(kwargs.get("attention_mask"), MasksByLayer):
+            if index not in kwargs["attention_mask"]:
+                raise QuantcliError(f"{type(layer).__name__}: its layers differ in kind (config.layer_types) but "
+                                    f"this one names no layer_idx, so its attention mask is unknown; quantcli cannot "
+                                    f"run this architecture layer by layer")
             kwargs = {**kwargs, "attention_mask": kwargs["attention_mask"][index]}
         out = layer(buffer.read(j), *args, **({**kwargs, key: cache} if key else kwargs))
         if write:
