@@ -7,8 +7,8 @@ Read per layout from the config the checkpoint ships (docs/formats.md, "Calibrat
   strategy, dynamic, group_size, scale_dtype: `torch.uint8` marks MX blocks, whose exponents
   compressed-tensors' fake-quantize takes by the `even` rule), and `kv_cache_scheme`;
 - modelopt: `quant_algo` (NVFP4 and FP8: static `input_scale`; FP8_PER_CHANNEL_PER_TOKEN:
-  dynamic per token; MXFP8: dynamic MXFP8, rule `rceil` as ModelOpt's MXFP8QTensor and the
-  Blackwell kernels take it; W4A8_MXFP4_FP8: static FP8 `input_scale`; W4A16_NVFP4, FP8_PB_WO:
+  dynamic per token; MXFP8: dynamic MXFP8, rule `rceil`, the rule of ModelOpt's MXFP8QTensor
+  and of Triton's `downcast_to_mxfp`; W4A8_MXFP4_FP8: static FP8 `input_scale`; W4A16_NVFP4, FP8_PB_WO:
   weight-only) and `kv_cache_quant_algo`;
 - fp8 (FineGrainedFP8 / DeepSeek): `activation_scheme` dynamic (per 1x128 group for block
   weights, per tensor otherwise) or static (`input_scale`); `quant_method: mxfp8` (SGLang):
