@@ -67,7 +67,7 @@ def test_exact_without_data_lists_gptq_modules_and_names_the_data(made, run_cli)
     validate("verify", doc)
     assert sorted(doc["not_byte_checked"]) == gptq and "gptq_rerun" not in doc
     note = next(n for n in doc["notes"] if "GPTQ" in n)
-    assert f"{len(gptq)} module(s) were rounded by GPTQ" in note and "--calibration ids.jsonl" in note
+    assert f"{len(gptq)} module(s) were rounded by GPTQ" in note and "recorded as ids.jsonl" in note
     assert all("exact_identical_fraction" not in t for t in doc["tensors"])  # never held to round to nearest
     code, out, _ = run_cli("verify", made["dst"], "--reference", made["src"], "--exact")
     assert code == 0 and f"PASS ({len(gptq)} module(s) not byte-checked: need --calibration)" in out
