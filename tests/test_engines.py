@@ -162,6 +162,22 @@ def test_architecture_static_scales_and_spelling_are_checked():
     assert {j.engine: j.loads for j in judge("fp8-block", "modelopt", upper)}["TensorRT-LLM"] == NO
 
 
+def test_w4a4_compressed_tensors_groups_get_their_own_verdicts():
+    """llm-compressor's NVFP4 and MXFP4 presets quantize the inputs too: the weight-only reasons
+    (TensorRT-LLM's unparsed null, SGLang's missing weight-only MXFP4 scheme) do not apply."""
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    for recipe, preset, engine in (("nvfp4", "NVFP4", "TensorRT-LLM"), ("mxfp4", "MXFP4", "SGLang")):
+        inputs = PRESET_SCHEMES[preset]["input_activations"].model_dump(mode="json")
+        w4a4 = _facts({f"{ATTN}.q_proj": (256, 256)}, recipe, quantization_config={
+            "quant_method": "compressed-tensors", "config_groups": {"group_0": {"input_activations": inputs}}})
+        weight_only = _facts({f"{ATTN}.q_proj": (256, 256)}, recipe, quantization_config={
+            "quant_method": "compressed-tensors", "config_groups": {"group_0": {"input_activations": None}}})
+        got = {j.engine: j for j in judge(recipe, "compressed-tensors", w4a4)}[engine]
+        assert got.loads == UNCHECKED and "W4A4" in got.reason
+        assert {j.engine: j for j in judge(recipe, "compressed-tensors", weight_only)}[engine].loads == NO
+
+
 def test_a_pair_quantcli_only_reads_loads_nowhere():
     facts = _facts({f"{ATTN}.q_proj": (256, 256)}, "mxfp4")
     assert {(j.loads, j.reason) for j in judge("mxfp4", "modelopt", facts)} == {

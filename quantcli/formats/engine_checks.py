@@ -90,9 +90,15 @@ CHECKS: dict[str, Callable[[Facts, str], str | None]] = {
 }
 
 
+def declares_inputs(config: Mapping) -> bool:
+    """Whether a compressed-tensors config group quantizes its inputs (`input_activations`)."""
+    groups = ((config.get("quantization_config") or {}).get("config_groups") or {}).values()
+    return any(isinstance(g, dict) and isinstance(g.get("input_activations"), dict) for g in groups)
+
+
 def judge(recipe: str, layout: str, facts: Facts) -> list[EngineLoad]:
     """Each engine's verdict on the modules of `recipe` in a `layout` checkpoint."""
-    found = verdicts(recipe, layout)
+    found = verdicts(recipe, layout, inputs=declares_inputs(facts.config))
     if not found:  # a pair quantcli reads but never writes (ModelOpt's own MXFP4 export)
         return [EngineLoad(e, NO, f"no engine loads {recipe} in the {layout} layout", "") for e in ENGINES]
     out = []

@@ -217,9 +217,24 @@ VLLM_KV_FLAGS: dict[str, str] = {"fp8": "--kv-cache-dtype fp8"}
 VLLM_KV_RULE = Rule("vllm-project/vllm", "0.33.0", "vllm/utils/torch_utils.py", "resolve_kv_cache_dtype_string")
 
 
-def verdicts(recipe: str, layout: str) -> dict[str, Verdict]:
-    """Engine -> verdict for the pair (empty for a pair quantcli refuses)."""
-    return TABLE.get((recipe, layout), {})
+# Where a compressed-tensors group also quantizes its inputs (llm-compressor's W4A4 presets
+# `NVFP4` and `MXFP4`; quantcli's nvfp4 with --activations static), these verdicts replace
+# TABLE's, which are about the weight-only group.
+WITH_INPUTS: dict[tuple[str, str], dict[str, Verdict]] = {
+    ("nvfp4", "compressed-tensors"): {TRTLLM: _unchecked(
+        "maps a group with tensor_group input activations to NVFP4 (W4A4); whether its NVFP4 Linear reads "
+        "compressed-tensors' tensor names was not checked", _T_CT)},
+    ("mxfp4", "compressed-tensors"): {SGLANG: _unchecked(
+        "the group declares MXFP4 input activations (W4A4); SGLang's compressed-tensors schemes for it were not "
+        "checked", S_CT)},
+}
+
+
+def verdicts(recipe: str, layout: str, inputs: bool = False) -> dict[str, Verdict]:
+    """Engine -> verdict for the pair (empty for a pair quantcli refuses); `inputs`: the
+    checkpoint's groups declare quantized input activations."""
+    found = TABLE.get((recipe, layout), {})
+    return {**found, **WITH_INPUTS.get((recipe, layout), {})} if inputs and found else found
 
 
 def loads_in(recipe: str, layout: str) -> tuple[str, ...]:
