@@ -185,3 +185,44 @@ def test_recipe_and_reference_options_are_checked(run_cli, root, nvfp4):
     assert "give --reference SRC" in _fails(run_cli, *_eval(nvfp4, *data))
     assert "--layout need --recipe" in _fails(run_cli, *_eval(nvfp4, "--layout", "modelopt", *data))
     assert "already quantized" in _fails(run_cli, *_eval(nvfp4, "--recipe", "fp8", *data))
+
+
+def test_ctrl_c_inside_transformers_lazy_imports_is_held_until_they_finish():
+    """An interrupt inside a model's lazy import would come out as an import error (or abort in
+    native code): it is held, then raised as KeyboardInterrupt once the import is done."""
+    import os
+    import signal
+
+    from quantcli.model.stack import interrupts_deferred
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("the block ran to its end")
+    assert done == ["the block ran to its end"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_reference_of_the_same_shapes_but_other_weights_gets_a_note(run_cli, root, nvfp4, tmp_path):
+    other = make_llama(tmp_path / "other-seed", hidden=64, layers=2, shards=1, seed=1)
+    doc = json.loads(_ok(run_cli, *_eval(nvfp4, "--reference", other, "--data", root / "eval.jsonl", "--json")))
+    assert "model.embed_tokens.weight differs between --reference" in doc["notes"][0]
+    doc = json.loads(_ok(run_cli, *_eval(nvfp4, "--reference", root / "llama", "--data", root / "eval.jsonl",
+                                         "--json")))
+    assert not any("differs between" in n for n in doc["notes"])
+
+
+def test_recipe_emulation_takes_ignore_and_a_recipe_file(run_cli, root, tmp_path):
+    data = root / "eval.jsonl"
+    ignored = json.loads(_ok(run_cli, *_eval(root / "llama", "--recipe", "nvfp4", "--ignore", "*mlp*", "--data", data,
+                                             "--json")))
+    assert ignored["recipes"] == {"nvfp4": 8}  # q, k, v, o of two layers; the MLPs left dense
+    card = tmp_path / "recipe.toml"
+    card.write_text('recipe = "nvfp4"\nignore = ["*mlp*"]\n')
+    from_file = json.loads(_ok(run_cli, *_eval(root / "llama", "--config", card, "--data", data, "--json")))
+    assert from_file["recipes"] == ignored["recipes"] and from_file["causal"] == ignored["causal"]
+    assert "--config" in from_file["checkpoint"]
+    line = _fails(run_cli, *_eval(root / "llama", "--config", card, "--reference", root / "llama", "--data", data))
+    assert "--config with --reference" in line
+    assert "fp32" not in _fails(run_cli, *_eval(root / "llama", "--recipe", "nvfp5", "--data", data))

@@ -63,6 +63,7 @@ def test_a_worker_without_a_batch_adds_nothing(run_cli, pair):
     one = _eval(run_cli, dst, src, data, "--samples", "1", "--sensitivity", "1")
     two = _eval(run_cli, dst, src, data, "--samples", "1", "--sensitivity", "1", "--workers", "2")
     _same(two, one)
+    assert any("--workers 2: the samples make 1 batch(es), so 1 worker(s) had none" in n for n in two["notes"])
 
 
 def test_batches_are_shared_by_tokens():

@@ -107,6 +107,11 @@ def test_cache_dir_and_token_reach_the_hub_calls(cached_repo, tiny_llama, tmp_pa
     assert code == 0, err
     code, out, err = run_cli("verify", tmp_path / "q", "--reference", "acme/tiny-llama", "-q", *hub)
     assert code == 0 and out.strip() == "PASS", (out, err)
+    data = tmp_path / "ids.jsonl"
+    data.write_text('{"input_ids": [1, 5, 9, 13, 17, 21]}\n')
+    code, out, err = run_cli("eval", tmp_path / "q", "--reference", "acme/tiny-llama", "--data", data, "-q", *hub)
+    assert code == 0 and out.startswith("ppl "), (out, err)
+    assert seen[-1]["cache_dir"] == str(cached_repo) and seen[-1]["token"] == "hf_given"
     code, out, err = run_cli("inspect", "acme/tiny-llama", "-q")  # without it: the default cache, empty
     assert_one_line_error(code, out, err, "acme/tiny-llama", "not in the local Hugging Face cache",
                           str(tmp_path / "default-cache"))  # the folder searched, named

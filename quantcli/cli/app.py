@@ -73,7 +73,7 @@ from quantcli.cli.options import (
     count_or_all,
     layout_names,
     one_of,
-    recipe_names,
+    quantizing_recipe_names,
     scale_rule_names,
 )
 from quantcli.cli.push_command import Private, PushRevision, PushToHub, push_command
@@ -274,12 +274,17 @@ def eval_command(
              "scale-one: FP8 with scale 1.0 (SGLang without scales); none.")] = "auto",
     top: Annotated[int, typer.Option(metavar="N", min=1, help="Worst modules listed per layer.")] = 3,
     recipe: Annotated[Optional[str], typer.Option(
-        metavar="RECIPE", callback=one_of("--recipe", "recipe", recipe_names),
+        metavar="RECIPE", callback=one_of("--recipe", "recipe", quantizing_recipe_names),
         help="Emulate this recipe on DST (a dense model) in memory, planned as convert plans it; "
              "nothing is written.")] = None,
     layout: Annotated[Optional[str], typer.Option(
         metavar="LAYOUT", callback=one_of("--layout", "layout", layout_names),
         help="With --recipe: the layout whose declarations (activations) to emulate (default per recipe).")] = None,
+    ignore: Annotated[Optional[list[str]], typer.Option(metavar="PATTERN", help=(
+        "With --recipe: leave modules matching PATTERN unquantized, as convert --ignore does (repeatable)."))] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", metavar="FILE", help=(
+        "With --recipe or alone: a convert TOML recipe file (recipe, layout, ignore, [[override]], ...) to "
+        "emulate; options given here override it."))] = None,
     scale_rule: Annotated[Optional[str], typer.Option(
         metavar="RULE", callback=one_of("--scale-rule", "MX scale rule", scale_rule_names),
         help="With --recipe: the MX scale exponent rule.")] = None,
@@ -300,6 +305,7 @@ def eval_command(
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="No progress bar; stdout gets one line of headline numbers.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One stderr line per layer as it finishes.")] = False,
+    token: Token = None, cache_dir: CacheDir = None,
     json_out: JsonOut = False,
 ) -> None:
     """Measure what quantization costs the model, end to end.
@@ -308,12 +314,14 @@ def eval_command(
     the checkpoint's weights, activations and KV cache; nothing is written."""
     from quantcli.cli.commands import run_eval
 
-    raise typer.Exit(run_eval(checkpoint, reference=reference, data=data, samples=samples, seq_len=seq_len,
-                              batch=batch, kv_cache=kv_cache, top=top, revision=revision, device=device,
-                              quiet=quiet, verbose=verbose, json_out=json_out, workers=workers,
-                              argv=ctx.meta.get(ARGV), entry=main,
-                              sensitivity=sensitivity, emulate=dict(recipe=recipe, layout=layout,
-                                                                    scale_rule=scale_rule, scale_search=scale_search)))
+    with hub_access(token, cache_dir):  # for Hub repo ids (DST, --reference) and a --data Hub dataset
+        code = run_eval(checkpoint, reference=reference, data=data, samples=samples, seq_len=seq_len,
+                        batch=batch, kv_cache=kv_cache, top=top, revision=revision, device=device,
+                        quiet=quiet, verbose=verbose, json_out=json_out, workers=workers,
+                        argv=ctx.meta.get(ARGV), entry=main, sensitivity=sensitivity,
+                        emulate=dict(recipe=recipe, layout=layout, scale_rule=scale_rule, scale_search=scale_search,
+                                     ignore=ignore or [], config=config))
+    raise typer.Exit(code)
 
 
 app.command(name="push", cls=Command, epilog=examples("push"))(push_command)  # quantcli/cli/push_command.py

@@ -329,13 +329,16 @@ def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int,
     from quantcli.cli.launch import rank_world
     from quantcli.evaluate import ALL, EvalOptions, evaluate
 
-    if emulate["recipe"] and reference:
-        raise QuantcliError("--recipe with --reference: --recipe emulates the recipe on DST itself (a dense model, "
-                            "its own reference); drop one of them")
-    if not emulate["recipe"] and not reference:
+    emulating = emulate["recipe"] or emulate["config"]
+    if emulating and reference:
+        given = "--recipe" if emulate["recipe"] else "--config"
+        raise QuantcliError(f"{given} with --reference: {given} emulates a recipe on DST itself (a dense model, "
+                            f"its own reference); drop one of them")
+    if not emulating and not reference:
         given = [f"--{k.replace('_', '-')}" for k, v in emulate.items() if v]
-        raise QuantcliError(f"{' '.join(given) + ' need --recipe; ' if given else ''}give --reference SRC (the "
-                            f"model DST was made from), or --recipe RECIPE to emulate a recipe on DST in memory")
+        raise QuantcliError(f"{' '.join(given) + ' need --recipe or --config; ' if given else ''}give --reference "
+                            f"SRC (the model DST was made from), or --recipe RECIPE (or --config FILE) to emulate a "
+                            f"recipe on DST in memory")
     opts = EvalOptions(checkpoint, reference or checkpoint, data, samples=samples, seq_len=seq_len, batch=batch,
                        device=device, kv_cache=kv_cache, revision=revision, top=top,
                        sensitivity=ALL if sensitivity == "all" else int(sensitivity or 0), **emulate)

@@ -28,6 +28,13 @@ def recipe_names() -> list[str]:
     return [*RECIPES, *DENSE_RECIPES]
 
 
+def quantizing_recipe_names() -> list[str]:
+    """The recipes that quantize (eval --recipe: a dequantizing one has nothing to emulate)."""
+    from quantcli.recipes import RECIPES
+
+    return list(RECIPES)
+
+
 def layout_names() -> list[str]:
     from quantcli.formats.layouts import LAYOUTS
 

@@ -72,8 +72,8 @@ class WordArgument(typer.core.TyperArgument):
 # Options that would be silently ignored together: (command or None for any, option, given with
 # (True) or without (False) the other, the other, what to say). Refused before the command runs.
 CONFLICTS = (
-    (None, "quiet", True, "verbose", "-q and -v together: -q leaves only what a script needs, -v adds per-tensor "
-                                     "detail; choose one"),
+    (None, "quiet", True, "verbose", "-q and -v together: -q leaves only what a script needs, -v adds detail "
+                                     "(per tensor, or per layer for eval); choose one"),
     ("verify", "revision", False, "reference", "--revision applies to a --reference repo id (QUANT is read as "
                                                "given); add --reference SRC or drop --revision"),
     # convert -v without --dry-run stays: it lists each tensor as it is written (stderr)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -36,10 +37,18 @@ class EvalOptions:
     layout: str | None = None
     scale_rule: str | None = None
     scale_search: str | None = None
+    ignore: list[str] = field(default_factory=list)  # with recipe / config: as convert --ignore
+    config: Path | None = None  # a convert TOML recipe file to emulate (the options above override it)
     sensitivity: int = 0  # modules ranked by the model output error with each alone quantized; ALL: every one
+
+    @property
+    def emulating(self) -> bool:
+        """A recipe (or a recipe file) emulated on a dense DST, its own reference."""
+        return bool(self.recipe or self.config)
 
 
 ALL = -1  # EvalOptions.sensitivity: every quantized module
+
 
 
 @contextmanager
@@ -65,14 +74,14 @@ def evaluate(opts: EvalOptions, progress: Callable[..., None] | None = None, wor
     start = time.monotonic()
     with _as_eval():
         device = resolve_device(opts.device)
-        if opts.recipe:
+        if opts.emulating:
             ref_src = quant_src = open_source(opts.checkpoint, opts.revision)
         else:
             ref_src, quant_src = open_source(opts.reference, opts.revision), open_source(opts.checkpoint)
         with CheckpointTensors(ref_src) as rt, CheckpointTensors(quant_src) as qt:
             ref = Side(f"--reference {ref_src.label}", ref_src, rt, device)
-            quant = _recipe_side(opts, quant_src, qt, device) if opts.recipe else Side(quant_src.label, quant_src, qt,
-                                                                                       device)
+            quant = _recipe_side(opts, quant_src, qt, device) if opts.emulating else Side(quant_src.label, quant_src,
+                                                                                          qt, device)
             check_same_model(ref, quant)
             report = _run(opts, ref, quant, device, progress, world)
     report.seconds = round(time.monotonic() - start, 3)
@@ -85,12 +94,13 @@ def _recipe_side(opts: EvalOptions, source, tensors, device: torch.device):
     from quantcli.planning.conversion import plan_conversion
     from quantcli.planning.options_file import conversion_options
 
-    options = conversion_options(recipe=opts.recipe, layout=opts.layout, ignore=[], config=None,
+    options = conversion_options(recipe=opts.recipe, layout=opts.layout, ignore=opts.ignore, config=opts.config,
                                  scale_rule=opts.scale_rule, scale_search=opts.scale_search)
     plan = plan_conversion(source, options)
+    given = f"--recipe {opts.recipe}" if opts.recipe else f"--config {opts.config}"
     if plan.layout is None:
-        raise QuantcliError(f"--recipe {opts.recipe}: a dequantizing recipe; eval emulates a quantization recipe")
-    return RecipeSide(f"{source.label} (--recipe {opts.recipe}, emulated)", source, tensors, device, plan)
+        raise QuantcliError(f"{given}: a dequantizing recipe; eval emulates a quantization recipe")
+    return RecipeSide(f"{source.label} ({given}, emulated)", source, tensors, device, plan)
 
 
 def share(input_batches: list[torch.Tensor], rank: int, size: int) -> list[torch.Tensor]:
@@ -116,6 +126,7 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=No
     from quantcli.evaluate.declared import activation_steps
     from quantcli.evaluate.engine import Emulation, Walked, walk
     from quantcli.evaluate.metrics import Causal, CausalSums, Encoder, EncoderSums, pooling_config
+    from quantcli.evaluate.sides import reference_mismatch
     from quantcli.model.layers import batches
     from quantcli.model.stack import CAUSAL, build_stack
 
@@ -124,8 +135,14 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=No
     steps = activation_steps(quant.layout, quant.config, quant.modules, scales, quant.label) if scales else {}
     kv, kv_said = _kv(opts, stack, quant, scales)
     ids, notes = _samples(opts, ref, quant, stack)
+    mismatch = None if opts.emulating else reference_mismatch(ref, quant)
+    if mismatch:
+        notes.insert(0, mismatch)
     input_batches = batches(ids, opts.batch)
     if world is not None and world.size > 1:
+        if world.size > len(input_batches):
+            notes.append(f"--workers {world.size}: the samples make {len(input_batches)} batch(es), so "
+                         f"{world.size - len(input_batches)} worker(s) had none; at most {len(input_batches)} pay")
         input_batches = share(input_batches, world.rank, world.size)
     sums = CausalSums if stack.kind == CAUSAL else EncoderSums
     if stack.kind == CAUSAL:

@@ -99,8 +99,32 @@ def check_same_model(ref: Side, quant: Side) -> None:
     differ = [k for k in SHAPE_KEYS if a.get(k) != b.get(k)]
     if differ:
         said = ", ".join(f"{k} {a.get(k)} vs {b.get(k)}" for k in differ)
-        raise QuantcliError(f"--reference {ref.label} and {quant.label} are not the same model ({said}); "
+        raise QuantcliError(f"--reference {ref.source.label} and {quant.label} are not the same model ({said}); "
                             f"eval compares a checkpoint with the model it was made from")
+
+
+def reference_mismatch(ref: Side, quant: Side) -> str | None:
+    """A note when a tensor both sides keep dense and alike in dtype and shape (the embedding, the
+    final norm) differs in its bytes: the shapes agree, but DST was likely not made from SRC
+    (another seed or fine-tune); the metrics then measure two models, not a quantization."""
+    from quantcli.model.stack import EMBEDDING, FINAL_NORM, WORD_EMBEDDINGS
+
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    for name in sorted(n for n in (ref.tensors.where.keys() & quant.tensors.where.keys())
+                       if n in (EMBEDDING, FINAL_NORM) or n.endswith(WORD_EMBEDDINGS)):
+        a, b = ref.tensors.info(name), quant.tensors.info(name)
+        if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+            continue
+        differ = not torch.equal(as_bytes(ref.tensors.get(name)), as_bytes(quant.tensors.get(name)))
+        ref.tensors.release(name)
+        quant.tensors.release(name)
+        if differ:
+            return (f"{name} differs between --reference {ref.source.label} and {quant.label} (same dtype and shape, "
+                    f"other values): {quant.label} was likely not made from this reference, and the numbers below "
+                    f"compare two models, not a quantization")
+    return None
 
 
 class RecipeSide(Side):
@@ -111,8 +135,8 @@ class RecipeSide(Side):
     def __init__(self, label: str, source, tensors: CheckpointTensors, device: torch.device, plan):
         super().__init__(label, source, tensors, device)
         if self.quantized:
-            raise QuantcliError(f"--recipe: {label} is already quantized ({self.layout.name}); emulate a recipe on "
-                                f"the dense model, or evaluate this checkpoint with --reference SRC")
+            raise QuantcliError(f"--recipe: {source.label} is already quantized ({self.layout.name}); emulate a "
+                                f"recipe on the dense model, or evaluate this checkpoint with --reference SRC")
         self.plan = plan
         self.planned = {t.name: t for t in plan.tensors if t.quantized}
         self.groups = plan.fused_groups()

@@ -7,7 +7,11 @@ the weight passes that run on it and eval's two-sided walk all build and capture
 from __future__ import annotations
 
 import re
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -39,9 +43,30 @@ class Stack:
         return self.model.config
 
 
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C held until the block ends, then raised: transformers imports a model's code (and
+    through it Triton's native modules) lazily, on first use, and an interrupt landing inside
+    those imports comes out as an import error, or aborts the process from native code, instead
+    of a KeyboardInterrupt. Only the main thread can set handlers; an ignored SIGINT stays ignored."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
 def _transformers():
     try:
-        import transformers
+        with interrupts_deferred():
+            import transformers
     except ImportError:
         raise QuantcliError(f"--calibration needs transformers: {EXTRA}") from None
     return transformers
@@ -49,13 +74,14 @@ def _transformers():
 
 def _config(config_dict: dict):
     cfg = dict(config_dict)
-    return _transformers().AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with interrupts_deferred():
+        return _transformers().AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
 def meta_model(config_dict: dict):
     """The source's causal LM class, built on the meta device in FP32 (no weights)."""
     config = _config(config_dict)
-    with torch.device("meta"):
+    with torch.device("meta"), interrupts_deferred():
         model = _transformers().AutoModelForCausalLM.from_config(config)
     return model.float().eval()
 
@@ -88,7 +114,7 @@ def encoder_positions(config: dict) -> int | None:
 def _meta_encoder(config_dict: dict):
     config = _config(config_dict)
     auto = _transformers().AutoModel
-    with torch.device("meta"):
+    with torch.device("meta"), interrupts_deferred():
         try:  # BERT-likes build a pooler no walk runs (sentence-transformers does not either)
             model = auto.from_config(config, add_pooling_layer=False)
         except TypeError:
