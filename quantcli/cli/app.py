@@ -48,6 +48,27 @@ from quantcli.cli.convert_options import (
     Verbose,
     Workers,
 )
+from quantcli.cli.eval_options import (
+    EvalBatch,
+    EvalCheckpoint,
+    EvalConfig,
+    EvalData,
+    EvalIgnore,
+    EvalKvCache,
+    EvalLayout,
+    EvalQuiet,
+    EvalRecipe,
+    EvalReference,
+    EvalRevision,
+    EvalSamples,
+    EvalScaleRule,
+    EvalScaleSearch,
+    EvalSensitivity,
+    EvalSeqLen,
+    EvalTop,
+    EvalVerbose,
+    EvalWorkers,
+)
 from quantcli.cli.exits import (
     ARGV,
     DESTINATION,
@@ -70,11 +91,6 @@ from quantcli.cli.options import (
     Revision,
     Tensors,
     Token,
-    count_or_all,
-    layout_names,
-    one_of,
-    quantizing_recipe_names,
-    scale_rule_names,
 )
 from quantcli.cli.push_command import Private, PushRevision, PushToHub, push_command
 from quantcli.cli.usage import Command, Commands, examples
@@ -257,54 +273,20 @@ def layouts(json_out: JsonOut = False) -> None:
 @app.command(name="eval", cls=Command, epilog=examples("eval"))
 def eval_command(
     ctx: typer.Context,
-    checkpoint: Annotated[str, typer.Argument(metavar="DST", help=(
-        "The quantized checkpoint (folder, .safetensors file or Hub repo id); "
-        "with --recipe, the dense model to emulate it on."))],
-    data: Annotated[str, typer.Option(metavar="DATA", help=(
-        "Held-out samples: .txt or .jsonl (text, messages or input_ids), or a Hub dataset OWNER/NAME[:SPLIT]."))],
-    reference: Annotated[Optional[str], typer.Option(
-        metavar="SRC", help="The model it was made from (folder, file or Hub repo id).")] = None,
-    samples: Annotated[int, typer.Option(metavar="N", min=1, help="Samples to use.")] = 32,
-    seq_len: Annotated[int, typer.Option(metavar="L", min=2, help="Tokens per sample, at most.")] = 256,
-    batch: Annotated[int, typer.Option(
-        metavar="B", min=1, help="Samples per forward (consecutive samples of equal length).")] = 1,
-    kv_cache: Annotated[str, typer.Option(
-        metavar="MODE", callback=one_of("--kv-cache", "KV-cache mode", lambda: ["auto", "scale-one", "none"]),
-        help="auto: FP8 with the checkpoint's k/v scales where it declares an FP8 KV cache; "
-             "scale-one: FP8 with scale 1.0 (SGLang without scales); none.")] = "auto",
-    top: Annotated[int, typer.Option(metavar="N", min=1, help="Worst modules listed per layer.")] = 3,
-    recipe: Annotated[Optional[str], typer.Option(
-        metavar="RECIPE", callback=one_of("--recipe", "recipe", quantizing_recipe_names),
-        help="Emulate this recipe on DST (a dense model) in memory, planned as convert plans it; "
-             "nothing is written.")] = None,
-    layout: Annotated[Optional[str], typer.Option(
-        metavar="LAYOUT", callback=one_of("--layout", "layout", layout_names),
-        help="With --recipe: the layout whose declarations (activations) to emulate (default per recipe).")] = None,
-    ignore: Annotated[Optional[list[str]], typer.Option(metavar="PATTERN", help=(
-        "With --recipe: leave modules matching PATTERN unquantized, as convert --ignore does (repeatable)."))] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", metavar="FILE", help=(
-        "With --recipe or alone: a convert TOML recipe file (recipe, layout, ignore, [[override]], ...) to "
-        "emulate; options given here override it."))] = None,
-    scale_rule: Annotated[Optional[str], typer.Option(
-        metavar="RULE", callback=one_of("--scale-rule", "MX scale rule", scale_rule_names),
-        help="With --recipe: the MX scale exponent rule.")] = None,
-    scale_search: Annotated[Optional[str], typer.Option(
-        metavar="METHOD", callback=one_of("--scale-search", "scale search", lambda: ["none", "mse"]),
-        help="With --recipe: none or mse block scales.")] = None,
-    sensitivity: Annotated[Optional[str], typer.Option(
-        metavar="N|all", callback=count_or_all,
-        help="Also rank the N modules with the largest own error (or all) by the model output error with each "
-             "alone quantized: KL mean and top-1 (causal LM), 1 - pooled cosine (encoder). "
-             "Costs one extra model pass per module ranked.")] = None,
-    revision: Annotated[Optional[str], typer.Option(
-        metavar="REV", help="Hub revision of a --reference repo id.")] = None,
+    checkpoint: EvalCheckpoint,
+    data: EvalData,
+    reference: EvalReference = None,
+    samples: EvalSamples = 32, seq_len: EvalSeqLen = 256, batch: EvalBatch = 1,
+    kv_cache: EvalKvCache = "auto",
+    top: EvalTop = 3,
+    recipe: EvalRecipe = None, layout: EvalLayout = None, ignore: EvalIgnore = None, config: EvalConfig = None,
+    scale_rule: EvalScaleRule = None, scale_search: EvalScaleSearch = None,
+    sensitivity: EvalSensitivity = None,
+    revision: EvalRevision = None,
     device: Device = "auto",
-    workers: Annotated[int, typer.Option(metavar="N", min=1, help=(
-        "Split the samples over N processes on this machine, each walking the model on its share "
-        "(torch.distributed; under torchrun the ranks come from torchrun)."))] = 1,
-    quiet: Annotated[bool, typer.Option(
-        "--quiet", "-q", help="No progress bar; stdout gets one line of headline numbers.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One stderr line per layer as it finishes.")] = False,
+    workers: EvalWorkers = 1,
+    quiet: EvalQuiet = False,
+    verbose: EvalVerbose = False,
     token: Token = None, cache_dir: CacheDir = None,
     json_out: JsonOut = False,
 ) -> None:
