@@ -147,6 +147,14 @@ def test_text_data_with_tokenizer_free_ids_txt_refused(src, tmp_path, run_cli):
     assert not out.exists() and not list(tmp_path.glob("out*"))
 
 
+def test_an_empty_jsonl_is_said_to_hold_no_samples(src, tmp_path, run_cli):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "nvfp4", "--kv-cache", "fp8",
+                           "--calibration", str(empty))
+    assert code == 2 and "holds no samples (the file is empty)" in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--recipe", "nvfp4", "--activations", "static"], "--activations static needs --calibration"),
     (["--recipe", "nvfp4", "--kv-cache", "fp8"], "--kv-cache fp8 needs --calibration"),

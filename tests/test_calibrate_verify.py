@@ -292,8 +292,10 @@ def test_messages_without_chat_template_refused_up_front(src, tmp_path, run_cli)
 
 @pytest.mark.parametrize("ids,needle", [([5, -1, 7], "token id -1, outside"), ([5, 512, 7], "token id 512, outside"),
                                         ([5, 10**30], "outside the model's vocabulary"),
-                                        ([True, False], "must be a list of integer token ids"),
-                                        ("1 2 3", "must be a list of integer token ids")])
+                                        ([True, False], "'input_ids'[0] is true (a boolean), not an integer token id"),
+                                        ([1.5, 2], "'input_ids'[0] is 1.5 (a float), not an integer token id"),
+                                        ([], "holds no samples (every row's 'input_ids' is empty)"),
+                                        ("1 2 3", "must be a list of integer token ids, not a string")])
 def test_bad_token_ids_refused_up_front(src, tmp_path, run_cli, ids, needle):
     data = tmp_path / "ids.jsonl"
     data.write_text(json.dumps({"input_ids": ids}) + "\n")

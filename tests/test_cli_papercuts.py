@@ -191,6 +191,11 @@ def test_left_dense_counts_agree_with_their_reasons():
     said = dense_reasons([Exclusion(f"m{i}", r) for i, r in enumerate(reasons)])
     assert said == "3 MoE routers/gates, 2 --ignore, 2 empty tensors, 2 norms, 1 output head"  # was: 2 empty tensor
     assert dense_reasons([Exclusion("m", "dense in the source")] * 2) == "2 already dense in the source"
+    sentence = "gpt-oss layout quantizes MoE experts only"  # a reason that is a sentence: a count of modules
+    said = dense_reasons([Exclusion(f"m{i}", sentence) for i in range(8)] + [Exclusion("h", "output head")])
+    assert said == f"8 modules ({sentence}), 1 output head"
+    dtype = "dtype I8 is not a float weight"
+    assert dense_reasons([Exclusion("m", dtype)]) == f"1 module ({dtype})"
 
 
 def test_summary_lines_count_one_in_the_singular():

@@ -372,3 +372,20 @@ def test_an_interrupt_after_dst_is_in_place_says_it_is_complete(tiny_llama, tmp_
     monkeypatch.setattr(shard, "produce", interrupted)  # mid-way this time, into the same DST
     code, _, err = run_cli("convert", tiny_llama, out, "--recipe", "nvfp4", "--overwrite")
     assert code == 130 and "--resume" in err and (tmp_path / "out.partial").exists(), err
+
+
+def test_an_interrupt_before_the_staging_folder_exists_promises_no_resume(small_src, tmp_path, run_cli, monkeypatch):
+    """Ctrl-C while convert reads the source or starts its --workers ranks, before DST.partial
+    is made: nothing to resume, so the line is plain `interrupted` (--workers once promised
+    --resume here); once DST.partial exists, the line says to rerun with --resume."""
+    import quantcli.cli.commands as commands
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "run_convert", interrupted)
+    code, out, err = run_cli("convert", small_src, tmp_path / "out", "--recipe", "nvfp4", "--workers", "2")
+    assert code == 130 and err.strip() == "interrupted", err
+    (tmp_path / "out.partial").mkdir()
+    code, out, err = run_cli("convert", small_src, tmp_path / "out", "--recipe", "nvfp4", "--workers", "2")
+    assert code == 130 and err.strip() == "interrupted; rerun with --resume to continue", err

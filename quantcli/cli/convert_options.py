@@ -67,7 +67,9 @@ GptqInputs = Annotated[Optional[str], choice(
     "source model.  [default: quantized]")]
 Activations = Annotated[Optional[str], choice(
     "--activations", "activation scheme", lambda: ["static", "dynamic"], ["static", "dynamic"], "MODE",
-    "static: calibrated activation scales (nvfp4 W4A4, fp8); needs --calibration.")]
+    "static: write calibrated activation scales (nvfp4 W4A4, fp8); needs --calibration. dynamic (the default): "
+    "write none; the engine scales activations at run time where the config declares it (the fp8 recipes, "
+    "int8-channel), else the weights alone are quantized; overrides static from --config.")]
 KvCache = Annotated[Optional[str], choice(
     "--kv-cache", "KV-cache dtype", lambda: ["fp8", "none"], ["fp8", "none"], "DTYPE",
     "fp8: write calibrated k_scale/v_scale; needs --calibration.")]

@@ -83,7 +83,7 @@ def _run(command, args: list[str], started: float | None) -> int:
             upload = f"; upload it with: quantcli push {ctx.meta[DESTINATION]} {push}" if push else ""
             return _fail(f"interrupted after {ctx.meta[DESTINATION]} was complete and in place (nothing to resume"
                          f"{upload})", getattr(exc, "exit_code", 130), prefix="")
-        line = ctx.meta.get(INTERRUPT_LINE, "interrupted") if ctx is not None else "interrupted"
+        line = _interrupt_line(ctx)
         if os.environ.get(SPAWNED_RANK):  # a --workers rank: rank 0 says it, once, for the job
             return getattr(exc, "exit_code", 130)
         return _fail(line, getattr(exc, "exit_code", 130), prefix="")
@@ -272,6 +272,21 @@ def _discard_output() -> None:
             os.close(devnull)
         except (OSError, ValueError, AttributeError):  # replaced by a test harness: nothing to do
             pass
+
+
+def _resumable(ctx) -> bool:
+    """Whether --resume would continue this run: a convert (not --dry-run) whose DST.partial
+    exists. A Ctrl-C before the staging folder was made (while the source is read, or the
+    --workers ranks start) leaves nothing to resume."""
+    if ctx is None or INTERRUPT_LINE not in ctx.meta:
+        return False
+    dst = ctx.meta.get(DESTINATION)
+    return dst is None or os.path.isdir(f"{dst}.partial")  # as convert/destination.staging_dir names it
+
+
+def _interrupt_line(ctx) -> str:
+    """The line a Ctrl-C prints: convert's (promising --resume) only when there is something to resume."""
+    return ctx.meta[INTERRUPT_LINE] if _resumable(ctx) else "interrupted"
 
 
 def _installed(ctx) -> bool:

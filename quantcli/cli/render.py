@@ -109,18 +109,29 @@ def excluded_lines(exclusions, per_tensor: bool) -> list[str]:
             for g in groups]
 
 
-# exclusion reasons that name a kind of module (`2 norms`); the others read as they are (`2 --ignore`)
+# exclusion reasons that name a kind of module (`2 norms`); those that read after a count as they
+# are (`2 --ignore`, `3 already dense in the source`); any other (a sentence, such as `gpt-oss layout
+# quantizes MoE experts only`) is the reason of a count of modules (`8 modules (gpt-oss layout ...)`)
 NOUN_REASONS = frozenset({kind for kind, _ in DEFAULT_EXCLUDES} | {EMPTY_TENSOR})
+AFTER_COUNT = ("--ignore", "not in ", "already dense", "fused with ")
 
 
 def dense_reasons(exclusions) -> str:
-    """'3 MoE routers/gates, 1 output head': how many modules were left dense for each reason."""
+    """'8 modules (gpt-oss layout quantizes MoE experts only), 2 MoE routers/gates, 1 output head':
+    how many modules were left dense for each reason."""
     counts: dict[str, int] = {}
     for e in exclusions:
         reason = "already dense in the source" if e.reason == "dense in the source" else e.reason
         counts[reason] = counts.get(reason, 0) + 1
-    return ", ".join(counted(n, reason) if reason in NOUN_REASONS else f"{n} {reason}"
-                     for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return ", ".join(_dense_count(n, reason) for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _dense_count(n: int, reason: str) -> str:
+    if reason in NOUN_REASONS:
+        return counted(n, reason)
+    if reason.startswith(AFTER_COUNT):
+        return f"{n} {reason}"
+    return f"{counted(n, 'module')} ({reason})"
 
 
 # ---------------------------------------------------------------- inspect

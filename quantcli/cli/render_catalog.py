@@ -16,12 +16,25 @@ from quantcli.cli.name_tables import Column, fitted_table
 def render_recipes(infos, con: Console) -> None:
     columns = [Column(h, justify="right" if h.startswith("bits") else "left")
                for h in ("element", "block", "block scale", "global", "bits/param*", "default layout", "layouts")]
-    cells = [[r.element + (" x2/byte" if r.packed else ""), r.block, r.block_scale, r.global_scale or "-",
+    cells = [[_element_label(r), r.block, r.block_scale, r.global_scale or "-",
               f"{r.bits_per_param:.3f}", r.default_layout, ", ".join(r.layouts)] for r in infos]
     # one card per recipe where the table is too wide (80 columns), never a name broken mid-word
     con.print(fitted_table(con, "recipe", [r.name for r in infos], cells, columns, title="recipes"))
     con.print("* on a 4096x4096 weight, scales included; 1xK: one scale per row")
     render_schemes(con)
+
+
+def _element_label(r) -> str:
+    """`e4m3fn`; a packed element with how many share a word on disk: `e2m1 x2/byte` (U8),
+    `int4 x8/I32` (compressed-tensors' `weight_packed` words)."""
+    if not r.packed:
+        return r.element
+    from quantcli.recipes import RECIPES
+
+    element = RECIPES[r.name].element
+    word_bytes = element.storage_dtype.itemsize
+    word = "byte" if word_bytes == 1 else element.safetensors_dtype
+    return f"{r.element} x{8 * word_bytes // element.bits}/{word}"
 
 
 def render_schemes(con: Console) -> None:

@@ -177,7 +177,8 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
         SGLANG: _SGLANG_MX,
         TRTLLM: _unchecked("quant_method mxfp8 maps to MXFP8; its Linear method was not located", _T_CONFIG),
         HF: _when("no SM89+ GPU: FineGrainedFP8 then dequantizes on load (its FP8 GPU path needs "
-                  "scale_fmt ue8m0)", (), H_FP8_ENV, H_FP8_DEQUANT, hardware="no SM89+ GPU")},
+                  "scale_fmt ue8m0)", (), H_FP8_ENV, H_FP8_DEQUANT,
+                  hardware="a CPU or a GPU below SM89")},
     ("mxfp4", "compressed-tensors"): {
         VLLM: _loads(V_CT, note="on SM100 with FlashInfer vLLM runs it W4A4 (dynamic MXFP4 activations)"),
         SGLANG: _no("no dense MXFP4 scheme without activation quantization", S_CT),

@@ -45,6 +45,12 @@ KIND_OK = {"input_ids": lambda v: isinstance(v, list) and all(is_token_id(t) for
            "text": lambda v: isinstance(v, str)}
 KIND_SAID = {"input_ids": "a list of integer token ids", "messages": "a list of {role, content} objects",
              "text": "a string"}
+KIND_EXAMPLE = {"input_ids": "[1, 2]", "messages": '[{"role": "user", "content": "..."}]', "text": '"..."'}
+# A list of the wrong elements: which element, and how to fix it.
+ITEM_OK = {"input_ids": lambda v: is_token_id(v), "messages": lambda v: isinstance(v, dict)}
+ITEM_SAID = {"input_ids": "an integer token id", "messages": "a {role, content} object"}
+ITEM_FIX = {"input_ids": "write every token id as a whole number, e.g. [1, 2]",
+            "messages": 'write each message as {"role": ..., "content": ...}'}
 
 
 def is_token_id(v: object) -> bool:
@@ -80,7 +86,7 @@ def data_digest(cal: Calibration) -> str:
 
 def read_samples(cal: Calibration) -> list:
     """The first `cal.samples` raw samples (str, messages list or token-id list); refused when
-    the file is missing, of another kind, or holds no text. Read once per process and version of
+    the file is missing, of another kind, or holds no samples. Read once per process and version of
     the file (size, mtime): the plan's checks, the resume fingerprint, the engine and the
     manifest all ask for them, and a Hub dataset would otherwise be streamed each time."""
     return list(_read_samples(cal, _version(cal.data)))
@@ -107,16 +113,28 @@ def _read_samples(cal: Calibration, version: tuple[int, int] | None) -> tuple:
     except (UnicodeDecodeError, OSError) as exc:
         raise QuantcliError(f"{where}: cannot read it as UTF-8 text ({exc})") from None
     if path.suffix == ".jsonl":
-        samples = [_jsonl_sample(line, i, where) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+        rows = [_jsonl_sample(line, i, where) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+        if not rows:
+            raise QuantcliError(f"{where}: holds no samples (the file is empty); write one JSON object per line "
+                                f"with 'text', 'messages' or 'input_ids'")
+        samples = [value for _, value in rows if value]
+        if not samples:
+            raise QuantcliError(f"{where}: holds no samples (every row's {_keys_said(k for k, _ in rows)} is empty); "
+                                f"fill at least one")
     elif path.suffix == ".txt":
         chunks = text.split("\n\n") if "\n\n" in text.strip() else text.splitlines()
         samples = [c.strip() for c in chunks if c.strip()]
+        if not samples:
+            raise QuantcliError(f"{where}: holds no text (the file is empty or blank); write one sample per line")
     else:
         raise QuantcliError(f"{where}: unknown kind {path.suffix or '(no suffix)'!r}; use .txt or .jsonl")
-    samples = [s for s in samples if s]
-    if not samples:
-        raise QuantcliError(f"{where}: holds no text (no non-empty sample)")
     return tuple(samples[: cal.samples])
+
+
+def _keys_said(keys) -> str:
+    """The rows' `keys`, as a message says them: 'input_ids', or 'messages' or 'text'."""
+    used = set(keys)
+    return " or ".join(repr(k) for k in KEYS if k in used)
 
 
 def _jsonl_sample(line: str, i: int, where: str):
@@ -127,16 +145,38 @@ def _jsonl_sample(line: str, i: int, where: str):
     return _row_sample(obj, f"{where}: line {i}")
 
 
-def _row_sample(obj, where: str):
-    """The sample of one row: its input_ids, messages or text (the first of these it has)."""
+def _row_sample(obj, where: str) -> tuple[str, object]:
+    """(key, sample) of one row: its input_ids, messages or text (the first of these it has)."""
     if isinstance(obj, dict):
         for key in KEYS:
             if key in obj:
                 value = obj[key]
                 if KIND_OK[key](value):
-                    return value
-                raise QuantcliError(f"{where}: {key!r} must be {KIND_SAID[key]}, not {type(value).__name__}")
+                    return key, value
+                raise QuantcliError(f"{where}: {_kind_fault(key, value)}")
     raise QuantcliError(f"{where} has none of 'text', 'messages', 'input_ids'")
+
+
+def _kind_fault(key: str, value: object) -> str:
+    """What is wrong with a row's `value` under `key`: the value's own type, or (for a list) the
+    first element of the wrong kind."""
+    if isinstance(value, list) and key in ITEM_OK:
+        k, item = next((k, v) for k, v in enumerate(value) if not ITEM_OK[key](v))
+        shown = json.dumps(item, default=str)
+        shown = shown if len(shown) <= 24 else shown[:20] + "..."
+        return f"{key!r}[{k}] is {shown} ({_json_type(item)}), not {ITEM_SAID[key]}; {ITEM_FIX[key]}"
+    return f"{key!r} must be {KIND_SAID[key]}, not {_json_type(value)}; write e.g. {KIND_EXAMPLE[key]}"
+
+
+def _json_type(value: object) -> str:
+    """A value's JSON type, as the file's author wrote it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "an integer" if isinstance(value, int) else "a float"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 def _reachable(repo: str, where: str) -> None:
@@ -176,8 +216,10 @@ def _hub_samples(cal: Calibration, where: str) -> list:
             token = {"token": hub.current().token} if hub.current().token else {}  # --token, else datasets' own
             rows = datasets.load_dataset(repo, config, split=split, streaming=True, **token)
             samples = []
+            seen = set()  # the keys of the rows read
             for i, row in enumerate(rows):
-                sample = _row_sample(row, f"{where}: row {i}")
+                key, sample = _row_sample(row, f"{where}: row {i}")
+                seen.add(key)
                 if sample:
                     samples.append(sample)
                 if len(samples) == cal.samples:
@@ -187,7 +229,8 @@ def _hub_samples(cal: Calibration, where: str) -> list:
         raise QuantcliError(f"{where}: cannot read the Hub dataset {repo} (config {config}, split {split}): {first}; "
                             f"offline, it must be in the datasets cache") from None
     if not samples:
-        raise QuantcliError(f"{where}: holds no text (no non-empty sample in split {split})")
+        said = f"every row's {_keys_said(seen)} is empty" if seen else "no rows"
+        raise QuantcliError(f"{where}: holds no samples in split {split} ({said}); name a split with some")
     return samples
 
 
