@@ -45,3 +45,13 @@ def test_seconds_total_counts_the_process_start_up(one_shard, tmp_path):
     doc = json.loads(proc.stdout)
     # importing torch alone takes longer than this; the conversion of a 200 KiB model does not
     assert doc["seconds_total"] >= doc["seconds"] + 0.3, doc
+
+
+def test_a_failed_ranks_message_promises_resume_only_once_the_staging_folder_exists(tmp_path):
+    from quantcli.convert.job import ResumeHint
+
+    stage = tmp_path / "out.partial"
+    hint = ResumeHint(stage)
+    assert f"...; {hint}" == "...; nothing was written yet: rerun the same command"
+    stage.mkdir()
+    assert f"{hint}" == f"{stage} is kept: rerun with --resume (any number of workers) to continue"

@@ -59,6 +59,22 @@ def convert(plan: Plan, dst: Path, run: RunOptions, progress: Progress | None = 
     return ConversionJob(plan, dst, run, progress, world).execute()
 
 
+
+class ResumeHint:
+    """The end of a failed rank's message, true when it is printed: the staging folder is kept for
+    --resume once it exists; before that (a rank failed while the job started) nothing was written."""
+
+    def __init__(self, stage: Path):
+        self.stage = stage
+
+    def __str__(self) -> str:
+        if self.stage.exists():
+            return f"{self.stage} is kept: rerun with --resume (any number of workers) to continue"
+        return "nothing was written yet: rerun the same command"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
 class ConversionJob:
     def __init__(self, plan: Plan, dst: Path, run: RunOptions, progress: Progress | None = None,
                  world: World | None = None):
@@ -76,7 +92,7 @@ class ConversionJob:
         self.start = time.time()
         INSTALLED.discard(self.dst.absolute())  # put in place by an earlier run in this process, if any
         stage, fp, world = staging_dir(self.dst), fingerprint(self.plan), self.world
-        world.resume_hint = f"{stage} is kept: rerun with --resume (any number of workers) to continue"
+        world.resume_hint = ResumeHint(stage)
         lock, created, fresh = StagingLock(stage), [], [False]
         try:
             step = world.settle_all(lambda: self._start(stage, fp, lock, created, fresh) if world.lead else None)[0]
