@@ -206,8 +206,10 @@ def test_ctrl_c_inside_transformers_lazy_imports_is_held_until_they_finish():
 
 def test_a_reference_of_the_same_shapes_but_other_weights_gets_a_note(run_cli, root, nvfp4, tmp_path):
     other = make_llama(tmp_path / "other-seed", hidden=64, layers=2, shards=1, seed=1)
-    doc = json.loads(_ok(run_cli, *_eval(nvfp4, "--reference", other, "--data", root / "eval.jsonl", "--json")))
-    assert "model.embed_tokens.weight differs between --reference" in doc["notes"][0]
+    code, out, err = run_cli(*map(str, _eval(nvfp4, "--reference", other, "--data", root / "eval.jsonl", "--json")))
+    doc = json.loads(out)
+    assert code == 0 and "model.embed_tokens.weight differs between --reference" in doc["notes"][0]
+    assert "warning: model.embed_tokens.weight differs" in err  # -q and --json show no notes
     doc = json.loads(_ok(run_cli, *_eval(nvfp4, "--reference", root / "llama", "--data", root / "eval.jsonl",
                                          "--json")))
     assert not any("differs between" in n for n in doc["notes"])

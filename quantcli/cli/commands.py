@@ -328,6 +328,7 @@ def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int,
     from quantcli.cli.eval_view import LayerBar, render_eval, render_eval_brief
     from quantcli.cli.launch import rank_world
     from quantcli.evaluate import ALL, EvalOptions, evaluate
+    from quantcli.evaluate.sides import MISMATCH_TAIL
 
     emulating = emulate["recipe"] or emulate["config"]
     if emulating and reference:
@@ -351,6 +352,10 @@ def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int,
             report = evaluate(opts, bar, world)
     if not world.lead:
         return 0
+    if quiet or json_out:  # the notes are in the table (and the JSON); this one must not go unseen
+        for note in report.notes:
+            if note.endswith(MISMATCH_TAIL):
+                _console(stderr=True).print(f"warning: {note}")
     if json_out:
         emit_json(envelope("eval", report, source=report.reference))
     elif quiet:

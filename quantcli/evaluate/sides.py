@@ -103,6 +103,9 @@ def check_same_model(ref: Side, quant: Side) -> None:
                             f"eval compares a checkpoint with the model it was made from")
 
 
+MISMATCH_TAIL = "compare two models, not a quantization"
+
+
 def reference_mismatch(ref: Side, quant: Side) -> str | None:
     """A note when a tensor both sides keep dense and alike in dtype and shape (the embedding, the
     final norm) differs in its bytes: the shapes agree, but DST was likely not made from SRC
@@ -122,8 +125,8 @@ def reference_mismatch(ref: Side, quant: Side) -> str | None:
         quant.tensors.release(name)
         if differ:
             return (f"{name} differs between --reference {ref.source.label} and {quant.label} (same dtype and shape, "
-                    f"other values): {quant.label} was likely not made from this reference, and the numbers below "
-                    f"compare two models, not a quantization")
+                    f"other values): {quant.label} was likely not made from this reference, and the numbers "
+                    f"{MISMATCH_TAIL}")
     return None
 
 
