@@ -6,6 +6,22 @@ from quantcli.checkpoint.safetensors_io import TensorInfo, TensorReader
 from quantcli.checkpoint.source import Source
 
 
+def same_bytes(a: memoryview, b: memoryview) -> bool:
+    """Byte identity of two buffers (CheckpointTensors.raw), compared by torch (which releases the
+    GIL: a memoryview comparison holds it, 3 s per GB, and freezes the progress bar meanwhile)."""
+    import warnings
+
+    import torch
+
+    if a.nbytes != b.nbytes:
+        return False
+    if a.nbytes == 0:
+        return True
+    with warnings.catch_warnings():  # read-only buffers (memory maps): only read here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.equal(torch.frombuffer(a, dtype=torch.uint8), torch.frombuffer(b, dtype=torch.uint8))
+
+
 class CheckpointTensors:
     def __init__(self, source: Source):
         self.source = source

@@ -110,17 +110,15 @@ def reference_mismatch(ref: Side, quant: Side) -> str | None:
     """A note when a tensor both sides keep dense and alike in dtype and shape (the embedding, the
     final norm) differs in its bytes: the shapes agree, but DST was likely not made from SRC
     (another seed or fine-tune); the metrics then measure two models, not a quantization."""
+    from quantcli.checkpoint.tensors import same_bytes
     from quantcli.model.stack import EMBEDDING, FINAL_NORM, WORD_EMBEDDINGS
-
-    def as_bytes(t: torch.Tensor) -> torch.Tensor:
-        return t.contiguous().reshape(-1).view(torch.uint8)
 
     for name in sorted(n for n in (ref.tensors.where.keys() & quant.tensors.where.keys())
                        if n in (EMBEDDING, FINAL_NORM) or n.endswith(WORD_EMBEDDINGS)):
         a, b = ref.tensors.info(name), quant.tensors.info(name)
         if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
             continue
-        differ = not torch.equal(as_bytes(ref.tensors.get(name)), as_bytes(quant.tensors.get(name)))
+        differ = not same_bytes(ref.tensors.raw(name), quant.tensors.raw(name))
         ref.tensors.release(name)
         quant.tensors.release(name)
         if differ:

@@ -8,7 +8,6 @@ Each comparison returns a TensorRow and its fault reasons."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
@@ -30,18 +29,6 @@ ROUNDING_BASIS = f"{ERROR_FACTOR:g} x rounding's most"
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a tensor as uint8 (a view, never a value cast)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def same_bytes(a: memoryview, b: memoryview) -> bool:
-    """Byte identity of two buffers, compared by torch (which releases the GIL: a memoryview
-    comparison holds it, 3 s per GB, and freezes the progress bar meanwhile)."""
-    if a.nbytes != b.nbytes:
-        return False
-    if a.nbytes == 0:
-        return True
-    with warnings.catch_warnings():  # read-only buffers (memory maps): only read here
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.equal(torch.frombuffer(a, dtype=torch.uint8), torch.frombuffer(b, dtype=torch.uint8))
 
 
 def exact_match(layout, module, recipe, w, ours, on_disk, qt) -> dict:

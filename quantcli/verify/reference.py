@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from quantcli.checkpoint.source import open_source
-from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.checkpoint.tensors import CheckpointTensors, same_bytes
 from quantcli.errors import QuantcliError
 from quantcli.formats.decode import decode_module
 from quantcli.formats.detect import detect
@@ -20,7 +20,6 @@ from quantcli.verify.compare import (
     compare_identical,
     exact_match,
     requantized_prior,
-    same_bytes,
 )
 from quantcli.verify.findings import (
     FINITE,

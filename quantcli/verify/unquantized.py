@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from quantcli.checkpoint.source import open_source
-from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.checkpoint.tensors import CheckpointTensors, same_bytes
 from quantcli.errors import QuantcliError
 from quantcli.planning.plan import matches
-from quantcli.verify.compare import raw_bytes, same_bytes
+from quantcli.verify.compare import raw_bytes
 from quantcli.verify.findings import (
     REF_DEQUANT,
     REF_IDENTICAL,
