@@ -8,14 +8,14 @@ from rich.table import Table
 
 from quantcli.cli.name_tables import ERROR, Column, counted, fitted_table
 from quantcli.reports import OMITTED
-from quantcli.verify.judge import output_limit
+from quantcli.verify.judge import OUTPUT_MARGIN, output_limit
 
 
 def _limit_text(row) -> str:
     """The limit and what it is made of: '0 (identical ...)', '0.1234 = (nvfp4 0.09 + re-quantize 0.02) x 1.19';
     for a module judged by its layer outputs (--calibration), the limit on its output error."""
     if row.output_rel_err is not OMITTED and row.output_rounded_rel_err is not OMITTED:
-        return f"output {ERROR.format(output_limit(row.output_rounded_rel_err))} = 1.25 x rounding's"
+        return f"output {ERROR.format(output_limit(row.output_rounded_rel_err))} = {1 + OUTPUT_MARGIN:g} x rounding's"
     basis = row.limit_basis
     if not basis:
         return ERROR.format(row.limit_rel_err)

@@ -59,7 +59,6 @@ def convert(plan: Plan, dst: Path, run: RunOptions, progress: Progress | None = 
     return ConversionJob(plan, dst, run, progress, world).execute()
 
 
-
 class ResumeHint:
     """The end of a failed rank's message, true when it is printed: the staging folder is kept for
     --resume once it exists; before that (a rank failed while the job started) nothing was written."""
@@ -74,6 +73,7 @@ class ResumeHint:
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
+
 
 class ConversionJob:
     def __init__(self, plan: Plan, dst: Path, run: RunOptions, progress: Progress | None = None,

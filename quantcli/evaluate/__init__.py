@@ -50,7 +50,6 @@ class EvalOptions:
 ALL = -1  # EvalOptions.sensitivity: every quantized module
 
 
-
 @contextmanager
 def _as_eval() -> Iterator[None]:
     """The shared model code names --calibration in its messages; here the option is --data."""

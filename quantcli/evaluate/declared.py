@@ -31,8 +31,10 @@ class NotEmulated(QuantcliError):
     """A checkpoint declares something eval cannot reproduce exactly."""
 
 
-MODELOPT_DYNAMIC = {"FP8_PER_CHANNEL_PER_TOKEN": ActQuant("fp8-token"), "MXFP8": ActQuant("mxfp8", rule="rceil")}
-# quant_algo -> (the recipe whose modules take the static input scale, how it is applied)
+# quant_algo -> (the recipe whose modules quantize their inputs, None: every recipe; the step,
+# or for static algorithms the kind of step their `input_scale` makes)
+MODELOPT_DYNAMIC = {"FP8_PER_CHANNEL_PER_TOKEN": (None, ActQuant("fp8-token")),
+                    "MXFP8": ("mxfp8", ActQuant("mxfp8", rule="rceil"))}
 MODELOPT_STATIC = {"NVFP4": ("nvfp4", "nvfp4"), "FP8": (None, "fp8-static"),
                    "W4A8_MXFP4_FP8": ("mxfp4", "fp8-static")}
 MX_BITS = {8: "mxfp8", 4: "mxfp4"}
@@ -86,13 +88,14 @@ def _compressed_tensors(layout, config: Mapping, module: str, scales, label: str
 
 
 def _modelopt(algo: str, module: str, recipe: str, scales, label: str) -> ActQuant | None:
-    if algo in MODELOPT_WEIGHT_ONLY or (algo == "MXFP8" and recipe != "mxfp8"):
+    if algo in MODELOPT_WEIGHT_ONLY:
         return None
     if algo in MODELOPT_DYNAMIC:
-        return MODELOPT_DYNAMIC[algo]
+        applies_to, step = MODELOPT_DYNAMIC[algo]
+        return step if applies_to in (None, recipe) else None
     if algo in MODELOPT_STATIC:
         applies_to, kind = MODELOPT_STATIC[algo]
-        return None if applies_to not in (None, recipe) else _static(module, scales, kind, label)
+        return _static(module, scales, kind, label) if applies_to in (None, recipe) else None
     raise _refuse(label, f"modelopt quant_algo {algo} (its activation quantization)")
 
 
