@@ -173,16 +173,20 @@ def test_refusals_one_line_write_nothing(src, data, tmp_path, run_cli, args, nee
     assert not list(tmp_path.glob("out*"))
 
 
-def test_unsupported_architecture_refused(src, tmp_path, data, run_cli):
+@pytest.mark.parametrize("arch, needle", [
+    ("FalconForCausalLM", "names architecture FalconForCausalLM (a FalconConfig) but model_type 'llama'"),
+    ("MyRemoteCodeForCausalLM", "MyRemoteCodeForCausalLM is not a transformers"),
+])
+def test_architecture_the_walk_cannot_build_refused_before_work(src, tmp_path, data, run_cli, arch, needle):
     import shutil
 
-    other = tmp_path / "falcon"
+    other = tmp_path / "other"
     shutil.copytree(src, other)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"]}))
+    (other / "config.json").write_text(json.dumps({**config, "architectures": [arch]}))
     code, _, err = run_cli("convert", str(other), str(tmp_path / "out"), "--recipe", "nvfp4", "--kv-cache", "fp8",
                            "--calibration", str(data))
-    assert code == 2 and "architecture FalconForCausalLM is not supported" in err
+    assert code == 2 and needle in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 

@@ -164,8 +164,8 @@ def test_what_an_encoder_cannot_be_calibrated_for_is_refused_in_one_line(env, tm
     (masked / "config.json").unlink()
     config = json.loads((src / "config.json").read_text())
     (masked / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
-    err = _fails(run_cli, "convert", masked, tmp_path / "o", "--recipe", "fp8", "--activations", "static", *cal)
-    assert "architecture BertForMaskedLM is not supported" in err and "BERT-like encoders" in err
+    err = _fails(run_cli, "convert", masked, tmp_path / "o", "--recipe", "fp8", "--kv-cache", "fp8", *cal)
+    assert "--kv-cache fp8: BertForMaskedLM is an encoder-only model" in err  # its base model is walked
     assert not (tmp_path / "o").exists()
     doc = json.loads(run_cli("convert", src, tmp_path / "o", "--recipe", "fp8", "--activations", "static", *cal,
                              "--calibration-seq-len", "600", "--dry-run", "--json")[1])
@@ -183,19 +183,17 @@ def test_text_is_tokenized_with_cls_and_sep_and_cut_keeping_sep(env):
     assert all(s[0] == 2 and s[-1] == 3 for s in ids)  # [CLS] ... [SEP], as the tokenizer cuts
 
 
-def test_which_architectures_the_walk_runs():
-    from quantcli.errors import QuantcliError
-    from quantcli.model.stack import CAUSAL, ENCODER
-    from quantcli.planning.calibration import calibrated_kind
+def test_the_walk_runs_the_encoder_s_own_layers(env):
+    from quantcli.checkpoint.source import open_source
+    from quantcli.model.reach import walk_reach
+    from quantcli.model.stack import ENCODER
 
-    layer = "encoder.layer.0.attention.self.query.weight"
-    assert calibrated_kind({"architectures": ["LlamaForCausalLM"]}, {"model.embed_tokens.weight"}) == CAUSAL
-    assert calibrated_kind({"architectures": ["BertModel"]}, {"embeddings.word_embeddings.weight", layer}) == ENCODER
-    assert calibrated_kind({"architectures": ["RobertaModel"]},
-                           {"roberta.embeddings.word_embeddings.weight", f"roberta.{layer}"}) == ENCODER
-    with pytest.raises(QuantcliError, match="architecture DistilBertModel is not supported"):  # transformer.layer
-        calibrated_kind({"architectures": ["DistilBertModel"]},
-                        {"embeddings.word_embeddings.weight", "transformer.layer.0.attention.q_lin.weight"})
+    source = open_source(str(env["bert"]))
+    infos = {n: i for h in source.headers.values() for n, i in h.tensors.items()}
+    reach = walk_reach(source.config, set(infos), lambda n: tuple(infos[n].shape), source.label)
+    assert (reach.kind, reach.layer_path, reach.layers, reach.head) == (ENCODER, "encoder.layer", 2, ())
+    assert reach.layer_of("encoder.layer.1.attention.self.query.weight") == 1
+    assert reach.layer_of("embeddings.word_embeddings.weight") is None and not reach.attentions
 
 
 @pytest.fixture(autouse=True)

@@ -166,16 +166,18 @@ def test_encoder_has_no_kv_cache(run_cli, root, tmp_path):
     assert doc["activations"] == [{"scheme": "FP8 dynamic per token", "modules": 6}]
 
 
-def test_other_architectures_are_refused_by_name():
+def test_the_walk_builds_any_stack_and_refuses_what_it_cannot_run_by_name():
     from quantcli.errors import QuantcliError
     from quantcli.model.stack import build_stack
 
     distil = {"model_type": "distilbert", "architectures": ["DistilBertModel"], "vocab_size": 100, "dim": 32,
               "n_layers": 1, "n_heads": 2, "hidden_dim": 64}
-    with pytest.raises(QuantcliError, match="has embeddings but no encoder.layer blocks"):
-        build_stack(distil, {"embeddings.word_embeddings.weight"}, "ckpt")
-    with pytest.raises(QuantcliError, match="neither a causal LM .* nor a BERT-like encoder"):
-        build_stack({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, {"lm_head.weight"}, "ckpt")
+    with pytest.raises(QuantcliError, match=r"no tensor for the model's transformer\.layer\.0\..* does not match"):
+        build_stack(distil, {"embeddings.word_embeddings.weight"}, lambda n: (100, 32), "ckpt")
+    with pytest.raises(QuantcliError, match="T5Config is an encoder-decoder model"):
+        build_stack({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}, set(), None, "ckpt")
+    with pytest.raises(QuantcliError, match="NotInTransformersForCausalLM is not a transformers .*remote code"):
+        build_stack({"model_type": "llama", "architectures": ["NotInTransformersForCausalLM"]}, set(), None, "ckpt")
 
 
 def test_recipe_and_reference_options_are_checked(run_cli, root, nvfp4):
@@ -193,7 +195,7 @@ def test_ctrl_c_inside_transformers_lazy_imports_is_held_until_they_finish():
     import os
     import signal
 
-    from quantcli.model.stack import interrupts_deferred
+    from quantcli.model.build import interrupts_deferred
 
     done = []
     with pytest.raises(KeyboardInterrupt):

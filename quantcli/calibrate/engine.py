@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import torch
 
 from quantcli.model.buffer import ActivationBuffer
-from quantcli.model.inputs import input_hooks
-from quantcli.model.layers import LayerPass, cache_kwarg, walk_layers
-from quantcli.model.stack import CAUSAL, HEAD, Stack
-from quantcli.model.weights import ExpertModules, WeightMap
+from quantcli.model.inputs import experts_params, input_hooks
+from quantcli.model.layers import LayerPass, Weights, head_inputs, walk_layers
+from quantcli.model.names import CheckpointMap
+from quantcli.model.stack import CAUSAL, Stack, attention_path, cache_kwarg
 
 
 @dataclass
@@ -25,14 +25,14 @@ class Stats:
     tokens: dict[str, int] = field(default_factory=dict)
     keys: dict[str, float] = field(default_factory=dict)  # attention module -> max |k| after rotary
     values: dict[str, float] = field(default_factory=dict)  # attention module -> max |v|
-    # checkpoint expert module -> its experts block and role ("layers.0.mlp.experts:down"): an
-    # expert no token was routed to takes the max of its block's experts in that role.
+    # checkpoint expert module -> its experts parameter ("model.layers.0.mlp.experts.down_proj"):
+    # an expert no token was routed to takes the max of the experts of its parameter.
     expert_roles: dict[str, str] = field(default_factory=dict)
     # Off when nothing reads sumsq (no activation-weighted search): an FP64 pass over every
     # Linear's input that the max alone does not need.
     channel_stats: bool = True
 
-    def add(self, module: str, x: torch.Tensor) -> None:
+    def add(self, module: str, x: torch.Tensor, expert: int | None = None) -> None:
         x = x.detach().reshape(-1, x.shape[-1])
         if x.shape[0] == 0:
             return
@@ -69,46 +69,53 @@ class StatsPass(LayerPass):
 
     def __init__(self, stats: Stats):
         self.stats = stats
+        self.head: str | None = None
+        self.kv = False  # a causal LM's layers keep a KV cache; an encoder's do not
 
-    def observe(self, layer, prefix: str, weights: WeightMap, experts: dict[str, ExpertModules]) -> list:
-        for path, modules in experts.items():
-            _expert_roles(self.stats, path, modules)
-        return input_hooks(layer, prefix, weights, experts, self.stats.add)
+    def begin(self, stack: Stack) -> None:
+        self.kv = stack.kind == CAUSAL
+        path = stack.head()
+        self.head = stack.names.linear_modules(path)[0] if path and stack.names.linear_modules(path) else None
 
-    def cache(self, prefix: str) -> RecordingCache:
-        return RecordingCache()
+    def observe(self, layer, prefix: str, names: CheckpointMap) -> list:
+        _expert_roles(self.stats, layer, prefix, names)
+        return input_hooks(layer, prefix, names, self.stats.add)
 
-    def layer_done(self, layer, prefix: str, weights: WeightMap, cache: RecordingCache) -> None:
-        if cache_kwarg(layer) is None:  # an encoder's block: no KV cache, nothing recorded
+    def cache(self, layer, prefix: str) -> RecordingCache | None:
+        return RecordingCache() if self.kv and attention_path(layer, prefix) is not None else None
+
+    def layer_done(self, layer, prefix: str, names: CheckpointMap, cache: RecordingCache) -> None:
+        attention = attention_path(layer, prefix)
+        if not self.kv or cache_kwarg(layer) is None or attention is None:  # an encoder's layer: no KV cache
             return
-        attn = weights.checkpoint_module(prefix + "self_attn")
+        attn = names.module(attention)
         self.stats.keys[attn], self.stats.values[attn] = cache.k, cache.v
 
-    def finish(self, stack: Stack, get, buffer: ActivationBuffer, count: int) -> None:
-        """lm_head's input (the final norm of the last layer's output), for a quantized head; an
-        encoder has no head (its pooler, a head of its own, is never quantized)."""
-        if stack.kind != CAUSAL:
-            return
-        norm = stack.model.model.norm
-        norm.load_state_dict({n: get(f"model.norm.{n}").to(buffer.device, torch.float32)
-                              for n in norm.state_dict()}, assign=True)
-        for j in range(count):
-            self.stats.add(HEAD, norm(buffer.read(j)))
-        norm.to("meta")
+    def finish(self, stack: Stack, get, buffer: ActivationBuffer, input_batches: list) -> list[str]:
+        """The output head's input (the model's own code after the last layer: the final norm),
+        for a quantized head; an encoder has no head (its pooler, a head of its own, is never
+        quantized)."""
+        if self.head is None:
+            return []
+        return head_inputs(stack, get, buffer, input_batches, lambda x: self.stats.add(self.head, x))
 
 
-def _expert_roles(stats: Stats, path: str, modules: ExpertModules) -> None:
-    for role, names in (("gate_up", (*modules.gate, *modules.up)), ("down", modules.down)):
-        for m in names:
-            stats.expert_roles[m] = f"{path}:{role}"
+def _expert_roles(stats: Stats, layer, prefix: str, names: CheckpointMap) -> None:
+    """Each expert module's role, `<checkpoint experts block>:<the model's 3-D parameter>`."""
+    for params in experts_params(layer, prefix, names).values():
+        for p in params:
+            modules = [k[: -len(".weight")] if k.endswith(".weight") else k for k in names.sources(p.name)]
+            block = modules[0].rsplit(".", 2)[0] if len(modules) > 1 else modules[0].rsplit(".", 1)[0]
+            for m in modules:
+                stats.expert_roles[m] = f"{block}:{p.name.rpartition('.')[2]}"
 
 
-def collect(config_dict: dict, get, release, names, ids: list[list[int]], batch: int, device: torch.device,
+def collect(config_dict: dict, source: Weights, ids: list[list[int]], batch: int, device: torch.device,
             progress=None, channel_stats: bool = True, part: tuple[int, int] = (0, 1)) -> Stats:
     """Statistics of the unquantized model over `ids`, layer by layer (model/layers.py).
     `channel_stats`: also each Linear's mean squared input per channel; `part` = (i, n): only
     batches i, i + n, ... (rank i of n; batches are independent, so the maxima combine exactly,
     up to what the device's matmul rounding depends on, such as the CPU thread count)."""
     stats = Stats(channel_stats=channel_stats)
-    walk_layers(config_dict, get, release, names, ids, batch, device, StatsPass(stats), progress, part)
+    walk_layers(config_dict, source, ids, batch, device, StatsPass(stats), progress, part)
     return stats

@@ -11,7 +11,7 @@ import torch
 
 from quantcli.model.buffer import budget_bytes
 from quantcli.model.samples import token_ids
-from quantcli.model.stack import LAYER_TENSOR
+from quantcli.model.stack import text_config
 from quantcli.planning.plan import Plan
 
 CONSTANT = 512 * 2**20  # interpreter, torch, transformers: measured ~0.4-0.5 GiB before any tensor
@@ -48,11 +48,11 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
     tokens = sum(len(s) for s in ids)
     per_layer: dict[int, int] = {}
     for t in plan.tensors:
-        m = LAYER_TENSOR.match(t.name)
-        if m:
-            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + t.numel
-    config = plan.source.config
-    layers = int(config.get("num_hidden_layers") or len(per_layer) or 1)
+        layer = plan.walk.layer_of(t.name) if plan.walk is not None else None
+        if layer is not None:
+            per_layer[layer] = per_layer.get(layer, 0) + t.numel
+    config = text_config(plan.source.config)
+    layers = plan.walk.layers if plan.walk is not None else int(config.get("num_hidden_layers") or len(per_layer) or 1)
     largest = max(per_layer.values(), default=0)
     hidden = int(config.get("hidden_size") or 0)
     activations = 4 * tokens * hidden
@@ -81,14 +81,13 @@ def _gptq_cost(plan: Plan, tokens: int) -> tuple[int, float]:
     from quantcli.planning.rounding_plan import gptq_reaches
 
     rounding = plan.options.rounding
-    taken = [t for t in plan.tensors if t.action == "quantize" and gptq_reaches(t)
+    taken = [t for t in plan.tensors if t.action == "quantize" and gptq_reaches(plan, t)
              and rounding.method_for(t.module) == GPTQ]
     inputs: dict[int, dict[str, int]] = {}
     flops = 0.0
     for t in taken:
         n, k = t.logical_shape
-        m = LAYER_TENSOR.match(t.name)
-        layer = int(m.group(1)) if m else -1
+        layer = plan.walk.layer_of(t.name) if plan.walk is not None else -1
         inputs.setdefault(layer, {})[t.fused_group or t.module] = k
         flops += 2.0 * n * k * k + float(k) ** 3
     sums = max((sum(8 * k * k for k in keys.values()) for keys in inputs.values()), default=0)

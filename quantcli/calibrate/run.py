@@ -20,8 +20,9 @@ import torch
 from quantcli.calibrate.engine import Stats, collect
 from quantcli.calibrate.scales import scale_facts
 from quantcli.convert.passes.kinds import combined_max
-from quantcli.model.layers import LayerPass, walk_layers
+from quantcli.model.layers import LayerPass, Weights, walk_layers
 from quantcli.model.samples import token_ids
+from quantcli.model.stack import layer_count
 from quantcli.planning.plan import Plan
 
 Facts = dict[str, dict[str, object]]
@@ -48,8 +49,8 @@ def collect_stats(plan: Plan, tensors, device: torch.device, progress: Callable[
         progress(0, "calibrating: tokenizing the data")
     ids = token_ids(cal, plan.source.root)
     if progress is not None:
-        progress(0, f"calibrating: layer 0/{plan.source.config.get('num_hidden_layers', '?')}, {len(ids)} samples")
-    return collect(plan.source.config, tensors.get, tensors.release, _names(plan), ids, cal.batch, device,
+        progress(0, f"calibrating: layer 0/{layer_count(plan.source.config)}, {len(ids)} samples")
+    return collect(plan.source.config, Weights.of(tensors), ids, cal.batch, device,
                    progress=_LayerProgress(progress) if progress is not None else None,
                    channel_stats=plan.options.scale_search == "mse", part=part)
 
@@ -60,13 +61,9 @@ def walk_source(plan: Plan, tensors, device: torch.device, layer_pass: LayerPass
     """Run `layer_pass` over the source's layers on the calibration samples `ids`: the walk
     calibration runs on, for a weight pass (convert/passes/weight_walk.py)."""
     if progress is not None:  # the bar names the phase before the first layer is done
-        progress(0, f"{verb}: layer 0/{plan.source.config.get('num_hidden_layers', '?')}, {len(ids)} samples")
-    walk_layers(plan.source.config, tensors.get, tensors.release, _names(plan), ids, plan.options.calibration.batch,
-                device, layer_pass, _LayerProgress(progress, verb) if progress is not None else None, part)
-
-
-def _names(plan: Plan) -> set[str]:
-    return {n for header in plan.source.headers.values() for n in header.tensors}
+        progress(0, f"{verb}: layer 0/{layer_count(plan.source.config)}, {len(ids)} samples")
+    walk_layers(plan.source.config, Weights.of(tensors), ids, plan.options.calibration.batch, device, layer_pass,
+                _LayerProgress(progress, verb) if progress is not None else None, part)
 
 
 def splits_exactly(plan: Plan) -> bool:

@@ -129,12 +129,12 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=No
     from quantcli.model.layers import batches
     from quantcli.model.stack import CAUSAL, build_stack
 
-    stack = build_stack(ref.source.config, ref.names, ref.label)
+    stack = build_stack(ref.source.config, ref.names, ref.shape, ref.label)
     scales = quant.calibrated()
     steps = activation_steps(quant.layout, quant.config, quant.modules, scales, quant.label) if scales else {}
     kv, kv_said = _kv(opts, stack, quant, scales)
     ids, notes = _samples(opts, ref, quant, stack)
-    mismatch = None if opts.emulating else reference_mismatch(ref, quant)
+    mismatch = None if opts.emulating else reference_mismatch(ref, quant, stack)
     if mismatch:
         notes.insert(0, mismatch)
     input_batches = batches(ids, opts.batch)
@@ -145,9 +145,10 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=No
         input_batches = share(input_batches, world.rank, world.size)
     sums = CausalSums if stack.kind == CAUSAL else EncoderSums
     if stack.kind == CAUSAL:
-        finish = Causal(ref, quant, input_batches, steps.get("lm_head"))
+        head = stack.names.linear_modules(stack.head()) if stack.head() else []
+        finish = Causal(ref, quant, input_batches, steps.get(head[0]) if head else None)
     else:
-        finish = Encoder(*pooling_config([ref.source.root, quant.source.root]))
+        finish = Encoder(*pooling_config([ref.source.root, quant.source.root]), sides=(ref, quant))
 
     def walk_mine():
         if not input_batches:  # more ranks than batches
@@ -202,13 +203,15 @@ def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, de
 
 def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
     from quantcli.evaluate.declared import kv_steps
-    from quantcli.model.stack import CAUSAL
-    from quantcli.model.weights import WeightMap
+    from quantcli.evaluate.engine import side_map
+    from quantcli.model.stack import CAUSAL, attention_path, cache_kwarg
 
     if stack.kind != CAUSAL and opts.kv_cache == "scale-one":
         raise QuantcliError("--kv-cache scale-one: an encoder keeps no KV cache; drop the option")
-    names = WeightMap(quant.names)
-    attentions = [names.checkpoint_module(stack.layer_prefix(i) + "self_attn") for i in range(len(stack.layers))]
+    names = side_map(stack, quant)
+    paths = [attention_path(layer, stack.layer_prefix(i)) if cache_kwarg(layer) else None
+             for i, layer in enumerate(stack.layers)]
+    attentions = [names.module(p) for p in paths if p is not None]
     kv = kv_steps(scales, opts.kv_cache, attentions, quant.label) if stack.kind == CAUSAL else {}
     if not kv:
         return {}, "not quantized" + (" (--kv-cache none)" if opts.kv_cache == "none" else
@@ -221,16 +224,16 @@ def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
 def _samples(opts: EvalOptions, ref, quant, stack) -> tuple[list[list[int]], list[str]]:
     from quantcli.formats.facts import Calibration
     from quantcli.model.samples import check_token_ids, data_digest, read_samples, token_ids
-    from quantcli.model.stack import ENCODER, encoder_positions
+    from quantcli.model.stack import ENCODER, encoder_positions, text_config
 
     notes, seq_len = [], opts.seq_len
-    limit = encoder_positions(ref.source.config) if stack.kind == ENCODER else None
+    limit = encoder_positions(text_config(ref.source.config)) if stack.kind == ENCODER else None
     if limit is not None and seq_len > limit:
         notes.append(f"--seq-len {seq_len}: the encoder has position embeddings for {limit} tokens; each sample "
                      f"is cut to {limit}")
         seq_len = limit
     cal = Calibration(opts.data, opts.samples, seq_len, opts.batch)
-    check_token_ids(read_samples(cal), cal, stack.config.vocab_size)
+    check_token_ids(read_samples(cal), cal, stack.vocab_size)
     ids = token_ids(cal, ref.source.root)
     if not ids:
         raise QuantcliError(f"--data {opts.data}: every sample tokenized to nothing")

@@ -18,9 +18,10 @@ from quantcli.evaluate.emulate import ErrorSum, attach, detach
 from quantcli.evaluate.fake_quant import KvQuantCache
 from quantcli.memory import fix_mmap_threshold
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
-from quantcli.model.layers import run_batches
-from quantcli.model.stack import Stack, capture
-from quantcli.model.weights import WeightMap, experts_blocks
+from quantcli.model.layers import layer_sources, load_layer, run_batches
+from quantcli.model.names import CheckpointMap
+from quantcli.model.outer import to_meta
+from quantcli.model.stack import Stack, attention_path, capture
 
 
 @dataclass
@@ -70,49 +71,41 @@ class Walked:
         return Walked(layers, modules, type(parts[0].final).merge([p.final for p in parts]))
 
 
-def load_block(layer, prefix: str, side, weights: WeightMap) -> dict[str, torch.Tensor]:
+def load_block(layer, prefix: str, side, names: CheckpointMap) -> dict[str, torch.Tensor]:
     """Assign `side`'s FP32 parameters of one block (shapes checked); returns them by name."""
-    experts = experts_blocks(layer, prefix, weights, whole=True)
-    params = {}
-    for name, meta in layer.state_dict().items():
-        t = weights.tensor(prefix + name, side.get, experts)
-        if tuple(t.shape) != tuple(meta.shape):
-            raise QuantcliError(f"{side.label}: {prefix}{name} has shape {list(t.shape)}, but its config.json "
-                                f"makes it {list(meta.shape)}; the checkpoint does not match its architecture")
-        params[name] = t.to(torch.float32)
-    layer.load_state_dict(params, assign=True)
-    return params
+    try:
+        return load_layer(layer, prefix, side.get, names, side.device)
+    except QuantcliError as exc:
+        raise QuantcliError(f"{side.label}: {exc}") from None
 
 
-def release_block(layer, prefix: str, side, weights: WeightMap) -> None:
-    experts = experts_blocks(layer, prefix, weights, whole=True)
-    for name in layer.state_dict():
-        for src in weights.sources(prefix + name, experts):
-            side.release(src)
+def release_block(layer, prefix: str, side, names: CheckpointMap) -> None:
+    for src in layer_sources(layer, prefix, names):
+        side.release(src)
 
 
-def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, captured: list, emu: Emulation,
+def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, layer_args: list, emu: Emulation,
            walked: Walked) -> None:
     layer, prefix = stack.layers[i], stack.layer_prefix(i)
     (ref, quant), (ref_map, quant_map), (ref_buf, quant_buf) = sides, maps, bufs
     ref_params = load_block(layer, prefix, ref, ref_map)
-    run_batches(layer, ref_buf, captured)
+    stack.output_arity = run_batches(layer, i, ref_buf, layer_args)
     load_block(layer, prefix, quant, quant_map)
     errors: dict[str, ErrorSum] = {}
-    experts = experts_blocks(layer, prefix, quant_map, whole=True)
-    handles = attach(layer, prefix, quant_map, experts, ref_params, emu.steps, errors)
-    attention = quant_map.checkpoint_module(prefix + "self_attn")
+    handles = attach(layer, prefix, quant_map, ref_params, emu.steps, errors)
+    attention = attention_path(layer, prefix)
+    attention = quant_map.module(attention) if attention is not None else None
     cache = KvQuantCache(*emu.kv[attention]) if attention in emu.kv else None
     try:
-        run_batches(layer, quant_buf, captured, cache)
+        run_batches(layer, i, quant_buf, layer_args, cache)
     finally:
         detach(layer, handles)
     hidden = ErrorSum()
-    for j in range(len(captured)):
+    for j in range(len(layer_args)):
         hidden.add(quant_buf.read(j), ref_buf.read(j))
     walked.layers.append(hidden)
     walked.modules.append(errors)
-    layer.to("meta")
+    to_meta(layer)
     del ref_params
     release_block(layer, prefix, ref, ref_map)
     release_block(layer, prefix, quant, quant_map)
@@ -120,22 +113,27 @@ def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, capture
 
 def walk(stack: Stack, ref, quant, input_batches: list[torch.Tensor], device: torch.device, emu: Emulation,
          finish, progress=None) -> Walked:
-    """Run both sides over `input_batches`; `finish(stack, buffers)` computes the model-level
-    metrics from the last block's outputs; `progress(done, total, seconds_per_block)`."""
+    """Run both sides over `input_batches`; `finish(stack, maps, buffers, input_batches)` computes
+    the model-level metrics from the last block's outputs; `progress(done, total, seconds_per_block)`."""
     fix_mmap_threshold()  # else freed blocks stay in the heap as fragments: memory grows with depth
-    shapes = [(*b.shape, stack.config.hidden_size) for b in input_batches]
-    maps = (WeightMap(ref.names), WeightMap(quant.names))
+    maps = (stack.names, side_map(stack, quant))
     walked, start = Walked(), time.monotonic()
-    with torch.inference_mode(), ActivationBuffer(shapes, device, budget_bytes()) as ref_buf, \
-            ActivationBuffer(shapes, device, budget_bytes()) as quant_buf:
-        captured, names = capture(stack, ref.get, device, input_batches, ref_buf)
-        capture(stack, quant.get, device, input_batches, quant_buf)
-        for side in (ref, quant):
-            for name in names:
-                side.release(name)
+    with torch.inference_mode(), ActivationBuffer(device, budget_bytes()) as ref_buf, \
+            ActivationBuffer(device, budget_bytes()) as quant_buf:
+        layer_args, names = capture(stack, ref.get, device, input_batches, ref_buf.write)
+        for name in names:
+            ref.release(name)
+        for name in capture(stack, quant.get, device, input_batches, quant_buf.write, maps[1])[1]:
+            quant.release(name)
         for i in range(len(stack.layers)):
-            _block(stack, i, (ref, quant), maps, (ref_buf, quant_buf), captured, emu, walked)
+            _block(stack, i, (ref, quant), maps, (ref_buf, quant_buf), layer_args, emu, walked)
             if progress is not None:
                 progress(i + 1, len(stack.layers), (time.monotonic() - start) / (i + 1))
-        walked.final = finish(stack, (ref_buf, quant_buf), len(captured))
+        walked.final = finish(stack, maps, (ref_buf, quant_buf), input_batches)
     return walked
+
+
+def side_map(stack: Stack, side) -> CheckpointMap:
+    """The map of `side`'s checkpoint onto the stack's model (a quantized side names its tensors
+    as the reference does, and holds scales besides)."""
+    return CheckpointMap(stack.model, side.names, side.shape)

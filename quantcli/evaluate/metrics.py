@@ -1,7 +1,8 @@
 """Model-level metrics from the last block's outputs of both sides.
 
-Causal LMs: the final norm and the head of each side (the head decoded, and its input quantized
-where the checkpoint declares it), then over every position that predicts a next token:
+Causal LMs: the model's own code after its layers on each side (final norm, head, whatever
+scaling or soft-capping the model applies to its logits; the head decoded, and its input
+quantized where the checkpoint declares it), then over every position that predicts a next token:
 perplexity of each side (exp of the mean negative log-likelihood of the sample's own next
 token), KL(reference || quantized) of the next-token distributions (mean, 99th percentile with
 linear interpolation, max) and top-1 agreement; all in FP64 from FP32 logits.
@@ -20,7 +21,6 @@ import torch.nn.functional as F
 
 from quantcli.errors import QuantcliError
 from quantcli.evaluate.emulate import ErrorSum
-from quantcli.model.stack import EMBEDDING, HEAD
 
 # sentence-transformers' Pooling modes, in the order its forward concatenates them.
 POOLING_MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
@@ -84,38 +84,55 @@ class Causal:
     def __init__(self, ref, quant, ids: list[torch.Tensor], head_step=None):
         self.ref, self.quant, self.ids, self.head_step = ref, quant, ids, head_step
 
-    @staticmethod
-    def _head(side, norm_names: list[str]) -> tuple[dict, torch.Tensor, list[str]]:
-        norm = {n: side.get(f"model.norm.{n}") for n in norm_names}
-        head = f"{HEAD}.weight" if f"{HEAD}.weight" in side.names else EMBEDDING  # tied: the embedding
-        return norm, side.get(head), [*(f"model.norm.{n}" for n in norm_names), head]
-
-    def __call__(self, stack, bufs, count: int) -> CausalSums:
-        norm = stack.model.model.norm
-        sides = [(side, *self._head(side, list(norm.state_dict()))) for side in (self.ref, self.quant)]
+    def __call__(self, stack, maps, bufs, input_batches) -> CausalSums:
         nll, kls, agree, logit_err = [0.0, 0.0], [], 0, ErrorSum()
-        for j in range(count):
-            targets = self.ids[j][:, 1:].to(bufs[0].device)
-            logp = []
-            for k, (side, norm_params, head, _) in enumerate(sides):
-                norm.load_state_dict(norm_params, assign=True)
-                h = norm(bufs[k].read(j))
-                if k == 1 and self.head_step is not None:
-                    h = self.head_step(h)
-                logits = F.linear(h, head)[:, :-1]
-                logp.append(torch.log_softmax(logits.double(), dim=-1))
-                nll[k] -= float(logp[k].gather(-1, targets[..., None]).sum())
-                if k == 0:
-                    ref_logits = logits
-            logit_err.add(logits, ref_logits)
-            kls.append((logp[0].exp() * (logp[0] - logp[1])).sum(-1).reshape(-1))
-            agree += int((logp[0].argmax(-1) == logp[1].argmax(-1)).sum())
-        norm.to("meta")
-        for side, _, _, names in sides:
-            for name in names:
-                side.release(name)
+        with two_tails(stack, (self.ref, self.quant), maps, bufs[0].device, self.head_step) as tails:
+            for j, ids in enumerate(input_batches):
+                targets = ids[:, 1:].to(bufs[0].device)
+                logits = [tail(ids, buf.read(j))[:, :-1] for tail, buf in zip(tails, bufs)]
+                logp = [torch.log_softmax(x.double(), dim=-1) for x in logits]
+                for k in (0, 1):
+                    nll[k] -= float(logp[k].gather(-1, targets[..., None]).sum())
+                logit_err.add(logits[1], logits[0])
+                kls.append((logp[0].exp() * (logp[0] - logp[1])).sum(-1).reshape(-1))
+                agree += int((logp[0].argmax(-1) == logp[1].argmax(-1)).sum())
         kl = torch.cat(kls).tolist() if kls else []
         return CausalSums(nll, kl, agree, [logit_err.d2, logit_err.r2])
+
+
+class _Tails:
+    """The reference's and the quantized side's Tail (model/stack.py), loaded side by side: the
+    quantized one on a copy of the model, its head's input quantized by `head_step`."""
+
+    def __init__(self, stack, sides, maps, device, head_step=None):
+        import copy
+
+        from quantcli.model.stack import Tail
+
+        self.sides = sides
+        self.tails = [Tail(stack, maps[0], sides[0].get, device),
+                      Tail(stack, maps[1], sides[1].get, device, model=copy.deepcopy(stack.model))]
+        head = stack.head()
+        self.hooks = []
+        if head_step is not None and head is not None:
+            module = self.tails[1].model.get_submodule(head)
+            self.hooks.append(module.register_forward_pre_hook(lambda m, args: (head_step(args[0]), *args[1:])))
+
+    def __enter__(self) -> list:
+        return self.tails
+
+    def __exit__(self, *exc) -> None:
+        for h in self.hooks:
+            h.remove()
+        for side, tail in zip(self.sides, self.tails):
+            read = tail.read
+            tail.close()
+            for name in read:
+                side.release(name)
+
+
+def two_tails(stack, sides, maps, device, head_step=None) -> _Tails:
+    return _Tails(stack, sides, maps, device, head_step)
 
 
 def pooling_config(roots: list[Path]) -> tuple[list[str], str]:
@@ -180,14 +197,17 @@ class EncoderSums:
 
 
 class Encoder:
-    def __init__(self, modes: list[str], source: str):
-        self.modes, self.source = modes, source
+    def __init__(self, modes: list[str], source: str, sides: tuple = ()):
+        self.modes, self.source, self.sides = modes, source, sides
 
-    def __call__(self, stack, bufs, count: int) -> EncoderSums:
+    def __call__(self, stack, maps, bufs, input_batches) -> EncoderSums:
+        """Each sample's pooled last hidden state (the model's code after its layers run, e.g.
+        ModernBERT's final norm) on both sides, and their cosine."""
         cos = []
-        for j in range(count):
-            a, b = (pool(buf.read(j).double(), self.modes) for buf in bufs)
-            cos.append(F.cosine_similarity(a, b, dim=-1))
+        with two_tails(stack, self.sides, maps, bufs[0].device) as tails:
+            for j, ids in enumerate(input_batches):
+                a, b = (pool(tail(ids, buf.read(j)).double(), self.modes) for tail, buf in zip(tails, bufs))
+                cos.append(F.cosine_similarity(a, b, dim=-1))
         return EncoderSums(torch.cat(cos).tolist() if cos else [])
 
     def metrics(self, sums: EncoderSums) -> EncoderMetrics:

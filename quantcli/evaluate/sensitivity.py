@@ -23,13 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from quantcli.evaluate.emulate import detach, experts_name, quantize_expert_inputs
-from quantcli.evaluate.engine import load_block, release_block
-from quantcli.evaluate.metrics import Causal
+from quantcli.evaluate.engine import load_block, release_block, side_map
+from quantcli.evaluate.metrics import pool
 from quantcli.memory import fix_mmap_threshold
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
+from quantcli.model.inputs import experts_params
 from quantcli.model.layers import run_batches
-from quantcli.model.stack import CAUSAL, Stack, capture
-from quantcli.model.weights import WeightMap, experts_blocks
+from quantcli.model.names import CheckpointMap
+from quantcli.model.outer import to_meta
+from quantcli.model.stack import Stack, Tail, capture
 
 
 @dataclass
@@ -58,59 +60,64 @@ class ScoreSums:
         return Score(self.error / n, None if self.agree is None else self.agree / n)
 
 
-def module_paths(layer, prefix: str, weights: WeightMap) -> dict[str, list[str]]:
+def module_paths(layer, prefix: str, names: CheckpointMap) -> dict[str, list[str]]:
     """{checkpoint module: its paths in the block (Linears, or an experts block)}, as emulate.attach names them."""
-    experts = experts_blocks(layer, prefix, weights, whole=True)
     out: dict[str, list[str]] = {}
     for sub, mod in layer.named_modules():
-        if isinstance(mod, torch.nn.Linear):
-            out.setdefault(weights.checkpoint_module(prefix + sub), []).append(sub)
-        elif prefix + sub in experts:
-            out.setdefault(experts_name(experts[prefix + sub]), []).append(sub)
+        modules = names.linear_modules(prefix + sub) if isinstance(mod, torch.nn.Linear) else []
+        if modules:
+            out.setdefault(modules[0], []).append(sub)
+    for path, params in experts_params(layer, prefix, names).items():
+        out.setdefault(experts_name(names, params), []).append(path[len(prefix):])
     return out
 
 
-def _swap(layer, prefix: str, subs: list[str], quant, quant_map: WeightMap, steps: dict, module: str):
+def _swap(layer, prefix: str, subs: list[str], quant, quant_map: CheckpointMap, steps: dict, module: str):
     """Load the quantized side's parameters of `subs` over the reference's and hook their input
     quantization; returns (the reference's parameters to put back, hook handles)."""
-    experts = experts_blocks(layer, prefix, quant_map, whole=True)
     saved, params, handles = {}, {}, []
+    experts = experts_params(layer, prefix, quant_map)
     for sub in subs:
-        mod = layer.get_submodule(sub)
+        mod = layer.get_submodule(sub) if sub else layer
         for name, p in mod.named_parameters(recurse=False):
-            saved[f"{sub}.{name}"] = p
-            params[f"{sub}.{name}"] = quant_map.tensor(f"{prefix}{sub}.{name}", quant.get, experts).to(torch.float32)
+            key = f"{sub}.{name}" if sub else name
+            saved[key] = p
+            params[key] = quant_map.tensor(f"{prefix}{key}", quant.get).to(quant.device, torch.float32)
         if isinstance(mod, torch.nn.Linear):
             step = steps.get(module)
             if step is not None:
                 handles.append(mod.register_forward_pre_hook(lambda m, args, step=step: (step(args[0]), *args[1:])))
-        else:
-            quantize_expert_inputs(mod, experts[prefix + sub], steps)
     layer.load_state_dict(params, strict=False, assign=True)
+    for sub in subs:  # after loading: the traced parameters are the quantized ones
+        if prefix + sub in experts:
+            mod = layer.get_submodule(sub) if sub else layer
+            traced = quantize_expert_inputs(mod, prefix + sub, quant_map, experts_params(layer, prefix, quant_map)[
+                prefix + sub], steps)
+            handles += [traced] if traced is not None else []
     return saved, handles
 
 
-def _block(stack: Stack, i: int, sides: tuple, maps: tuple, ref_buf, bufs: dict, new: dict, captured: list,
+def _block(stack: Stack, i: int, sides: tuple, maps: tuple, ref_buf, bufs: dict, new: dict, layer_args: list,
            steps: dict) -> None:
     layer, prefix = stack.layers[i], stack.layer_prefix(i)
     (ref, quant), (ref_map, quant_map) = sides, maps
     load_block(layer, prefix, ref, ref_map)
     for buf in new.values():
-        for j in range(len(captured)):
+        for j in range(len(layer_args)):
             buf.write(j, ref_buf.read(j).clone())
     for buf in bufs.values():
-        run_batches(layer, buf, captured)
-    run_batches(layer, ref_buf, captured)
+        run_batches(layer, i, buf, layer_args)
+    stack.output_arity = run_batches(layer, i, ref_buf, layer_args)
     paths = module_paths(layer, prefix, quant_map) if new else {}
     for module, buf in new.items():
         saved, handles = _swap(layer, prefix, paths[module], quant, quant_map, steps, module)
         try:
-            run_batches(layer, buf, captured)
+            run_batches(layer, i, buf, layer_args)
         finally:
             detach(layer, handles)
             layer.load_state_dict(saved, strict=False, assign=True)
         bufs[module] = buf
-    layer.to("meta")
+    to_meta(layer)
     release_block(layer, prefix, ref, ref_map)
     if new:
         release_block(layer, prefix, quant, quant_map)
@@ -122,45 +129,45 @@ def walk_sensitivity(stack: Stack, ref, quant, input_batches: list[torch.Tensor]
     encoder's metrics.Encoder (None for a causal LM); `progress(done, total, seconds_per_block, phase)`."""
     fix_mmap_threshold()
     phase, start = f"sensitivity of {sum(len(m) for m in chosen.values())} modules", time.monotonic()
-    shapes = [(*b.shape, stack.config.hidden_size) for b in input_batches]
-    maps = (WeightMap(ref.names), WeightMap(quant.names))
+    maps = (stack.names, side_map(stack, quant))
     share = budget_bytes() // (1 + sum(len(m) for m in chosen.values()))
     with torch.inference_mode(), ExitStack() as held:
-        ref_buf = held.enter_context(ActivationBuffer(shapes, device, share))
-        captured, names = capture(stack, ref.get, device, input_batches, ref_buf)
+        ref_buf = held.enter_context(ActivationBuffer(device, share))
+        layer_args, names = capture(stack, ref.get, device, input_batches, ref_buf.write)
         for name in names:
             ref.release(name)
         bufs: dict[str, ActivationBuffer] = {}
         for i in range(len(stack.layers)):
-            new = {m: held.enter_context(ActivationBuffer(shapes, device, share)) for m in chosen.get(i, [])}
-            _block(stack, i, (ref, quant), maps, ref_buf, bufs, new, captured, steps)
+            new = {m: held.enter_context(ActivationBuffer(device, share)) for m in chosen.get(i, [])}
+            _block(stack, i, (ref, quant), maps, ref_buf, bufs, new, layer_args, steps)
             if progress is not None:
                 progress(i + 1, len(stack.layers), (time.monotonic() - start) / (i + 1), phase)
-        if stack.kind == CAUSAL:
-            return _causal_scores(stack, ref, input_batches, ref_buf, bufs)
-        out = {}
-        for m, buf in bufs.items():
-            cosines = pooled(stack, (ref_buf, buf), len(captured)).cosines
-            out[m] = ScoreSums(sum(1.0 - c for c in cosines), None, len(cosines))
-        return out
+        return _scores(stack, ref, input_batches, ref_buf, bufs, pooled)
 
 
-def _causal_scores(stack: Stack, ref, input_batches: list, ref_buf, bufs: dict) -> dict[str, ScoreSums]:
-    """KL(reference || module-quantized) mean and top-1 agreement over every predicting position,
-    both sides through the reference's final norm and head."""
-    norm = stack.model.model.norm
-    norm_params, head, names = Causal._head(ref, list(norm.state_dict()))
-    norm.load_state_dict(norm_params, assign=True)
-    kl, agree, n = dict.fromkeys(bufs, 0.0), dict.fromkeys(bufs, 0), 0
-    for j in range(len(input_batches)):
-        ref_logp = torch.log_softmax(F.linear(norm(ref_buf.read(j)), head)[:, :-1].double(), dim=-1)
-        ref_top = ref_logp.argmax(-1)
-        n += ref_top.numel()
-        for m, buf in bufs.items():
-            logp = torch.log_softmax(F.linear(norm(buf.read(j)), head)[:, :-1].double(), dim=-1)
-            kl[m] += float((ref_logp.exp() * (ref_logp - logp)).sum())
-            agree[m] += int((ref_top == logp.argmax(-1)).sum())
-    norm.to("meta")
-    for name in names:
+def _scores(stack: Stack, ref, input_batches: list, ref_buf, bufs: dict, pooled) -> dict[str, ScoreSums]:
+    """Per module, through the reference's own code after its layers: KL(reference ||
+    module-quantized) mean and top-1 agreement over every predicting position (causal LM), or
+    1 - the pooled-embedding cosine (encoder, `pooled` its metrics.Encoder)."""
+    error, agree, n = dict.fromkeys(bufs, 0.0), dict.fromkeys(bufs, 0), 0
+    with Tail(stack, stack.names, ref.get, ref_buf.device) as tail:
+        for j, ids in enumerate(input_batches):
+            ref_out = tail(ids, ref_buf.read(j))
+            if pooled is not None:
+                a = pool(ref_out.double(), pooled.modes)
+                for m, buf in bufs.items():
+                    b = pool(tail(ids, buf.read(j)).double(), pooled.modes)
+                    error[m] += float((1.0 - F.cosine_similarity(a, b, dim=-1)).sum())
+                n += a.shape[0]
+                continue
+            ref_logp = torch.log_softmax(ref_out[:, :-1].double(), dim=-1)
+            ref_top = ref_logp.argmax(-1)
+            n += ref_top.numel()
+            for m, buf in bufs.items():
+                logp = torch.log_softmax(tail(ids, buf.read(j))[:, :-1].double(), dim=-1)
+                error[m] += float((ref_logp.exp() * (ref_logp - logp)).sum())
+                agree[m] += int((ref_top == logp.argmax(-1)).sum())
+        read = tail.read
+    for name in read:
         ref.release(name)
-    return {m: ScoreSums(kl[m], agree[m], n) for m in bufs}
+    return {m: ScoreSums(error[m], None if pooled is not None else agree[m], n) for m in bufs}

@@ -106,15 +106,19 @@ def check_same_model(ref: Side, quant: Side) -> None:
 MISMATCH_TAIL = "compare two models, not a quantization"
 
 
-def reference_mismatch(ref: Side, quant: Side) -> str | None:
-    """A note when a tensor both sides keep dense and alike in dtype and shape (the embedding, the
-    final norm) differs in its bytes: the shapes agree, but DST was likely not made from SRC
-    (another seed or fine-tune); the metrics then measure two models, not a quantization."""
+def reference_mismatch(ref: Side, quant: Side, stack) -> str | None:
+    """A note when a tensor outside the layers that both sides keep dense and alike in dtype and
+    shape (the embedding, the final norm) differs in its bytes: the shapes agree, but DST was
+    likely not made from SRC (another seed or fine-tune); the metrics then measure two models,
+    not a quantization."""
     from quantcli.checkpoint.tensors import same_bytes
-    from quantcli.model.stack import EMBEDDING, FINAL_NORM, WORD_EMBEDDINGS
 
-    for name in sorted(n for n in (ref.tensors.where.keys() & quant.tensors.where.keys())
-                       if n in (EMBEDDING, FINAL_NORM) or n.endswith(WORD_EMBEDDINGS)):
+    outer = {src for n in stack.model.state_dict() if not n.startswith(stack.layer_path + ".")
+             for src in stack.names.sources(n)}
+    embedding = next((p for p, m in stack.model.named_modules() if m is stack.model.get_input_embeddings()), "")
+    first = set(stack.names.sources(f"{embedding}.weight"))  # the embedding is the one named when several differ
+    both = ref.tensors.where.keys() & quant.tensors.where.keys()
+    for name in sorted((n for n in both if n in outer), key=lambda n: (n not in first, n)):
         a, b = ref.tensors.info(name), quant.tensors.info(name)
         if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
             continue

@@ -35,47 +35,55 @@ def budget_bytes() -> int:
 
 
 class ActivationBuffer:
-    """FP32 hidden states of each batch, in memory or (above the budget) in a temporary file."""
+    """FP32 hidden states of each batch: in memory up to `budget` bytes, each slot beyond it in a
+    memory-mapped temporary file. A slot takes its shape from its first write (the hidden states
+    a model hands its layers need not be [batch, tokens, hidden_size])."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], device: torch.device, budget: int):
-        self.shapes = shapes
+    def __init__(self, device: torch.device, budget: int):
         self.device = device
-        total = sum(math.prod(s) for s in shapes)
-        self.nbytes = total * 4
-        self.spilled = self.nbytes > budget and total > 0
+        self.budget = budget
+        self.nbytes = 0  # in memory
         self._dir: Path | None = None
-        self._slots: list[torch.Tensor | None] = [None] * len(shapes)
-        if self.spilled:
-            try:
-                self._map(total)
-            except BaseException:
-                self.close()
-                raise
+        self._slots: dict[int, torch.Tensor] = {}
+        self._mapped: set[int] = set()
 
-    def _map(self, total: int) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="quantcli-calibration-"))
-        path = self._dir / "activations.f32"
-        with open(path, "wb") as f:  # reserve the space now: a full disk is an OSError here,
-            os.posix_fallocate(f.fileno(), 0, self.nbytes)  # not a SIGBUS in the middle of a layer
-        flat = torch.from_file(str(path), shared=True, size=total, dtype=torch.float32)
-        offset = 0
-        for j, s in enumerate(self.shapes):
-            n = math.prod(s)
-            self._slots[j] = flat[offset: offset + n].view(s)
-            offset += n
+    @property
+    def spilled(self) -> bool:
+        return bool(self._mapped)
 
     def write(self, j: int, hidden: torch.Tensor) -> None:
-        if self.spilled:
-            self._slots[j].copy_(hidden.detach().to(torch.float32))
-        else:
-            self._slots[j] = hidden.detach()
+        hidden = hidden.detach()
+        old = self._slots.get(j)
+        if old is not None and j in self._mapped and tuple(old.shape) == tuple(hidden.shape):
+            old.copy_(hidden.to(torch.float32))
+            return
+        if old is not None and j not in self._mapped:
+            self.nbytes -= old.numel() * 4
+        size = hidden.numel() * 4
+        if self.nbytes + size > self.budget and size > 0:
+            self._slots[j] = self._map(j, hidden)
+            return
+        self._mapped.discard(j)
+        self._slots[j] = hidden.to(torch.float32)
+        self.nbytes += size
+
+    def _map(self, j: int, hidden: torch.Tensor) -> torch.Tensor:
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="quantcli-calibration-"))
+        path = self._dir / f"batch-{j}.f32"
+        with open(path, "wb") as f:  # reserve the space now: a full disk is an OSError here,
+            os.posix_fallocate(f.fileno(), 0, hidden.numel() * 4)  # not a SIGBUS in the middle of a layer
+        slot = torch.from_file(str(path), shared=True, size=hidden.numel(), dtype=torch.float32).view(hidden.shape)
+        slot.copy_(hidden.to(torch.float32))
+        self._mapped.add(j)
+        return slot
 
     def read(self, j: int) -> torch.Tensor:
         slot = self._slots[j]
-        return slot.to(self.device) if self.spilled else slot
+        return slot.to(self.device) if j in self._mapped else slot
 
     def close(self) -> None:
-        self._slots = [None] * len(self.shapes)
+        self._slots, self._mapped, self.nbytes = {}, set(), 0
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -1,12 +1,12 @@
 """Run the source model one layer at a time, in flat memory, for passes that look at its
 activations (calibration, data-aware rounding; `eval` runs its two sides the same way).
 
-The model (a causal LM's decoder layers or a BERT-like encoder's blocks) is built by
-transformers on the meta device (model/stack.py, no memory). Layer 0's inputs (hidden states,
-position embeddings, the causal or attention mask) are captured with only the embedding
-materialized; then each layer in turn gets its weights from the source through quantcli's
-reader (FP32), runs every batch, hands its outputs on as the next layer's inputs and goes back to
-meta. Peak memory: one layer's weights + the activation buffer + a constant, whatever the depth.
+The model is built by transformers on the meta device and its layers found (model/stack.py).
+Every layer's arguments and layer 0's inputs are captured with only what runs before layer 0
+loaded; then each layer in turn gets its weights from the source through quantcli's reader
+(FP32, by transformers' own renaming and converting, model/names.py), runs every batch, hands
+its outputs on as the next layer's inputs and goes back to meta. Peak memory: one layer's
+weights + the activation buffer + a constant, whatever the depth.
 
 What a pass does at each layer is a `LayerPass`:
 - a *fact pass* (calibration) only observes: `observe` registers hooks on the loaded layer, one
@@ -21,15 +21,33 @@ What a pass does at each layer is a `LayerPass`:
 
 from __future__ import annotations
 
-import inspect
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from quantcli.errors import QuantcliError
 from quantcli.memory import fix_mmap_threshold
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
-from quantcli.model.stack import CAUSAL, FINAL_NORM, MasksByLayer, Stack, build_stack, capture
-from quantcli.model.weights import ExpertModules, WeightMap, experts_blocks
+from quantcli.model.names import CheckpointMap, Get
+from quantcli.model.outer import to_meta
+from quantcli.model.stack import LayerArgs, Stack, Tail, build_stack, cache_kwarg, capture
+
+
+@dataclass
+class Weights:
+    """A checkpoint as the walk reads it: `get(name)` a tensor, `release(name)` when no longer
+    needed, every tensor's name, and `shape(name)` from its header."""
+
+    get: Get
+    release: Callable[[str], None]
+    names: set[str]
+    shape: Callable[[str], tuple[int, ...]]
+
+    @staticmethod
+    def of(tensors) -> Weights:
+        """The walk's view of a checkpoint.tensors.CheckpointTensors."""
+        return Weights(tensors.get, tensors.release, set(tensors.where), lambda n: tuple(tensors.info(n).shape))
 
 
 class LayerPass:
@@ -40,12 +58,12 @@ class LayerPass:
     def begin(self, stack: Stack) -> None:
         """Before the first layer: the model the walk runs (its kind, its layers' prefixes)."""
 
-    def observe(self, layer, prefix: str, weights: WeightMap, experts: dict[str, ExpertModules]) -> list:
+    def observe(self, layer, prefix: str, names: CheckpointMap) -> list:
         """Hooks (removable handles) on the loaded layer for the observing run."""
         return []
 
-    def cache(self, prefix: str):
-        """The object passed to the attention as its KV cache in the observing run, or None."""
+    def cache(self, layer, prefix: str):
+        """The object passed to the layer as its KV cache in the observing run, or None."""
         return None
 
     def batch_done(self, j: int) -> None:
@@ -56,14 +74,15 @@ class LayerPass:
         weights it wrote: the walk loads the layer from it and runs it once, observing nothing."""
         return None
 
-    def layer_done(self, layer, prefix: str, weights: WeightMap, cache) -> None:
+    def layer_done(self, layer, prefix: str, names: CheckpointMap, cache) -> None:
         """After the observing run, before `update` and before the layer goes back to meta."""
 
-    def update(self, layer, prefix: str, weights: WeightMap, experts: dict[str, ExpertModules]) -> None:
+    def update(self, layer, prefix: str, names: CheckpointMap) -> None:
         """A weight pass changes the loaded layer's parameters here (in place)."""
 
-    def finish(self, stack: Stack, get, buffer: ActivationBuffer, count: int) -> None:
-        """After the last layer: `buffer` holds its outputs for `count` batches."""
+    def finish(self, stack: Stack, get: Get, buffer: ActivationBuffer, input_batches: list) -> list[str]:
+        """After the last layer: `buffer` holds its outputs; returns the checkpoint tensors read."""
+        return []
 
 
 def batches(ids: list[list[int]], size: int) -> list[torch.Tensor]:
@@ -77,101 +96,107 @@ def batches(ids: list[list[int]], size: int) -> list[torch.Tensor]:
     return [torch.tensor(b, dtype=torch.long) for b in out]
 
 
-def cache_kwarg(layer) -> str | None:
-    """The keyword a layer's attention takes its KV cache by, or None (no self_attn)."""
-    attn = getattr(layer, "self_attn", None)
-    if attn is None:
-        return None
-    params = inspect.signature(type(attn).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def layer_index(layer) -> int | None:
-    """The index a decoder layer knows itself by (its attention's `layer_idx`), or None."""
-    for mod in layer.modules():
-        if isinstance(getattr(mod, "layer_idx", None), int):
-            return mod.layer_idx
-    return None
-
-
-def run_batches(layer, buffer: ActivationBuffer, captured: list[tuple], cache=None, write: bool = True,
-                batch_done=lambda j: None) -> None:
-    """Run every batch through the loaded `layer` with the arguments model/stack.capture took for
-    it (those the model's own forward gave layer 0, with use_cache=False), `cache` as its
-    attention's KV cache (none for a layer without self_attn); its outputs replace its inputs in
-    `buffer` when `write`."""
+def run_batches(layer, index: int, buffer: ActivationBuffer, layer_args: LayerArgs, cache=None, write: bool = True,
+                batch_done=lambda j: None) -> int | None:
+    """Run every batch through the loaded layer `index` with the arguments the model's own forward
+    gave it (stack.capture), `cache` as its KV cache (none for a layer that takes none); its
+    outputs replace its inputs in `buffer` when `write`. Returns what the layer returns, as
+    Stack.output_arity says it."""
     key = cache_kwarg(layer) if cache is not None else None
-    index = layer_index(layer)
-    for j, (args, kwargs) in enumerate(captured):
-        if isinstance(kwargs.get("attention_mask"), MasksByLayer):
-            if index not in kwargs["attention_mask"]:
-                raise QuantcliError(f"{type(layer).__name__}: its layers differ in kind (config.layer_types) but "
-                                    f"this one names no layer_idx, so its attention mask is unknown; quantcli cannot "
-                                    f"run this architecture layer by layer")
-            kwargs = {**kwargs, "attention_mask": kwargs["attention_mask"][index]}
+    arity = None
+    for j, per_layer in enumerate(layer_args):
+        args, kwargs = per_layer[index]
         out = layer(buffer.read(j), *args, **({**kwargs, key: cache} if key else kwargs))
+        arity = len(out) if isinstance(out, tuple) else None
         if write:
             buffer.write(j, out[0] if isinstance(out, tuple) else out)
         batch_done(j)
+    return arity
 
 
-def load_layer(layer, prefix: str, get, weights: WeightMap, experts: dict[str, ExpertModules],
-               device: torch.device) -> None:
-    """Give the (meta) `layer` its parameters, built from checkpoint tensors `get(name)`, in FP32."""
-    layer.load_state_dict({n: weights.tensor(prefix + n, get, experts).to(device, torch.float32)
-                           for n in layer.state_dict()}, assign=True)
+def load_layer(layer, prefix: str, get: Get, names: CheckpointMap, device: torch.device) -> dict[str, torch.Tensor]:
+    """Give the (meta) `layer` its parameters and persistent buffers, built from checkpoint tensors
+    `get(name)`, in FP32 (integer buffers keep their dtype); returns them by their name in it."""
+    state = {}
+    for n, meta in layer.state_dict().items():
+        t = names.tensor(prefix + n, get)
+        if tuple(t.shape) != tuple(meta.shape):
+            raise QuantcliError(f"{prefix}{n}: the checkpoint makes it {list(t.shape)}, but its config.json makes it "
+                                f"{list(meta.shape)}; the checkpoint does not match its architecture")
+        state[n] = t.to(device, torch.float32 if meta.is_floating_point() else meta.dtype)
+    layer.load_state_dict(state, assign=True)
+    return state
 
 
-def run_layer(layer, prefix: str, get, weights: WeightMap, buffer: ActivationBuffer, captured: list[tuple],
+def layer_sources(layer, prefix: str, names: CheckpointMap) -> list[str]:
+    """The checkpoint tensors a layer is built from, each once."""
+    return list(dict.fromkeys(src for n in layer.state_dict() for src in names.sources(prefix + n)))
+
+
+def run_layer(stack: Stack, i: int, get: Get, buffer: ActivationBuffer, layer_args: LayerArgs,
               layer_pass: LayerPass) -> list[str]:
-    """Load one layer from the source, run every batch through it for `layer_pass` (its
-    outputs replace its inputs in `buffer`), and send it back to the meta device. Returns the
-    checkpoint tensors it read."""
-    experts = experts_blocks(layer, prefix, weights)
-    read = [src for n in layer.state_dict() for src in weights.sources(prefix + n, experts)]
+    """Load layer i from the source, run every batch through it for `layer_pass` (its outputs
+    replace its inputs in `buffer`), and send it back to the meta device. Returns the checkpoint
+    tensors it read."""
+    layer, prefix, names = stack.layers[i], stack.layer_prefix(i), stack.names
+    read = layer_sources(layer, prefix, names)
     written = layer_pass.replay(prefix)
-    load_layer(layer, prefix, written or get, weights, experts, buffer.device)
+    load_layer(layer, prefix, written or get, names, buffer.device)
     if written is not None:
-        run_batches(layer, buffer, captured, None, write=True)
-        layer.to("meta")
+        stack.output_arity = run_batches(layer, i, buffer, layer_args, None, write=True)
+        to_meta(layer)
         return read
-    hooks = layer_pass.observe(layer, prefix, weights, experts)
-    cache = layer_pass.cache(prefix)
+    hooks = layer_pass.observe(layer, prefix, names)
+    cache = layer_pass.cache(layer, prefix)
     try:
-        run_batches(layer, buffer, captured, cache, write=not layer_pass.changes_weights,
-                     batch_done=layer_pass.batch_done)
+        arity = run_batches(layer, i, buffer, layer_args, cache, write=not layer_pass.changes_weights,
+                            batch_done=layer_pass.batch_done)
     finally:
         for h in hooks:
             h.remove()
-    layer_pass.layer_done(layer, prefix, weights, cache)
+    layer_pass.layer_done(layer, prefix, names, cache)
     if layer_pass.changes_weights:
-        layer_pass.update(layer, prefix, weights, experts)
-        run_batches(layer, buffer, captured, None, write=True)
-    layer.to("meta")
+        layer_pass.update(layer, prefix, names)
+        arity = run_batches(layer, i, buffer, layer_args, None, write=True)
+    stack.output_arity = arity
+    to_meta(layer)
     return read
 
 
-def walk_layers(config_dict: dict, get, release, names, ids: list[list[int]], batch: int, device: torch.device,
+def walk_layers(config_dict: dict, source: Weights, ids: list[list[int]], batch: int, device: torch.device,
                 layer_pass: LayerPass, progress=None, part: tuple[int, int] = (0, 1)) -> None:
-    """Run `layer_pass` over the model of `config_dict` on `ids`, layer by layer. `get(name)`
-    reads a checkpoint tensor, `release(name)` says it is no longer needed; `progress(done,
-    total, samples)` is called after each layer; `part` = (i, n): only batches i, i + n,
-    ... (rank i of n)."""
+    """Run `layer_pass` over the model of `config_dict` on `ids`, layer by layer, reading
+    `source`; `progress(done, total, samples)` is called after each layer; `part` = (i, n): only
+    batches i, i + n, ... (rank i of n)."""
     fix_mmap_threshold()  # else freed layers stay in the heap as fragments: memory grows with depth
-    stack = build_stack(config_dict, names, "--calibration")
-    weights = WeightMap(names)
+    stack = build_stack(config_dict, source.names, source.shape, "--calibration")
     input_batches = batches(ids, batch)[part[0]::part[1]]
-    shapes = [(*b.shape, stack.config.hidden_size) for b in input_batches]
     layer_pass.begin(stack)
-    with torch.inference_mode(), ActivationBuffer(shapes, device, budget_bytes()) as buffer:
-        captured, read = capture(stack, get, device, input_batches, buffer)
+    with torch.inference_mode(), ActivationBuffer(device, budget_bytes()) as buffer:
+        layer_args, read = capture(stack, source.get, device, input_batches, buffer.write)
         for name in read:
-            release(name)
-        for i, layer in enumerate(stack.layers):
-            for name in run_layer(layer, stack.layer_prefix(i), get, weights, buffer, captured, layer_pass):
-                release(name)
+            source.release(name)
+        for i in range(len(stack.layers)):
+            for name in run_layer(stack, i, source.get, buffer, layer_args, layer_pass):
+                source.release(name)
             if progress is not None:
                 progress(i + 1, len(stack.layers), len(ids))
-        layer_pass.finish(stack, get, buffer, len(captured))
-        if stack.kind == CAUSAL:  # an encoder has no final norm; its output is pooled
-            release(FINAL_NORM)
+        for name in layer_pass.finish(stack, source.get, buffer, input_batches):
+            source.release(name)
+
+
+def head_inputs(stack: Stack, get: Get, buffer: ActivationBuffer, input_batches: list,
+                record: Callable[[torch.Tensor], None]) -> list[str]:
+    """Run the model's code after its layers (stack.Tail) on the buffer's final hidden states and
+    hand `record(x)` the input of its output head; returns the checkpoint tensors read."""
+    head = stack.head()
+    if head is None:
+        return []
+    hook = stack.model.get_submodule(head).register_forward_pre_hook(lambda m, args: record(args[0]))
+    try:
+        with Tail(stack, stack.names, get, buffer.device) as run:
+            for j, ids in enumerate(input_batches):
+                run(ids, buffer.read(j))
+            return run.read
+    finally:
+        hook.remove()

@@ -1,103 +1,72 @@
-"""The model a layer walk runs, one block at a time: a causal LM (`model.layers[i]`, rotary, final
-norm and `lm_head`) or a BERT-like encoder (`embeddings`, `encoder.layer[i]`, no rotary, no head:
-the last block's output is pooled). Built by transformers on the meta device (no memory); block
-0's inputs are captured with only the embedding materialized. Calibration's walk (layers.py),
-the weight passes that run on it and eval's two-sided walk all build and capture through here."""
+"""The model a layer walk runs, one layer at a time, for any architecture transformers builds.
+
+The model is config.json's own class (model/build.py: on the meta device, real non-persistent
+buffers), and its checkpoint tensors map to its parameters by transformers' loading rules
+(model/names.py). The walk runs the stack of layers the model's text decoder (or encoder) loops
+over: the ModuleList of its `_no_split_modules` blocks under `get_decoder()` (a VLM's
+`model.language_model.layers`, Falcon's `transformer.h`, BERT's `encoder.layer`), the largest
+when there are several. Everything around the layers runs as the model's own forward runs it:
+
+- `capture` calls the model with the tokens and steps over every layer (each returns its input
+  and records the arguments the model handed it: position embeddings, the mask of its kind,
+  alibi, per-layer inputs), so each layer later gets exactly its own arguments; layer 0's input
+  is the hidden state the walk starts from. Only what runs before layer 0 is loaded
+  (model/outer.py).
+- `tail` calls the model again with layer 0 returning the walk's final hidden state and the
+  others stepped over: the final norm, the head and whatever the model applies after it (logit
+  scaling, soft-capping) run as the model's code has them, giving logits (a causal LM) or the
+  encoder's last hidden state."""
 
 from __future__ import annotations
 
-import re
-import signal
-import threading
-from contextlib import contextmanager
+import inspect
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable
 
 import torch
 
 from quantcli.errors import QuantcliError
-from quantcli.model.samples import EXTRA
+from quantcli.model.build import meta_model
+from quantcli.model.names import CheckpointMap, Get
+from quantcli.model.outer import OuterWeights
 
-EMBEDDING, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head"
 CAUSAL, ENCODER = "causal-lm", "encoder"
-WORD_EMBEDDINGS = "embeddings.word_embeddings.weight"
-# A checkpoint tensor inside a layer the walk runs, group 1 its index: a causal LM's decoder layer
-# or a BERT-like encoder's block (its names possibly under a prefix such as "bert.").
-LAYER_TENSOR = re.compile(r"^(?:model\.layers|(?:\w+\.)?encoder\.layer)\.(\d+)\.")
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
 
 
 @dataclass
 class Stack:
     kind: str  # causal-lm | encoder
-    model: torch.nn.Module  # on the meta device
+    model: torch.nn.Module  # the whole model, parameters on the meta device
+    body: torch.nn.Module  # what the walk calls with input_ids: the model (causal) or its base model
     layers: torch.nn.ModuleList
-    prefix: str  # the checkpoint's prefix of the model's parameter names ("" or "bert.")
-    layer_path: str  # model path of the blocks: model.layers | encoder.layer
+    layer_path: str  # model path of the layers: model.layers, model.language_model.layers, transformer.h, ...
+    names: CheckpointMap
+    # what a layer returns, as the model's loop reads it: None a tensor, n a tuple of n (hidden first);
+    # set by the walk from the layers' real outputs (layers.run_batches), used by `tail`
+    output_arity: int | None = None
+
+    def dressed(self, hidden: torch.Tensor):
+        """`hidden` as a layer of this model returns it."""
+        return hidden if self.output_arity is None else (hidden, *([None] * (self.output_arity - 1)))
 
     def layer_prefix(self, i: int) -> str:
-        """The checkpoint name prefix of block i's parameters."""
-        return f"{self.prefix}{self.layer_path}.{i}."
+        """The model path prefix of layer i's parameters."""
+        return f"{self.layer_path}.{i}."
 
     @property
     def config(self):
         return self.model.config
 
+    @property
+    def vocab_size(self) -> int | None:
+        emb = self.model.get_input_embeddings()
+        return getattr(emb, "num_embeddings", None)
 
-@contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Ctrl-C held until the block ends, then raised: transformers imports a model's code (and
-    through it Triton's native modules) lazily, on first use, and an interrupt landing inside
-    those imports comes out as an import error, or aborts the process from native code, instead
-    of a KeyboardInterrupt. Only the main thread can set handlers; an ignored SIGINT stays ignored."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
-        yield
-        return
-    held: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if held:
-        raise KeyboardInterrupt
-
-
-def _transformers():
-    try:
-        with interrupts_deferred():
-            import transformers
-    except ImportError:
-        raise QuantcliError(f"--calibration needs transformers: {EXTRA}") from None
-    return transformers
-
-
-def _config(config_dict: dict):
-    cfg = dict(config_dict)
-    with interrupts_deferred():
-        return _transformers().AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-
-
-def meta_model(config_dict: dict):
-    """The source's causal LM class, built on the meta device in FP32 (no weights)."""
-    config = _config(config_dict)
-    with torch.device("meta"), interrupts_deferred():
-        model = _transformers().AutoModelForCausalLM.from_config(config)
-    return model.float().eval()
-
-
-def encoder_prefix(names) -> str | None:
-    """The prefix of a BERT-like encoder's parameter names ("" or "bert."), or None: no
-    `embeddings.word_embeddings` (not such an encoder)."""
-    hit = next((n for n in sorted(names) if n.endswith(WORD_EMBEDDINGS)), None)
-    return None if hit is None else hit[: -len(WORD_EMBEDDINGS)]
-
-
-def is_encoder(config: dict, names) -> bool:
-    """Whether `build_stack` builds `config` as an encoder: its names have embeddings and no
-    architecture it lists is a causal LM."""
-    archs = [a for a in config.get("architectures") or [] if isinstance(a, str)]
-    return encoder_prefix(names) is not None and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    def head(self) -> str | None:
+        """The model path of the output head (a causal LM's), or None."""
+        head = self.model.get_output_embeddings() if self.kind == CAUSAL else None
+        return next((p for p, m in self.model.named_modules() if m is head), None) if head is not None else None
 
 
 def encoder_positions(config: dict) -> int | None:
@@ -111,127 +80,173 @@ def encoder_positions(config: dict) -> int | None:
     return limit
 
 
-def _meta_encoder(config_dict: dict):
-    config = _config(config_dict)
-    auto = _transformers().AutoModel
-    with torch.device("meta"), interrupts_deferred():
-        try:  # BERT-likes build a pooler no walk runs (sentence-transformers does not either)
-            model = auto.from_config(config, add_pooling_layer=False)
-        except TypeError:
-            model = auto.from_config(config)
-    return model.float().eval()
+def text_config(config: dict) -> dict:
+    """The part of config.json that sizes the text layers: a VLM's `text_config`, else the whole."""
+    sub = config.get("text_config")
+    return sub if isinstance(sub, dict) and "hidden_size" in sub and "hidden_size" not in config else config
 
 
-def build_stack(config: dict, names, label: str) -> Stack:
-    """The causal LM or encoder of `config` (checkpoint tensor names `names`); a one-line refusal
-    for any other architecture."""
-    archs = [a for a in config.get("architectures") or [] if isinstance(a, str)]
-    if is_encoder(config, names):
-        model = _meta_encoder(config)
-        if not hasattr(getattr(model, "encoder", None), "layer"):
-            raise QuantcliError(f"{label}: {archs or config.get('model_type')} has embeddings but no encoder.layer "
-                                f"blocks; quantcli runs causal LMs and BERT-like encoders layer by layer")
-        return Stack(ENCODER, model, model.encoder.layer, encoder_prefix(names), "encoder.layer")
-    if EMBEDDING not in names:
-        raise QuantcliError(f"{label}: {archs or config.get('model_type')} is neither a causal LM with "
-                            f"{EMBEDDING} nor a BERT-like encoder; quantcli runs those two kinds layer by layer")
-    model = meta_model(config)
-    return Stack(CAUSAL, model, model.model.layers, "", "model.layers")
+def layer_count(config: dict) -> int | str:
+    """How many layers config.json says the walk runs (a VLM's text_config's), '?' if it does not say."""
+    layers = text_config(config).get("num_hidden_layers")
+    return layers if isinstance(layers, int) else "?"
+
+
+def _module_path(model: torch.nn.Module, module: torch.nn.Module) -> str | None:
+    return next((p for p, m in model.named_modules() if m is module), None)
+
+
+def find_layers(model: torch.nn.Module, within: torch.nn.Module, label: str) -> tuple[str, torch.nn.ModuleList]:
+    """(model path, ModuleList) of the layers the walk runs: see the module docstring."""
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    root = _module_path(model, within) or ""
+    found = []
+    for path, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.ModuleList) or not len(mod) or not (path + ".").startswith(
+                f"{root}." if root else ""):
+            continue
+        if blocks and type(mod[0]).__name__ not in blocks:
+            continue
+        found.append((sum(p.numel() for p in mod.parameters()), path, mod))
+    if not found:
+        raise QuantcliError(f"{label}: {type(model).__name__} has no stack of layers quantcli can walk (no "
+                            f"ModuleList of its {', '.join(sorted(blocks)) or 'blocks'})")
+    _, path, layers = max(found, key=lambda f: (f[0], -f[1].count(".")))
+    return path, layers
+
+
+def build_stack(config: dict, names, shape: Callable[[str], tuple[int, ...]], label: str) -> Stack:
+    """The model of `config` with checkpoint tensors `names` (`shape(name)` from the headers)."""
+    model = meta_model(config, label)
+    causal = bool(getattr(model, "can_generate", lambda: False)()) and model.get_output_embeddings() is not None
+    body = model if causal else model.base_model
+    within = model.get_decoder() if causal else body
+    path, layers = find_layers(model, within if isinstance(within, torch.nn.Module) else model, label)
+    try:
+        checkpoint = CheckpointMap(model, names, shape)
+    except ImportError:
+        raise QuantcliError(f"{label}: the layer walk needs transformers 5 (its checkpoint conversion "
+                            f"mapping); upgrade it: pip install 'transformers>=5'") from None
+    stack = Stack(CAUSAL if causal else ENCODER, model, body, layers, path, checkpoint)
+    missing = [n for i in range(len(layers)) for n in layers[i].state_dict()
+               if not checkpoint.sources(stack.layer_prefix(i) + n)]
+    if missing:
+        raise QuantcliError(f"{label}: the checkpoint has no tensor for the model's {stack.layer_prefix(0)}"
+                            f"{missing[0]} ({len(missing)} parameters of its layers unmapped); it does not match "
+                            f"its config.json architecture ({type(model).__name__})")
+    return stack
+
+
+def cache_kwarg(layer) -> str | None:
+    """The keyword a layer takes its KV cache by, or None (an encoder's layer takes none)."""
+    params = inspect.signature(type(layer).forward).parameters
+    return next((k for k in CACHE_KWARGS if k in params), None)
+
+
+def attention_path(layer, prefix: str) -> str | None:
+    """The model path of a layer's attention: its submodule whose class is an ...Attention (the
+    outermost, as transformers names them: LlamaAttention, FalconAttention, DeepseekV3Attention)."""
+    for sub, mod in layer.named_modules():
+        if sub and type(mod).__name__.endswith("Attention"):
+            return prefix + sub
+    return None
 
 
 class _Stop(Exception):
     pass
 
 
-class MasksByLayer(dict):
-    """{layer index: the attention mask the model's own forward gives that layer}, captured in
-    place of layer 0's mask when the layers differ in kind (`config.layer_types`: gpt-oss's,
-    Gemma's and Mistral-style sliding-window layers between full-attention ones); layers.run_batches
-    hands each layer its own."""
+# per batch, per layer: (positional arguments after the hidden states, keyword arguments)
+LayerArgs = list[list[tuple[tuple, dict]]]
 
 
-def layer_kinds(config) -> list | None:
-    """`config.layer_types` when its layers are not all of one kind, else None."""
-    kinds = getattr(config, "layer_types", None)
-    return list(kinds) if kinds and len(set(kinds)) > 1 else None
-
-
-def first_layer_inputs(body, layers, device: torch.device, input_batches: list[torch.Tensor], record,
-                       per_layer_masks: bool = False) -> None:
-    """Run `body` on each batch only until the first of `layers` would start, and hand its inputs
-    to `record(hidden_states, other_args, kwargs)`: the embedding (and whatever else sits before
-    the first layer) is all that must be loaded. With `per_layer_masks`, every layer is stepped
-    over (its forward returns its input, its weights untouched on the meta device) to take the
-    mask the model gives it: kwargs' `attention_mask` is then a MasksByLayer."""
-    taken: list = []
-
-    def catch(module, args, kwargs):
-        kwargs = dict(kwargs)
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        if not per_layer_masks:
-            record(hidden, tuple(args[1:]), kwargs)
-            raise _Stop
-        taken.append((hidden, tuple(args[1:]), kwargs, MasksByLayer()))
-
-    def step_over(i: int):
+def _stepped(layers, on_call: Callable[[int, torch.Tensor, tuple, dict], object]):
+    """Replace each layer's forward (on the instance) with `on_call(i, hidden, args, kwargs)`."""
+    def step(i: int):
         def forward(*args, **kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            taken[-1][3][i] = kwargs.get("attention_mask")
-            if i == len(layers) - 1:
-                raise _Stop
-            return hidden
+            kwargs = dict(kwargs)
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            return on_call(i, hidden, tuple(args[1:]), kwargs)
         return forward
-
-    hook = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
-    if per_layer_masks:
-        for i, layer in enumerate(layers):
-            layer.forward = step_over(i)
-    try:
-        for ids in input_batches:
-            try:
-                body(input_ids=ids.to(device), use_cache=False)
-            except _Stop:
-                pass
-            if taken:
-                hidden, args, kwargs, masks = taken.pop()
-                record(hidden, args, {**kwargs, "attention_mask": masks})
-    finally:
-        hook.remove()
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
+    for i, layer in enumerate(layers):
+        layer.forward = step(i)
 
 
-def _materialize(stack: Stack, get, device: torch.device) -> tuple[torch.nn.Module, list[str]]:
-    """The module to call with input_ids, its embedding loaded (FP32) from `get` on `device`;
-    the checkpoint names read."""
-    model = stack.model
-    if stack.kind == ENCODER:
-        with torch.device(device):  # its position_ids / token_type_ids buffers are built, not read
-            emb = type(model.embeddings)(model.config)
-        names = {n: f"{stack.prefix}embeddings.{n}" for n in emb.state_dict()}
-        emb.load_state_dict({n: get(src).to(device, torch.float32) for n, src in names.items()}, assign=True)
-        model.embeddings = emb.float().eval()  # built fresh: in training mode (dropout) until told
-        return model, list(names.values())
-    body = model.model
-    body.embed_tokens.load_state_dict({"weight": get(EMBEDDING).to(device, torch.float32)}, assign=True)
-    if hasattr(body, "rotary_emb"):
-        with torch.device(device):  # its inv_freq buffer is computed, not read: build it for real
-            body.rotary_emb = type(body.rotary_emb)(config=model.config)
-    return body, [EMBEDDING]
+def _restored(layers) -> None:
+    for layer in layers:
+        layer.__dict__.pop("forward", None)
 
 
-def capture(stack: Stack, get, device: torch.device, input_batches: list[torch.Tensor], buffer) -> tuple[list, list]:
-    """Block 0's hidden states per batch (into `buffer`) and its other arguments, as
-    ([(args, kwargs)], checkpoint names read): position embeddings and masks (a causal LM's
-    causal mask, an encoder's attention mask) as the model's own forward passes them to block 0."""
-    body, names = _materialize(stack, get, device)
-    captured: list[tuple] = []
+def capture(stack: Stack, get: Get, device: torch.device, input_batches: list[torch.Tensor],
+            write: Callable[[int, torch.Tensor], None],
+            names: CheckpointMap | None = None) -> tuple[LayerArgs, list[str]]:
+    """Layer 0's input of every batch (handed to `write(j, hidden)`), every layer's other
+    arguments as the model passes them, and the checkpoint tensors read (see the module
+    docstring); `names`: the map of the checkpoint `get` reads (the stack's own by default)."""
+    taken: LayerArgs = []
+    last = len(stack.layers) - 1
 
-    def record(hidden, args, kwargs):
-        buffer.write(len(captured), hidden.to(torch.float32))
-        captured.append((args, kwargs))
+    def on_call(i, hidden, args, kwargs):
+        if i == 0:
+            write(len(taken), hidden.to(torch.float32))
+            taken.append([])
+        taken[-1].append((args, kwargs))
+        if i == last:
+            raise _Stop
+        return hidden
 
-    first_layer_inputs(body, stack.layers, device, input_batches, record,
-                       per_layer_masks=stack.kind != ENCODER and layer_kinds(stack.config) is not None)
-    (stack.model.embeddings if stack.kind == ENCODER else body.embed_tokens).to("meta")
-    return captured, names
+    with OuterWeights(stack.model, stack.layers, names or stack.names, get, device) as outer:
+        _stepped(stack.layers, on_call)
+        try:
+            for ids in input_batches:
+                try:
+                    stack.body(input_ids=ids.to(device), use_cache=False)
+                except _Stop:
+                    pass
+        finally:
+            _restored(stack.layers)
+        read = list(outer.read)
+    if len(taken) != len(input_batches) or any(len(t) != len(stack.layers) for t in taken):
+        raise QuantcliError(f"{type(stack.model).__name__}: its forward did not call each of its "
+                            f"{len(stack.layers)} layers once per batch, so quantcli cannot run it layer by layer")
+    return taken, read
+
+
+class Tail:
+    """The model's code after its layers, run on hidden states the walk computed (see the module
+    docstring): `tail(ids, hidden)` returns the logits (a causal LM) or the last hidden state (an
+    encoder) of batch `ids` whose last layer output `hidden` is. The modules it runs are loaded
+    from `get` on first use and stay until `close`. `model`: a copy of the stack's model, for two
+    tails (two checkpoints) loaded side by side."""
+
+    def __init__(self, stack: Stack, names: CheckpointMap, get: Get, device: torch.device, model=None):
+        self.stack, self.device = stack, device
+        self.model = model if model is not None else stack.model
+        self.layers = self.model.get_submodule(stack.layer_path)
+        self.body = self.model if stack.kind == CAUSAL else self.model.base_model
+        self.outer = OuterWeights(self.model, self.layers, names, get, device)
+        self._final: torch.Tensor | None = None
+        _stepped(self.layers, lambda i, hidden, args, kwargs: stack.dressed(self._final if i == 0 else hidden))
+
+    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        self._final = hidden
+        try:
+            out = self.body(input_ids=ids.to(self.device), use_cache=False)
+        finally:
+            self._final = None
+        return out.logits if self.stack.kind == CAUSAL else out.last_hidden_state
+
+    @property
+    def read(self) -> list[str]:
+        """The checkpoint tensors loaded so far."""
+        return list(self.outer.read)
+
+    def close(self) -> None:
+        _restored(self.layers)
+        self.outer.release()
+
+    def __enter__(self) -> Tail:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

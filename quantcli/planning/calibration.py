@@ -10,19 +10,13 @@ from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import LAYOUTS, module_of
 from quantcli.formats.layouts.base import ONE, SCALAR
 from quantcli.model.buffer import budget_bytes
+from quantcli.model.reach import Reach, walk_reach
 from quantcli.model.samples import check_token_ids, check_tokenizer, read_samples
-from quantcli.model.stack import CAUSAL, ENCODER, encoder_positions, encoder_prefix, is_encoder
+from quantcli.model.stack import ENCODER, encoder_positions
 from quantcli.planning.actions import Action
 from quantcli.planning.plan import Exclusion, Plan, TensorPlan
 from quantcli.planning.rounding_plan import check_scales_option, unreached_warnings
 
-# Decoder-only architectures whose layers quantcli/calibrate/engine.py runs: dense Llama-style
-# attention + MLP, and MoE blocks whose experts transformers fuses as [gate; up] 3-D parameters
-# (quantcli/model/weights.py). Besides these, BERT-like encoders (model/stack.py).
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
-ENCODERS = "BERT-like encoders (an ...Model with embeddings and encoder.layer blocks: BertModel, RobertaModel)"
-HEAD = "lm_head.weight"
 UNREACHED = "not in the model's forward (no calibration statistics)"
 _SHAPES = {SCALAR: (), ONE: (1,)}
 
@@ -48,15 +42,16 @@ def checked_plan(plan: Plan) -> Plan:
     if plan.layout is None or plan.source_layout is not None:
         raise QuantcliError(f"--calibration: {plan.source.label} is already quantized; calibrate from the dense "
                             f"(BF16/FP16/FP32) checkpoint")
-    if calibrated_kind(plan.source.config, _names(plan)) == ENCODER:
+    _check_heads(plan.source.config, plan.source.label)
+    reach = plan_reach(plan)
+    plan = replace(plan, walk=reach)
+    if reach.kind == ENCODER:
         plan = _for_encoder(plan)
         opts = plan.options
-    _check_heads(plan.source.config, plan.source.label)
     check_scales_option(plan)
     samples = read_samples(opts.calibration)  # a missing or empty file is refused here,
     check_tokenizer(samples, opts.calibration, plan.source.root)  # text without a tokenizer too,
-    vocab = plan.source.config.get("vocab_size")
-    check_token_ids(samples, opts.calibration, vocab if isinstance(vocab, int) else None)  # ids out of range
+    check_token_ids(samples, opts.calibration, reach.vocab_size)  # ids out of range
     found = len(samples)
     budget_bytes()  # so is a malformed activation-buffer budget
     if opts.kv_cache == "fp8" and not plan.layout.kv_scales:
@@ -67,11 +62,13 @@ def checked_plan(plan: Plan) -> Plan:
         fix = (f"use --layout {' or '.join(able)}" if able else
                f"no layout with KV-cache scales holds {', '.join(sorted(recipes))}; choose another recipe")
         raise QuantcliError(f"--kv-cache fp8: layout {plan.layout.name} has no KV-cache scale tensors; {fix}")
-    plan = _without_unreached(plan, reached_tensors(plan))
+    plan = _without_unreached(plan, set(reach.tensors) | set(reach.head))
     tensors = [replace(t, outputs=t.outputs + _added(plan, t)) for t in plan.tensors]
     kv_names = {o.name for t in tensors for o in t.outputs} - {o.name for t in plan.tensors for o in t.outputs}
     if opts.kv_cache == "fp8" and not any(n.endswith(plan.layout.kv_scales) for n in kv_names):
-        raise QuantcliError(f"--kv-cache fp8: {plan.source.label} has no self_attn.k_proj/v_proj weights")
+        raise QuantcliError(f"--kv-cache fp8: {plan.source.label} has no attention k_proj/v_proj weights (its "
+                            f"attention projects k and v in one fused Linear, which no layout gives KV-cache "
+                            f"scales to); drop the option")
     warnings = list(plan.warnings)
     if found < opts.calibration.samples:
         default = " (the default)" if opts.calibration.samples == 128 else ""
@@ -81,18 +78,10 @@ def checked_plan(plan: Plan) -> Plan:
     return replace(plan, tensors=tensors, warnings=warnings)
 
 
-def calibrated_kind(config: dict, names, what: str = "architecture") -> str:
-    """CAUSAL or ENCODER: how the calibration walk runs a model of `config` with checkpoint
-    tensors `names`; a one-line refusal for an architecture it does not run."""
-    arch = (config.get("architectures") or ["(none in config.json)"])[0]
-    if arch in SUPPORTED:
-        return CAUSAL
-    prefix = encoder_prefix(names)
-    if arch.endswith("Model") and is_encoder(config, names) and any(n.startswith(f"{prefix}encoder.layer.")
-                                                                    for n in names):
-        return ENCODER
-    raise QuantcliError(f"--calibration: {what} {arch} is not supported (supported: {', '.join(SUPPORTED)}; "
-                        f"and {ENCODERS})")
+def plan_reach(plan: Plan) -> Reach:
+    """What the layer walk of the source reaches (model/reach.py), from its headers."""
+    infos = {n: info for header in plan.source.headers.values() for n, info in header.tensors.items()}
+    return walk_reach(plan.source.config, set(infos), lambda n: tuple(infos[n].shape), plan.source.label)
 
 
 def _for_encoder(plan: Plan) -> Plan:
@@ -112,10 +101,6 @@ def _for_encoder(plan: Plan) -> Plan:
     return replace(plan, options=replace(opts, calibration=cal), warnings=[*plan.warnings, warning])
 
 
-def _names(plan: Plan) -> set[str]:
-    return {n for header in plan.source.headers.values() for n in header.tensors}
-
-
 def _added(plan: Plan, t) -> tuple[OutSpec, ...]:
     opts, layout = plan.options, plan.layout
     out: list[OutSpec] = []
@@ -128,26 +113,9 @@ def _added(plan: Plan, t) -> tuple[OutSpec, ...]:
         out += [OutSpec(f"{t.module}{row.suffix}", "F32", _SHAPES[row.reshape]) for row in rows]
     if opts.kv_cache == "fp8" and t.name.endswith(".weight"):
         module = module_of(t.name)
-        if ".self_attn." in module or module.startswith("self_attn."):
+        if plan.walk is not None and module.rpartition(".")[0] in plan.walk.attentions:
             out += [OutSpec(name, "F32", layout.kv_scale_shape) for name in layout.kv_names(module).values()]
     return tuple(out)
-
-
-def reached_tensors(plan: Plan) -> set[str]:
-    """The checkpoint tensors the transformers model of the source's architecture is built from
-    (built on the meta device: no weights read)."""
-    from quantcli.model.stack import build_stack
-    from quantcli.model.weights import WeightMap, experts_blocks
-
-    weights = WeightMap(_names(plan))
-    stack = build_stack(plan.source.config, weights.names, "--calibration")
-    reached = {HEAD} & weights.names  # the engine records the final norm's output, lm_head's input
-    for i, layer in enumerate(stack.layers):
-        prefix = stack.layer_prefix(i)
-        experts = experts_blocks(layer, prefix, weights)
-        for n in layer.state_dict():
-            reached.update(weights.sources(prefix + n, experts))
-    return reached
 
 
 def _without_unreached(plan: Plan, reached: set[str]) -> Plan:

@@ -11,6 +11,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from quantcli.planning.actions import Action
 from quantcli.planning.fused_groups import drop_single_member_groups, one_precision_per_fused_group
 from quantcli.planning.rounding import Rounding
 from quantcli.recipes import RECIPES, Recipe, get_recipe
+
+if TYPE_CHECKING:  # the walk's types only: importing the model layer costs every plan its import time
+    from quantcli.model.reach import Reach
 
 # docs/formats.md, "What is never quantized by default". (reason, pattern on the module name)
 # 3-D expert parameters without a `.weight` suffix (gpt-oss, Llama 4) are stored [E, in, out].
@@ -114,6 +118,7 @@ class Plan:
     source_layout: Layout | None = None  # set when the source is quantized
     dense_dtype: str | None = None
     notes: list[str] = field(default_factory=list)
+    walk: Reach | None = None  # with --calibration: what the layer walk reaches (planning/calibration.py)
 
     @property
     def all_warnings(self) -> list[str]:

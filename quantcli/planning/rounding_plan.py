@@ -5,7 +5,6 @@ that is outside them (lm_head, a 3-D expert stack) is rounded to nearest, and th
 from __future__ import annotations
 
 from quantcli.errors import QuantcliError
-from quantcli.model.stack import LAYER_TENSOR
 from quantcli.planning.actions import Action
 from quantcli.planning.plan import Plan, TensorPlan
 from quantcli.planning.rounding import GPTQ
@@ -13,8 +12,9 @@ from quantcli.recipes import RECIPES
 from quantcli.rounding.spans import scales_per_span
 
 
-def gptq_reaches(t: TensorPlan) -> bool:
-    return len(t.logical_shape) == 2 and bool(LAYER_TENSOR.match(t.name))
+def gptq_reaches(plan: Plan, t: TensorPlan) -> bool:
+    """A 2-D weight inside one of the layers the walk runs (plan.walk, set with --calibration)."""
+    return len(t.logical_shape) == 2 and plan.walk is not None and plan.walk.layer_of(t.name) is not None
 
 
 def unreached_warnings(plan: Plan) -> list[str]:
@@ -23,7 +23,7 @@ def unreached_warnings(plan: Plan) -> list[str]:
     if not rounding.data_aware:
         return []
     missed = [t for t in plan.tensors if t.action == Action.QUANTIZE and rounding.method_for(t.module) == GPTQ
-              and not gptq_reaches(t)]
+              and not gptq_reaches(plan, t)]
     stacks = [t.module for t in missed if len(t.logical_shape) != 2]
     outside = [t.module for t in missed if len(t.logical_shape) == 2]
     out = []
@@ -45,7 +45,7 @@ def check_scales_option(plan: Plan) -> None:
     if rounding.scales_given is None:
         return
     rounded = {t.recipe for t in plan.tensors if t.action == Action.QUANTIZE and
-               rounding.method_for(t.module) == GPTQ and gptq_reaches(t)}
+               rounding.method_for(t.module) == GPTQ and gptq_reaches(plan, t)}
     if rounded and not any(scales_per_span(plan.recipes[r].spec) for r in rounded):
         blocks = [name for name, recipe in RECIPES.items() if scales_per_span(recipe.spec)]
         raise QuantcliError(f"{rounding.scales_given}: changes nothing for "

@@ -10,14 +10,14 @@ a hair of R, a scale search's codes are R, GPTQ's error feedback lands below it.
 a rescaled block land far above. Output errors replace the weight-error rule of judge.py for
 these modules (GPTQ's weight error may exceed it while its outputs are better); the gain, block
 and scale rules stay. The inputs are model/inputs.py's: a Linear's own, and each MoE expert's
-Linears' (the tokens routed to it, and act(gate) * up), with the expert's reference rows of the
-experts block the layer holds; expert stacks stored 3-D keep the weight rules.
+Linears' (where the experts block multiplies by that expert's weights), with the reference's
+weight of each module read from the reference checkpoint; expert stacks stored 3-D keep the
+weight rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -25,7 +25,7 @@ from quantcli.calibrate.engine import Stats, StatsPass
 from quantcli.formats.decode import decode_module
 from quantcli.kernels.decode import apply_scale, scale_values
 from quantcli.model.inputs import input_hooks
-from quantcli.model.layers import LayerPass, walk_layers
+from quantcli.model.layers import LayerPass, Weights, walk_layers
 
 
 @dataclass
@@ -55,68 +55,56 @@ class OutputErrors(LayerPass):
     """Calibration's statistics pass, plus the three products per quantized Linear and batch.
     `targets`: checkpoint module -> (recipe, q) of the 2-D modules to judge."""
 
-    def __init__(self, stats: Stats, layout, targets: dict, device: torch.device):
+    def __init__(self, stats: Stats, layout, targets: dict, device: torch.device, get):
         self.stats_pass, self.layout, self.targets, self.device = StatsPass(stats), layout, targets, device
+        self.get = get  # the reference's checkpoint tensors
         self.errors: dict[str, OutputError] = {}
-        self._deltas: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._deltas: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def observe(self, layer, prefix: str, weights, experts) -> list:
-        hooks = self.stats_pass.observe(layer, prefix, weights, experts)
-        self._reference = {m: w for m, w in reference_weights(layer, prefix, weights, experts).items()
-                           if m in self.targets and tuple(w().shape) == tuple(self.targets[m][1].shape)}
+    def begin(self, stack) -> None:
+        self.stats_pass.begin(stack)
 
-        def record(module: str, x: torch.Tensor) -> None:
-            if module in self._reference:
+    def observe(self, layer, prefix: str, names) -> list:
+        hooks = self.stats_pass.observe(layer, prefix, names)
+
+        def record(module: str, x: torch.Tensor, expert: int | None = None) -> None:
+            if module in self.targets:
                 self._record(module, x)
 
-        return hooks + input_hooks(layer, prefix, weights, experts, record)
+        return hooks + input_hooks(layer, prefix, names, record)
 
-    def cache(self, prefix: str):
-        return self.stats_pass.cache(prefix)
+    def cache(self, layer, prefix: str):
+        return self.stats_pass.cache(layer, prefix)
 
-    def layer_done(self, layer, prefix: str, weights, cache) -> None:
-        self.stats_pass.layer_done(layer, prefix, weights, cache)
+    def layer_done(self, layer, prefix: str, names, cache) -> None:
+        self.stats_pass.layer_done(layer, prefix, names, cache)
         self._deltas.clear()  # one layer's decoded weights at a time
 
-    def finish(self, stack, get, buffer, count: int) -> None:
-        self.stats_pass.finish(stack, get, buffer, count)
+    def finish(self, stack, get, buffer, input_batches: list) -> list[str]:
+        return self.stats_pass.finish(stack, get, buffer, input_batches)
 
     def _record(self, module: str, x: torch.Tensor) -> None:
-        w = self._reference[module]().to(torch.float32)
+        """The three products for `module` (a 2-D weight [out, in]; a 3-D stack keeps the weight rules)."""
         if module not in self._deltas:
+            w = self.get(f"{module}.weight").to(x.device, torch.float32)
+            if tuple(w.shape) != tuple(self.targets[module][1].shape):
+                self.targets = {m: t for m, t in self.targets.items() if m != module}
+                return
             recipe, q = self.targets[module]
             d = decode_module(self.layout, module, recipe, q, device=w.device)
-            self._deltas[module] = (d.sub_(w), round_to_scales(w, recipe, q).sub_(w))
+            self._deltas[module] = (w, d.sub_(w), round_to_scales(w, recipe, q).sub_(w))
+        w, dq, dr = self._deltas[module]
         x = x.reshape(-1, w.shape[1]).to(torch.float32)
-        dq, dr = self._deltas[module]
         e = self.errors.setdefault(module, OutputError())
         e.reference += float(torch.linalg.vector_norm(x @ w.T, dtype=torch.float64) ** 2)
         e.checkpoint += float(torch.linalg.vector_norm(x @ dq.T, dtype=torch.float64) ** 2)
         e.rounded += float(torch.linalg.vector_norm(x @ dr.T, dtype=torch.float64) ** 2)
 
 
-def reference_weights(layer, prefix: str, weights, experts) -> dict[str, Callable[[], torch.Tensor]]:
-    """{checkpoint module: its 2-D weight [out, in] in the loaded `layer`}: each Linear's, and each
-    MoE expert's gate, up and down rows of its block's fused parameters (gate rows, then up rows,
-    in `gate_up_proj`), read when called."""
-    out: dict[str, Callable[[], torch.Tensor]] = {}
-    for sub, mod in layer.named_modules():
-        if isinstance(mod, torch.nn.Linear):
-            out[weights.checkpoint_module(prefix + sub)] = lambda mod=mod: mod.weight
-        elif prefix + sub in experts and len(experts[prefix + sub].gate) > 1:  # per-expert Linears
-            modules = experts[prefix + sub]
-            for e in range(len(modules.gate)):
-                gate, up, down = modules.of(e)
-                out[gate] = lambda mod=mod, e=e: mod.gate_up_proj[e].chunk(2, dim=0)[0]
-                out[up] = lambda mod=mod, e=e: mod.gate_up_proj[e].chunk(2, dim=0)[1]
-                out[down] = lambda mod=mod, e=e: mod.down_proj[e]
-    return out
-
-
-def collect_with_outputs(config: dict, get, release, names, ids, batch: int, device, layout,
+def collect_with_outputs(config: dict, source: Weights, ids, batch: int, device, layout,
                          targets: dict) -> tuple[Stats, dict[str, OutputError]]:
     """calibrate.engine.collect's statistics, and the output errors of `targets`."""
     stats = Stats()
-    job = OutputErrors(stats, layout, targets, device)
-    walk_layers(config, get, release, names, ids, batch, device, job)
+    job = OutputErrors(stats, layout, targets, device, source.get)
+    walk_layers(config, source, ids, batch, device, job)
     return stats, job.errors

@@ -19,8 +19,9 @@ from quantcli.checkpoint.tensors import CheckpointTensors
 from quantcli.errors import QuantcliError
 from quantcli.formats.activation_scales import FP8_DIVISOR, CalibratedScales
 from quantcli.formats.facts import Calibration
+from quantcli.model.layers import Weights
+from quantcli.model.reach import walk_reach
 from quantcli.model.samples import data_digest, is_hub_dataset, token_ids
-from quantcli.planning.calibration import calibrated_kind
 from quantcli.verify.outputs import collect_with_outputs
 
 RECALIBRATED = "static activation and KV-cache scales equal a rerun of the calibration on the reference"
@@ -47,14 +48,13 @@ def rerun(reference: str, revision: str | None, cal: Calibration, device: torch.
     """The calibration statistics of the reference, and (outputs.py) the layer-output errors of
     `targets` (checkpoint module -> (recipe, q)) decoded through `layout`."""
     ref = open_source(reference, revision)
-    names = {n for header in ref.headers.values() for n in header.tensors}
-    calibrated_kind(ref.config, names, "reference architecture")
     with CheckpointTensors(ref) as tensors:
+        source = Weights.of(tensors)
+        walk_reach(ref.config, source.names, source.shape, f"--reference {ref.label}")  # refused before any work
         ids = token_ids(cal, ref.root)
         if not targets:
-            return collect(ref.config, tensors.get, tensors.release, names, ids, cal.batch, device), {}
-        return collect_with_outputs(ref.config, tensors.get, tensors.release, names, ids, cal.batch, device, layout,
-                                    targets)
+            return collect(ref.config, source, ids, cal.batch, device), {}
+        return collect_with_outputs(ref.config, source, ids, cal.batch, device, layout, targets)
 
 
 def recalibrated_faults(scales: CalibratedScales, stats: Stats) -> Iterator[tuple[str, str]]:

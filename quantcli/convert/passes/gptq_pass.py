@@ -27,7 +27,7 @@ class GptqPass:
     name = "gptq"
 
     def takes(self, plan: Plan, t: TensorPlan) -> bool:
-        return plan.options.rounding.method_for(t.module) == GPTQ and gptq_reaches(t)
+        return plan.options.rounding.method_for(t.module) == GPTQ and gptq_reaches(plan, t)
 
     def feeds_quantized(self, plan: Plan) -> bool:
         return plan.options.rounding.inputs == "quantized"

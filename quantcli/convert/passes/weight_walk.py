@@ -35,7 +35,7 @@ from quantcli.errors import QuantcliError
 from quantcli.formats.decode import decode_module
 from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.model.inputs import input_hooks
-from quantcli.model.layers import LayerPass, batches, load_layer
+from quantcli.model.layers import LayerPass, batches, layer_sources, load_layer
 
 KILL_ENV = "QUANTCLI_KILL_AFTER_LAYERS"  # crash-safety tests: SIGKILL once this many layers are staged
 
@@ -52,7 +52,7 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
     from quantcli.model.samples import token_ids
 
     staged = StagedWeights(reader.stage, wp.name)
-    layers = int(plan.source.config["num_hidden_layers"])
+    layers = plan.walk.layers
     finished = world.settle_all(lambda: staged.finished(layers) if world.lead else None)[0]
     staged.resumed = (finished, layers)
     if finished < layers:
@@ -95,14 +95,13 @@ class WeightWalk(LayerPass):
             return None
         return self._written(i) if self.sequential else self.reader.tensors.get
 
-    def observe(self, layer, prefix: str, weights, experts) -> list:
-        read = dict.fromkeys(src for n in layer.state_dict() for src in weights.sources(prefix + n, experts))
-        self.layer_tensors = [self.taken[n] for n in read if n in self.taken]
+    def observe(self, layer, prefix: str, names) -> list:
+        self.layer_tensors = [self.taken[n] for n in layer_sources(layer, prefix, names) if n in self.taken]
         modules = {t.module for t in self.layer_tensors}
         sums = self.sums = OrderedSum(self.world, self.batches, keep=self.world.lead)
         self.seen: dict[str, torch.Tensor] = {}  # this batch: each key's input, recorded once
 
-        def record(module: str, x: torch.Tensor) -> None:
+        def record(module: str, x: torch.Tensor, expert: int | None = None) -> None:
             if module not in modules:
                 return
             key = self.key[module]
@@ -115,22 +114,22 @@ class WeightWalk(LayerPass):
             if rows.shape[0]:
                 sums.add(key, self.wp.statistic(rows), rows.shape[0])
 
-        return input_hooks(layer, prefix, weights, experts, record)
+        return input_hooks(layer, prefix, names, record)
 
     def batch_done(self, j: int) -> None:
         self.seen = {}
         self.sums.end_batch()
 
-    def layer_done(self, layer, prefix: str, weights, cache) -> None:
+    def layer_done(self, layer, prefix: str, names, cache) -> None:
         self.statistics = self.sums.finish()
         self.sums = None
 
-    def update(self, layer, prefix: str, weights, experts) -> None:
+    def update(self, layer, prefix: str, names) -> None:
         i = self.index[prefix]
         self.world.settle(lambda: self._stage(i) if self.world.lead else None)
         self.statistics = ({}, {})
         if self.sequential:  # else the layer keeps the source's weights: the next inputs are the source's
-            load_layer(layer, prefix, self._written(i), weights, experts, self.reader.device)
+            load_layer(layer, prefix, self._written(i), names, self.reader.device)
         if os.environ.get(KILL_ENV) == str(i + 1):
             import signal
 

@@ -1,0 +1,47 @@
+"""What a layer walk of a checkpoint will reach, known before any work from the model built on
+the meta device (model/stack.py): the planner's view of the walk (which checkpoint tensors each
+layer is built from, the output head, the attention of each layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from quantcli.model.stack import CAUSAL, attention_path, build_stack, cache_kwarg
+
+
+@dataclass(frozen=True)
+class Reach:
+    kind: str  # stack.CAUSAL | stack.ENCODER
+    model_class: str
+    layers: int
+    layer_path: str  # the model's path of its layers (model.language_model.layers, transformer.h, ...)
+    tensors: dict[str, int] = field(default_factory=dict)  # checkpoint tensor -> the layer it is in
+    head: tuple[str, ...] = ()  # checkpoint tensors of the output head (a causal LM's), tied ones included
+    attentions: dict[str, int] = field(default_factory=dict)  # checkpoint attention module -> its layer
+    vocab_size: int | None = None
+    model_config: object = None  # transformers' config of the model (its text config's limits)
+
+    def layer_of(self, name: str) -> int | None:
+        return self.tensors.get(name)
+
+
+def walk_reach(config: dict, names, shape: Callable[[str], tuple[int, ...]], label: str) -> Reach:
+    """The Reach of the model of `config` with checkpoint tensors `names`; a one-line refusal
+    for a model no walk can run (model/stack.py, model/build.py)."""
+    stack = build_stack(config, names, shape, label)
+    tensors: dict[str, int] = {}
+    attentions: dict[str, int] = {}
+    for i, layer in enumerate(stack.layers):
+        prefix = stack.layer_prefix(i)
+        for n in layer.state_dict():
+            for src in stack.names.sources(prefix + n):
+                tensors.setdefault(src, i)
+        attention = attention_path(layer, prefix) if stack.kind == CAUSAL and cache_kwarg(layer) else None
+        if attention is not None:
+            attentions[stack.names.module(attention)] = i
+    head = stack.head()
+    head_tensors = tuple(src for n in (stack.model.get_submodule(head).state_dict() if head else {})
+                         for src in stack.names.sources(f"{head}.{n}"))
+    return Reach(stack.kind, type(stack.model).__name__, len(stack.layers), stack.layer_path, tensors, head_tensors,
+                 attentions, stack.vocab_size, stack.config)
