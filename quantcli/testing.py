@@ -159,3 +159,161 @@ def make_bert(out: Path, hidden: int = 64, layers: int = 2, heads: int = 4, inte
         path = out / "model.safetensors"
         save_file({prefix + n: t for n, t in load_file(path).items()}, str(path), metadata={"format": "pt"})
     return out
+
+
+# make_tiny's sizes: set wherever transformers' default config has the attribute (a VLM's
+# text_config gets SIZES, its vision_config VISION), so that any architecture comes out a
+# few hundred thousand parameters with every kind of block it has (2 layers, 4 experts, MLA ranks,
+# a sliding window shorter than a sample).
+SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, vocab_size=512, max_position_embeddings=256, moe_intermediate_size=128, n_routed_experts=4,
+             num_experts=4, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
+             topk_group=1, shared_expert_intermediate_size=64, decoder_sparse_step=1, sliding_window=8,
+             global_attn_every_n_layers=2, local_attention=8, ffn_hidden_size=128, linear_key_head_dim=16,
+             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, vocab_size_per_layer_input=512,
+             hidden_size_per_layer_input=16, global_head_dim=16, num_global_key_value_heads=2,
+             intermediate_size_mlp=128)
+GEMMA4_SIZES = dict(global_head_dim=16, num_global_key_value_heads=2)  # read by Gemma 4's config init only
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2,
+              embed_dim=32, image_size=28, patch_size=14, out_hidden_size=64, mlp_ratio=2, spatial_merge_size=2,
+              temporal_patch_size=2)
+
+
+def _sizes_for(config, sizes: dict) -> dict:
+    """The entries of `sizes` that `config` has; a model that is multi-head by design (MLA: as many
+    KV heads as heads) stays so."""
+    keys = config.to_dict()
+    out = {k: v for k, v in sizes.items() if k in keys}
+    heads, kv = keys.get("num_attention_heads"), keys.get("num_key_value_heads")
+    if kv is not None and kv == heads:
+        out["num_key_value_heads"] = out.get("num_attention_heads", heads)
+    return out
+
+
+def _layer_kinds(config, sizes: dict) -> dict:
+    """num_hidden_layers and layer_types for a config whose layers differ in kind: one layer of
+    each kind, in the order the full model first has them (at least sizes' layer count)."""
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return {}
+    kinds = list(dict.fromkeys(types))
+    n = max(sizes.get("num_hidden_layers", 2), len(kinds))
+    return {"num_hidden_layers": n, "layer_types": [kinds[i % len(kinds)] for i in range(n)]}
+
+
+def _shrunk(config, sizes: dict):
+    for key, value in _sizes_for(config, sizes).items():
+        try:
+            if key not in ("num_hidden_layers", "layer_types"):
+                setattr(config, key, value)
+        except Exception:  # a derived property, or a per-layer one (Gemma 4's head_dim)
+            pass
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # inside the small vocabulary
+        value = config.__dict__.get(key)
+        if isinstance(value, int) and value >= sizes.get("vocab_size", 512):
+            setattr(config, key, 0)
+    if getattr(config, "qk_rope_head_dim", None) and getattr(config, "qk_nope_head_dim", None):
+        config.head_dim = config.qk_rope_head_dim  # MLA: the rotary part is what head_dim sizes
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if "hidden_size" in config.to_dict():
+        _shrunk_rope_sections(config)
+    return config
+
+
+def _shrunk_rope_sections(config) -> None:
+    """Multimodal rotary sections (Qwen2-VL's mrope_section) rescaled to the smaller head."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    head = config.to_dict().get("head_dim") or config.hidden_size // config.num_attention_heads
+    if isinstance(rope, dict) and "VL" in type(config).__name__ and "mrope_section" not in rope:
+        rope["mrope_section"] = [16, 24, 24]  # the default Qwen2-VL's code takes when the config names none
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
+        sections, half = rope["mrope_section"], head // 2
+        scaled = [max(1, s * half // sum(sections)) for s in sections]
+        scaled[0] += half - sum(scaled)
+        rope["mrope_section"] = scaled
+
+
+def tiny_config(model_type: str):
+    """transformers' default config of `model_type`, shrunk (SIZES, VISION): built from the sizes
+    as keyword arguments where the config takes them, so that what its __init__ derives follows,
+    then set on what it keeps as plain attributes."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    subs = [(sub, sizes) for sub, sizes in (("text_config", SIZES), ("vision_config", VISION))
+            if getattr(default, sub, None) is not None]
+    kwargs = {**_sizes_for(default, SIZES), **_layer_kinds(default, SIZES), **GEMMA4_SIZES,
+              **{sub: {**_sizes_for(getattr(default, sub), sizes), **_layer_kinds(getattr(default, sub), sizes)}
+                 for sub, sizes in subs}}
+    try:
+        config = AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, TypeError, AttributeError):
+        config = default
+    for sub, sizes in subs:
+        _shrunk(getattr(config, sub), sizes)
+    return _shrunk(config, SIZES)
+
+
+def make_tiny(out: Path, model_type: str, architecture: str, seed: int = 0, shards: int = 1) -> Path:
+    """A random BF16 checkpoint of transformers' `architecture` (a class name) for `model_type`,
+    shrunk by tiny_config and saved as transformers saves it (the checkpoint names its producer's
+    format, which transformers converts on load)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(tiny_config(model_type)).eval()
+    with torch.no_grad():  # a config the shrinking made inconsistent fails here, not in the test that uses it
+        model(input_ids=torch.arange(1, 13)[None], use_cache=False)
+    _save(model.to(torch.bfloat16), Path(out), shards)
+    return Path(out)
+
+
+# The architectures tests/test_architectures.py runs every command on (tiny, from transformers'
+# own config classes), and docs/architectures.md lists (scripts/architectures_table.py): model_type,
+# transformers class, what is special about it (shown in the table).
+MATRIX = (
+    ("llama", "LlamaForCausalLM", ""),
+    ("mistral", "MistralForCausalLM", "sliding window"),
+    ("qwen2", "Qwen2ForCausalLM", "q/k/v biases"),
+    ("qwen3", "Qwen3ForCausalLM", "q/k norms"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", "MoE"),
+    ("qwen3_5_text", "Qwen3_5ForCausalLM", "linear-attention (Gated DeltaNet) and full-attention layers"),
+    ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "hybrid attention, MoE with a shared expert"),
+    ("mixtral", "MixtralForCausalLM", "MoE (w1/w3/w2 experts)"),
+    ("olmoe", "OlmoeForCausalLM", "MoE"),
+    ("minimax_m2", "MiniMaxM2ForCausalLM", "MoE"),
+    ("deepseek_v2", "DeepseekV2ForCausalLM", "MLA, shared + routed experts"),
+    ("deepseek_v3", "DeepseekV3ForCausalLM", "MLA, shared + routed experts, dense first layer (also Kimi K2)"),
+    ("glm4", "Glm4ForCausalLM", "fused gate/up MLP"),
+    ("glm4_moe", "Glm4MoeForCausalLM", "MoE with a shared expert"),
+    ("gemma2", "Gemma2ForCausalLM", "logit soft-capping, sliding/full layers, embedding scale"),
+    ("gemma3_text", "Gemma3ForCausalLM", "sliding/full layers with their own rotary"),
+    ("gemma4_text", "Gemma4ForCausalLM", "per-layer inputs, per-layer head sizes"),
+    ("phi", "PhiForCausalLM", "parallel attention and MLP"),
+    ("phi3", "Phi3ForCausalLM", "fused qkv_proj and gate_up_proj"),
+    ("granite", "GraniteForCausalLM", "logit, embedding and residual multipliers"),
+    ("cohere", "CohereForCausalLM", "logit scale, parallel attention and MLP"),
+    ("olmo2", "Olmo2ForCausalLM", "post-norms"),
+    ("starcoder2", "Starcoder2ForCausalLM", "biases, GELU MLP"),
+    ("smollm3", "SmolLM3ForCausalLM", "layers without rotary"),
+    ("falcon", "FalconForCausalLM", "fused query_key_value, parallel attention"),
+    ("gpt_neox", "GPTNeoXForCausalLM", "fused query_key_value, output head embed_out"),
+    ("gpt_oss", "GptOssForCausalLM", "3-D expert stacks (--layout gpt-oss), sinks, sliding/full layers"),
+    ("llama4_text", "Llama4ForCausalLM", "3-D expert stacks, chunked attention, a router that is a Linear"),
+    ("qwen2_vl", "Qwen2VLForConditionalGeneration", "VLM: multimodal rotary; the vision tower stays dense"),
+    ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "VLM"),
+    ("qwen3_vl", "Qwen3VLForConditionalGeneration", "VLM"),
+    ("llava", "LlavaForConditionalGeneration", "VLM: CLIP tower, Llama decoder"),
+    ("gemma3", "Gemma3ForConditionalGeneration", "VLM: SigLIP tower, Gemma 3 decoder"),
+    ("bert", "BertModel", "encoder"),
+    ("xlm-roberta", "XLMRobertaModel", "encoder"),
+    ("modernbert", "ModernBertModel", "encoder: fused Wqkv, final norm, sliding/global layers"),
+    ("nomic_bert", "NomicBertModel", "encoder: rotary, SwiGLU"),
+)
+# ... whose 3-D expert stacks only --layout gpt-oss (mxfp4, gpt-oss itself) quantizes: the matrix
+# keeps them dense elsewhere with --ignore '*.experts'
+MATRIX_STACKS = frozenset({"gpt_oss", "llama4_text"})
+# ... whose KV cache holds MLA's compressed latent: --kv-cache fp8 is refused for them
+MATRIX_MLA = frozenset({"deepseek_v2", "deepseek_v3"})

@@ -25,8 +25,9 @@ def scale_facts(plan: Plan, stats: Stats) -> dict[str, dict[str, object]]:
         _input_scales(plan, stats, out)
     if plan.options.kv_cache == "fp8":
         for attn, k in stats.keys.items():
-            out.setdefault(f"{attn}.k_proj", {})["k_scale"] = scale_for(k, FP8_DIVISOR)
-            out.setdefault(f"{attn}.v_proj", {})["v_scale"] = scale_for(stats.values[attn], FP8_DIVISOR)
+            k_module, v_module = plan.walk.kv_modules.get(attn, (f"{attn}.k_proj", f"{attn}.v_proj"))
+            out.setdefault(k_module, {})["k_scale"] = scale_for(k, FP8_DIVISOR)
+            out.setdefault(v_module, {})["v_scale"] = scale_for(stats.values[attn], FP8_DIVISOR)
     if plan.options.scale_search == "mse":  # activation-weighted search
         for t in plan.tensors:
             ms = stats.channel_ms(t.module) if t.quantized else None

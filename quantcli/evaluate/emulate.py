@@ -16,7 +16,6 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from quantcli.evaluate.declared import NotEmulated
 from quantcli.model.inputs import experts_params, trace_experts
@@ -57,16 +56,24 @@ Step = Callable[[torch.Tensor], torch.Tensor] | None
 
 
 def _linear_hooks(mod: torch.nn.Linear, step: Step, w_ref: torch.Tensor, b_ref, err: ErrorSum) -> list:
-    stash: list[torch.Tensor] = []
+    """The module's own forward (a Linear, or a subclass with its own: Falcon's, Llama 4's router)
+    run again with the reference's weight on the same, unquantized input."""
+    stash: list[tuple] = []
+    ref = {"weight": w_ref, **({"bias": b_ref} if b_ref is not None else {})}
 
     def before(m, args):
-        stash.append(args[0])
+        stash.append(args)
         return None if step is None else (step(args[0]), *args[1:])
 
     def after(m, args, out):
-        err.add(out, F.linear(stash.pop(), w_ref, b_ref))
+        err.add(_first(out), _first(own_forward(m, ref, stash.pop(), {})))
 
     return [mod.register_forward_pre_hook(before), mod.register_forward_hook(after)]
+
+
+def _first(out):
+    """A module's output tensor (the first of a tuple: Llama 4's router returns scores and logits)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def own_forward(block, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> torch.Tensor:
@@ -151,5 +158,5 @@ def _one_step(steps: dict, modules: list[str]):
 
 
 def detach(layer, handles: list) -> None:
-    for h in handles:
+    for h in reversed(handles):  # last in, first out: nested expert tracers unwind in order
         h.remove()

@@ -89,7 +89,7 @@ def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, layer_a
     layer, prefix = stack.layers[i], stack.layer_prefix(i)
     (ref, quant), (ref_map, quant_map), (ref_buf, quant_buf) = sides, maps, bufs
     ref_params = load_block(layer, prefix, ref, ref_map)
-    stack.output_arity = run_batches(layer, i, ref_buf, layer_args)
+    stack.output_arity = run_batches(layer, i, ref_buf, layer_args[0])
     load_block(layer, prefix, quant, quant_map)
     errors: dict[str, ErrorSum] = {}
     handles = attach(layer, prefix, quant_map, ref_params, emu.steps, errors)
@@ -97,11 +97,11 @@ def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, layer_a
     attention = quant_map.module(attention) if attention is not None else None
     cache = KvQuantCache(*emu.kv[attention]) if attention in emu.kv else None
     try:
-        run_batches(layer, i, quant_buf, layer_args, cache)
+        run_batches(layer, i, quant_buf, layer_args[1], cache)
     finally:
         detach(layer, handles)
     hidden = ErrorSum()
-    for j in range(len(layer_args)):
+    for j in range(len(layer_args[0])):
         hidden.add(quant_buf.read(j), ref_buf.read(j))
     walked.layers.append(hidden)
     walked.modules.append(errors)
@@ -120,11 +120,14 @@ def walk(stack: Stack, ref, quant, input_batches: list[torch.Tensor], device: to
     walked, start = Walked(), time.monotonic()
     with torch.inference_mode(), ActivationBuffer(device, budget_bytes()) as ref_buf, \
             ActivationBuffer(device, budget_bytes()) as quant_buf:
-        layer_args, names = capture(stack, ref.get, device, input_batches, ref_buf.write)
-        for name in names:
-            ref.release(name)
-        for name in capture(stack, quant.get, device, input_batches, quant_buf.write, maps[1])[1]:
-            quant.release(name)
+        # each side's own layer arguments: what runs before the layers may be quantized too (Gemma 4's
+        # per-layer input projection), and then the quantized side's layers get its outputs
+        layer_args = []
+        for side, names_map, buf in ((ref, maps[0], ref_buf), (quant, maps[1], quant_buf)):
+            args, names = capture(stack, side.get, device, input_batches, buf.write, names_map)
+            layer_args.append(args)
+            for name in names:
+                side.release(name)
         for i in range(len(stack.layers)):
             _block(stack, i, (ref, quant), maps, (ref_buf, quant_buf), layer_args, emu, walked)
             if progress is not None:

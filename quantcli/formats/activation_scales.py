@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantcli.formats.fused import fused_group_of
+from quantcli.formats.fused import FUSED_QKV, fused_group_of
 from quantcli.formats.layouts.base import Direction, Layout, to_direction
+from quantcli.formats.module_kinds import default_exclusion
 
 # The multiplier's divisor: input_scale = amax_x / 2688 (NVFP4: E4M3 max 448 x E2M1 max 6),
 # amax / 448 for FP8 activations and the FP8 KV cache (docs/formats.md, "Calibrated scales").
@@ -82,11 +83,22 @@ def _input_scales(layout: Layout, modules: dict[str, str], tensors, static: bool
 
 
 def _kv_scales(layout: Layout, names) -> list[KvScale]:
-    """One row per attention module that has a k_proj and v_proj, in the layout's KV names."""
+    """One row per attention module that has a k_proj and v_proj, or one fused q/k/v Linear, in
+    the layout's KV names."""
     out = []
-    for parent in sorted({n.split(".k_proj.")[0] for n in names if ".k_proj." in n}):
-        k = layout.kv_names(f"{parent}.k_proj").get("k_scale")
-        v = layout.kv_names(f"{parent}.v_proj").get("v_scale")
+    separate = {n.split(".k_proj.")[0]: (f"{n.split('.k_proj.')[0]}.k_proj", f"{n.split('.k_proj.')[0]}.v_proj")
+                for n in names if ".k_proj." in n}
+    fused = {}
+    for n in names:
+        module = n.rpartition(".")[0]
+        parent, _, leaf = module.rpartition(".")
+        if leaf in FUSED_QKV and parent not in separate:
+            fused[parent] = (module, module)
+    for parent, (k_module, v_module) in sorted({**fused, **separate}.items()):
+        if default_exclusion(parent, {}) == "vision tower":  # a vision encoder's attention keeps no KV cache
+            continue
+        k = layout.kv_names(k_module).get("k_scale")
+        v = layout.kv_names(v_module).get("v_scale")
         if k and v:
             out.append(KvScale(parent, k, v, None, None))
     return out

@@ -8,6 +8,12 @@ FUSED_SETS = [("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("gate_
               ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa")]
 
 
+# One Linear an attention computes q, k and v with (Phi-3, Falcon, GPT-NeoX, Baichuan, GPT-2): its
+# KV-cache scales sit on the attention module itself (`<attn>.k_scale`), which vLLM's
+# `maybe_remap_kv_scale_name` maps to the attention's `attn.k_scale` as it maps compressed-tensors' own.
+FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv", "W_pack", "c_attn")
+
+
 def fused_group_of(module: str) -> str | None:
     parent, _, leaf = module.rpartition(".")
     for members in FUSED_SETS:

@@ -39,14 +39,19 @@ def experts_params(layer, prefix: str, names: CheckpointMap) -> dict[str, list[E
 
 
 class _Traced:
-    """A handle that puts an experts block's own forward back (`remove`), and checks it was traced."""
+    """A handle that puts back the experts block's forward it replaced (`remove`: the class's, or
+    another tracer's), and checks it was traced."""
 
     def __init__(self, block, path: str, calls: ExpertCalls):
         self.block, self.path, self.calls = block, path, calls
+        self.previous = block.__dict__.get("forward")  # another pass's tracer on the same block, or None
         self.ran = False
 
     def remove(self) -> None:
-        self.block.__dict__.pop("forward", None)
+        if self.previous is None:
+            self.block.__dict__.pop("forward", None)
+        else:
+            self.block.forward = self.previous
         if self.ran and self.calls.calls == 0:
             raise QuantcliError(f"{self.path} ({type(self.block).__name__}): its experts ran without a matmul on "
                                 f"their 3-D weights quantcli could see, so their inputs are unknown; this experts "
@@ -54,15 +59,17 @@ class _Traced:
 
 
 def trace_experts(block, path: str, params: list[ExpertParam], on_input: OnInput) -> _Traced:
-    """Run `block` (an experts module) under ExpertCalls from now on; the handle undoes it."""
+    """Run `block` (an experts module) under ExpertCalls from now on; the handle undoes it. Several
+    passes may trace one block (calibration's statistics and verify's output errors): their modes
+    nest, and each sees every call."""
     calls = ExpertCalls(params, on_input)
-    own = type(block).forward
     handle = _Traced(block, path, calls)
+    inner = handle.previous or (lambda *args, **kwargs: type(block).forward(block, *args, **kwargs))
 
     def forward(*args, **kwargs):
         handle.ran = True
         with calls:
-            return own(block, *args, **kwargs)
+            return inner(*args, **kwargs)
 
     block.forward = forward
     return handle

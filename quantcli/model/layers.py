@@ -152,7 +152,7 @@ def run_layer(stack: Stack, i: int, get: Get, buffer: ActivationBuffer, layer_ar
         arity = run_batches(layer, i, buffer, layer_args, cache, write=not layer_pass.changes_weights,
                             batch_done=layer_pass.batch_done)
     finally:
-        for h in hooks:
+        for h in reversed(hooks):  # last in, first out: nested expert tracers unwind in order
             h.remove()
     layer_pass.layer_done(layer, prefix, names, cache)
     if layer_pass.changes_weights:

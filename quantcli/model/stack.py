@@ -156,6 +156,22 @@ class _Stop(Exception):
     pass
 
 
+def _stop():
+    raise _Stop
+
+
+def _warm_up(body, ids: torch.Tensor) -> None:
+    """One call that loads what the model runs (model/outer.py), its outputs thrown away: code that
+    reads a module's `weight.device` before calling it (Llama 4 moves the tokens there) would
+    otherwise see the meta device on the first batch. A fault here is the real call's to report."""
+    try:
+        body(input_ids=ids, use_cache=False)
+    except _Stop:
+        pass
+    except Exception:  # noqa: BLE001 - the call that follows, with what loaded here, raises it if it persists
+        pass
+
+
 # per batch, per layer: (positional arguments after the hidden states, keyword arguments)
 LayerArgs = list[list[tuple[tuple, dict]]]
 
@@ -196,8 +212,11 @@ def capture(stack: Stack, get: Get, device: torch.device, input_batches: list[to
         return hidden
 
     with OuterWeights(stack.model, stack.layers, names or stack.names, get, device) as outer:
-        _stepped(stack.layers, on_call)
+        _stepped(stack.layers, lambda i, hidden, args, kwargs: _stop())
         try:
+            if input_batches:
+                _warm_up(stack.body, input_batches[0].to(device))
+            _stepped(stack.layers, on_call)
             for ids in input_batches:
                 try:
                     stack.body(input_ids=ids.to(device), use_cache=False)
@@ -226,10 +245,14 @@ class Tail:
         self.body = self.model if stack.kind == CAUSAL else self.model.base_model
         self.outer = OuterWeights(self.model, self.layers, names, get, device)
         self._final: torch.Tensor | None = None
+        self._warm = False
         _stepped(self.layers, lambda i, hidden, args, kwargs: stack.dressed(self._final if i == 0 else hidden))
 
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         self._final = hidden
+        if not self._warm:  # see _warm_up
+            self._warm = True
+            _warm_up(self.body, ids.to(self.device))
         try:
             out = self.body(input_ids=ids.to(self.device), use_cache=False)
         finally:

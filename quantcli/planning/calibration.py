@@ -64,11 +64,8 @@ def checked_plan(plan: Plan) -> Plan:
         raise QuantcliError(f"--kv-cache fp8: layout {plan.layout.name} has no KV-cache scale tensors; {fix}")
     plan = _without_unreached(plan, set(reach.tensors) | set(reach.head))
     tensors = [replace(t, outputs=t.outputs + _added(plan, t)) for t in plan.tensors]
-    kv_names = {o.name for t in tensors for o in t.outputs} - {o.name for t in plan.tensors for o in t.outputs}
-    if opts.kv_cache == "fp8" and not any(n.endswith(plan.layout.kv_scales) for n in kv_names):
-        raise QuantcliError(f"--kv-cache fp8: {plan.source.label} has no attention k_proj/v_proj weights (its "
-                            f"attention projects k and v in one fused Linear, which no layout gives KV-cache "
-                            f"scales to); drop the option")
+    if opts.kv_cache == "fp8":
+        _check_kv(plan)
     warnings = list(plan.warnings)
     if found < opts.calibration.samples:
         default = " (the default)" if opts.calibration.samples == 128 else ""
@@ -101,6 +98,22 @@ def _for_encoder(plan: Plan) -> Plan:
     return replace(plan, options=replace(opts, calibration=cal), warnings=[*plan.warnings, warning])
 
 
+def _check_kv(plan: Plan) -> None:
+    """--kv-cache fp8 needs every attention's k and v projections, separate or one fused Linear,
+    among the planned weights (their KV-cache scales are written beside them)."""
+    walk, label = plan.walk, plan.source.label
+    missing = sorted(set(walk.attentions) - set(walk.kv_modules))
+    if missing:
+        raise QuantcliError(f"--kv-cache fp8: {label}'s attention {missing[0]} has neither k_proj/v_proj nor one "
+                            f"fused q/k/v Linear: its KV cache holds a compressed latent (MLA), whose scale engines "
+                            f"take from that latent, not from the k and v transformers computes, and quantcli does "
+                            f"not measure it; drop the option")
+    planned = {t.module or module_of(t.name) for t in plan.tensors}
+    if not walk.kv_modules or not all(k in planned for kv in walk.kv_modules.values() for k in kv):
+        raise QuantcliError(f"--kv-cache fp8: {label} has no attention k_proj/v_proj (or fused q/k/v) weights to "
+                            f"give KV-cache scales to; drop the option")
+
+
 def _added(plan: Plan, t) -> tuple[OutSpec, ...]:
     opts, layout = plan.options, plan.layout
     out: list[OutSpec] = []
@@ -113,7 +126,7 @@ def _added(plan: Plan, t) -> tuple[OutSpec, ...]:
         out += [OutSpec(f"{t.module}{row.suffix}", "F32", _SHAPES[row.reshape]) for row in rows]
     if opts.kv_cache == "fp8" and t.name.endswith(".weight"):
         module = module_of(t.name)
-        if plan.walk is not None and module.rpartition(".")[0] in plan.walk.attentions:
+        if plan.walk is not None and module in {m for kv in plan.walk.kv_modules.values() for m in kv}:
             out += [OutSpec(name, "F32", layout.kv_scale_shape) for name in layout.kv_names(module).values()]
     return tuple(out)
 

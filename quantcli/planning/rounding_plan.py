@@ -1,6 +1,6 @@
-"""Which planned modules GPTQ can round: the 2-D Linears of the decoder (or encoder) layers,
-which the layer walk runs (quantcli/model/layers.py). A module the options select for GPTQ
-that is outside them (lm_head, a 3-D expert stack) is rounded to nearest, and the plan says so."""
+"""Which planned modules GPTQ can round: the Linears and 3-D expert stacks of the decoder (or
+encoder) layers, which the layer walk runs (quantcli/model/layers.py). A module the options
+select for GPTQ that is outside them (lm_head) is rounded to nearest, and the plan says so."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from quantcli.rounding.spans import scales_per_span
 
 
 def gptq_reaches(plan: Plan, t: TensorPlan) -> bool:
-    """A 2-D weight inside one of the layers the walk runs (plan.walk, set with --calibration)."""
-    return len(t.logical_shape) == 2 and plan.walk is not None and plan.walk.layer_of(t.name) is not None
+    """A weight inside one of the layers the walk runs (plan.walk, set with --calibration): a 2-D
+    Linear, or a 3-D expert stack (rounded expert by expert, each from the tokens routed to it)."""
+    return len(t.logical_shape) in (2, 3) and plan.walk is not None and plan.walk.layer_of(t.name) is not None
 
 
 def unreached_warnings(plan: Plan) -> list[str]:
@@ -24,16 +25,11 @@ def unreached_warnings(plan: Plan) -> list[str]:
         return []
     missed = [t for t in plan.tensors if t.action == Action.QUANTIZE and rounding.method_for(t.module) == GPTQ
               and not gptq_reaches(plan, t)]
-    stacks = [t.module for t in missed if len(t.logical_shape) != 2]
-    outside = [t.module for t in missed if len(t.logical_shape) == 2]
-    out = []
-    if outside:
-        out.append(f"--rounding gptq: {_names(outside)} outside the decoder layers: rounded to nearest "
-                   f"(GPTQ rounds the Linears the layer walk runs)")
-    if stacks:
-        out.append(f"--rounding gptq: {_names(stacks)} 3-D expert stacks: rounded to nearest (GPTQ rounds "
-                   f"2-D Linears, one per expert)")
-    return out
+    outside = [t.module for t in missed]
+    if not outside:
+        return []
+    return [f"--rounding gptq: {_names(outside)} outside the decoder layers: rounded to nearest (GPTQ rounds "
+            f"the Linears and expert stacks the layer walk runs)"]
 
 
 def check_scales_option(plan: Plan) -> None:

@@ -87,7 +87,7 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
             weighted = any(m.scale_search_weights for m in det.manifest.modules) if det.manifest else False
             targets = {m: (r, q) for m, (r, q) in decoded_cache.items() if len(q.shape) == 2}
             stats, outputs = recalibrated_check(source, scales, reference, revision, calibration, dev, found, weighted,
-                                                det.layout, targets)
+                                                det.layout, targets, gptq_rerun=rerun is not None)
         if reference is not None:
             rows, reference_kind = reference_checks(reference, revision, det, decoded_cache, qt, pattern, exact,
                                                     limits, dev, found, progress,

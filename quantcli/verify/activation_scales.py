@@ -63,15 +63,19 @@ def calibrated_check(source, det, config: dict, modules: dict, qt, found: Findin
 
 
 def recalibrated_check(source, scales: CalibratedScales | None, reference: str, revision: str | None, data: str,
-                       device, found: Findings, weighted: bool = False, layout=None, targets: dict | None = None):
+                       device, found: Findings, weighted: bool = False, layout=None, targets: dict | None = None,
+                       gptq_rerun: bool = False):
     """--calibration DATA: file under RECALIBRATED every stored scale a rerun disagrees with.
     Returns the rerun's statistics (their per-channel mean squared inputs let --exact reproduce
     an activation-weighted scale search, `weighted`) and the layer-output errors of `targets`
-    (outputs.py: checkpoint module -> (recipe, q), judged by them)."""
+    (outputs.py: checkpoint module -> (recipe, q), judged by them). `gptq_rerun`: --exact reran GPTQ
+    with the data, which is then use enough for it."""
     from quantcli.verify.recalibrate import RECALIBRATED, calibration_of, recalibrated_faults, rerun
 
     has_scales = scales is not None and bool(scales.inputs or any(r.k_scale is not None for r in scales.kv))
     if not has_scales and not weighted and not targets:
+        if gptq_rerun:  # the data served --exact's GPTQ rerun (gpt-oss's expert stacks): nothing more to check
+            return None, {}
         raise QuantcliError(f"--calibration: {source.label} holds no static activation or KV-cache scales, no "
                             f"activation-weighted scale search and no Linear whose outputs it could check")
     stats, outputs = rerun(reference, revision, calibration_of(source, data), device, layout, targets)

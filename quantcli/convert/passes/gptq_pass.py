@@ -13,6 +13,8 @@ of them GPTQ would fit those tokens rather than the module. Non-finite activatio
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from quantcli.convert.passes.kinds import ModuleWork, Rounded
@@ -20,6 +22,7 @@ from quantcli.errors import QuantcliError
 from quantcli.planning.plan import Plan, TensorPlan
 from quantcli.planning.rounding import GPTQ
 from quantcli.planning.rounding_plan import gptq_reaches
+from quantcli.recipes import QuantizedTensor
 from quantcli.rounding.gptq import gptq_quantize
 
 
@@ -37,6 +40,8 @@ class GptqPass:
         return x.T @ x
 
     def quantize(self, work: ModuleWork) -> Rounded:
+        if work.experts is not None:
+            return self._stack(work)
         module, rounding = work.tensor.module, work.options.rounding
         if work.statistic is None or work.tokens < rounding.min_tokens:
             q = work.recipe.quantize(work.tensor.name, work.weight, backend=work.backend, facts=work.facts)
@@ -54,6 +59,31 @@ class GptqPass:
         if o.reason is None:
             return Rounded(o.q, record)
         return Rounded(o.q, {**record, "reason": o.reason}, note=f"{module}: rounded to nearest, not GPTQ: {o.reason}")
+
+
+    def _stack(self, work: ModuleWork) -> Rounded:
+        """A 3-D expert stack [E, N, K] (gpt-oss's): each expert rounded as a Linear of its own,
+        from the tokens routed to it; the record sums them up."""
+        parts = [self.quantize(replace(work, weight=work.weight[e], statistic=h, tokens=n, experts=None))
+                 for e, (h, n) in enumerate(work.experts)]
+        first = parts[0].q
+        q = QuantizedTensor(first.recipe, tuple(work.weight.shape), torch.stack([p.q.codes for p in parts]),
+                            torch.stack([p.q.scale for p in parts]),
+                            None if first.global_scale is None else torch.stack([p.q.global_scale for p in parts]),
+                            first.scale_rule)
+        gptq = [p.record for p in parts if p.record["method"] == "gptq"]
+        record = {"method": "gptq" if gptq else "nearest", "tokens": sum(n for _, n in work.experts),
+                  "experts": len(parts), "experts_gptq": len(gptq)}
+        if gptq:
+            record.update(output_error=sum(r["output_error"] for r in gptq) / len(gptq),
+                          nearest_output_error=sum(r["nearest_output_error"] for r in gptq) / len(gptq),
+                          dampening=max(r["dampening"] for r in gptq))
+        nearest = [(e, p.record) for e, p in enumerate(parts) if p.record["method"] != "gptq"]
+        if not nearest:
+            return Rounded(q, record)
+        reason = f"{len(nearest)} of {len(parts)} experts rounded to nearest (expert {nearest[0][0]}: " \
+                 f"{nearest[0][1].get('reason')})"
+        return Rounded(q, {**record, "reason": reason}, note=f"{work.tensor.module}: {reason}")
 
 
 GPTQ_PASS = GptqPass()

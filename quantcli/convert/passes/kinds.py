@@ -58,6 +58,8 @@ class ModuleWork:
     facts: ModuleFacts  # what the fact passes learned (fused-group amax, calibrated scales)
     backend: str
     options: Options  # the conversion's (a pass reads its own settings there)
+    # a 3-D expert stack [E, N, K]: (statistic, tokens) of each expert (the tokens routed to it), else None
+    experts: tuple[tuple[torch.Tensor | None, int], ...] | None = None
 
 
 @dataclass(frozen=True)

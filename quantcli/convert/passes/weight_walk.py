@@ -66,6 +66,11 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
     return staged
 
 
+def expert_key(key: str, expert: int | None) -> str:
+    """The statistic's key of one expert of a 3-D stack module (each expert has its own inputs)."""
+    return f"{key}|expert {expert}"
+
+
 class WeightWalk(LayerPass):
     """The LayerPass that runs weight pass `wp` (see the module docstring)."""
 
@@ -98,13 +103,14 @@ class WeightWalk(LayerPass):
     def observe(self, layer, prefix: str, names) -> list:
         self.layer_tensors = [self.taken[n] for n in layer_sources(layer, prefix, names) if n in self.taken]
         modules = {t.module for t in self.layer_tensors}
+        stacks = {t.module for t in self.layer_tensors if len(t.logical_shape) == 3}
         sums = self.sums = OrderedSum(self.world, self.batches, keep=self.world.lead)
         self.seen: dict[str, torch.Tensor] = {}  # this batch: each key's input, recorded once
 
         def record(module: str, x: torch.Tensor, expert: int | None = None) -> None:
             if module not in modules:
                 return
-            key = self.key[module]
+            key = expert_key(self.key[module], expert) if module in stacks else self.key[module]
             if self.seen.get(key) is x:  # another member of the fused group, the same input
                 return
             if key in self.seen:
@@ -143,11 +149,16 @@ class WeightWalk(LayerPass):
         with compute_threads(reader.device):
             for t in self.layer_tensors:
                 recipe, facts = plan.recipes[t.recipe], self.facts.get(t.module, NO_FACTS)
-                stat = sums.get(self.key[t.module])
+                key = self.key[t.module]
+                stat = sums.get(key)
+                experts = None
+                if len(t.logical_shape) == 3:  # a 3-D expert stack: one statistic per expert
+                    experts = tuple((sums.get(expert_key(key, e)), rows.get(expert_key(key, e), 0))
+                                    for e in range(t.logical_shape[0]))
+                    experts = tuple((None if h is None else h.to(reader.device), n) for h, n in experts)
                 q = self.wp.quantize(ModuleWork(t, recipe, reader.weight(t), None if stat is None else
-                                                stat.to(reader.device), rows.get(self.key[t.module], 0), facts,
-                                                reader.backend,
-                                                plan.options))
+                                                stat.to(reader.device), rows.get(key, 0), facts, reader.backend,
+                                                plan.options, experts))
                 account = q if isinstance(q, Rounded) else None
                 q = q.q if isinstance(q, Rounded) else q
                 if q.recipe != t.recipe or tuple(q.shape) != t.logical_shape:

@@ -18,6 +18,7 @@ import torch
 
 from quantcli.errors import LayoutError
 from quantcli.formats.facts import NO_FACTS, ModuleFacts
+from quantcli.formats.fused import FUSED_QKV
 from quantcli.recipes import QuantizedTensor, Recipe, get_recipe
 
 # Reads one on-disk tensor by name (from a checkpoint, or a dict in tests).
@@ -183,9 +184,12 @@ class Layout:
         return out
 
     def kv_names(self, module: str) -> dict[str, str]:
-        """The KV-cache scale a k_proj / v_proj module carries: {ModuleFacts field: tensor name}."""
+        """The KV-cache scale a k_proj / v_proj module carries: {ModuleFacts field: tensor name}; a
+        fused q/k/v Linear carries both, on its attention module (formats/fused.py FUSED_QKV)."""
         attn, _, leaf = module.rpartition(".")
         fields = {"k_proj": ("k_scale", 0), "v_proj": ("v_scale", 1)}
+        if leaf in FUSED_QKV and self.kv_scales:
+            return {"k_scale": f"{attn}.k_scale", "v_scale": f"{attn}.v_scale"}
         if leaf not in fields or not self.kv_scales:
             return {}
         fact, i = fields[leaf]
