@@ -173,7 +173,8 @@ SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_at
              global_attn_every_n_layers=2, local_attention=8, ffn_hidden_size=128, linear_key_head_dim=16,
              linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, vocab_size_per_layer_input=512,
              hidden_size_per_layer_input=16, global_head_dim=16, num_global_key_value_heads=2,
-             intermediate_size_mlp=128)
+             intermediate_size_mlp=128, rotary_dim=16)
+MAX_TINY = 20_000_000  # parameters: make_tiny refuses more (a config whose sizes it did not find)
 GEMMA4_SIZES = dict(global_head_dim=16, num_global_key_value_heads=2)  # read by Gemma 4's config init only
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2,
               embed_dim=32, image_size=28, patch_size=14, out_hidden_size=64, mlp_ratio=2, spatial_merge_size=2,
@@ -183,9 +184,9 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1
 def _sizes_for(config, sizes: dict) -> dict:
     """The entries of `sizes` that `config` has; a model that is multi-head by design (MLA: as many
     KV heads as heads) stays so."""
-    keys = config.to_dict()
+    keys = {**config.to_dict(), **{k: None for k in getattr(config, "attribute_map", {})}}  # GPT-J's n_embd...
     out = {k: v for k, v in sizes.items() if k in keys}
-    heads, kv = keys.get("num_attention_heads"), keys.get("num_key_value_heads")
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if kv is not None and kv == heads:
         out["num_key_value_heads"] = out.get("num_attention_heads", heads)
     return out
@@ -262,8 +263,14 @@ def make_tiny(out: Path, model_type: str, architecture: str, seed: int = 0, shar
     import torch
     import transformers
 
+    config = tiny_config(model_type)
+    with torch.device("meta"):  # a size the shrinking missed is refused before it takes the memory
+        size = sum(p.numel() for p in getattr(transformers, architecture)(config).parameters())
+    if size > MAX_TINY:
+        raise ValueError(f"{model_type}: the tiny config still has {size:,} parameters (some size key of its config "
+                         f"is not in quantcli.testing.SIZES)")
     torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(tiny_config(model_type)).eval()
+    model = getattr(transformers, architecture)(config).eval()
     with torch.no_grad():  # a config the shrinking made inconsistent fails here, not in the test that uses it
         model(input_ids=torch.arange(1, 13)[None], use_cache=False)
     _save(model.to(torch.bfloat16), Path(out), shards)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantcli.model.buffer import ActivationBuffer
+from quantcli.model.cache import PassThroughCache
 from quantcli.model.inputs import experts_params, input_hooks
 from quantcli.model.layers import LayerPass, Weights, head_inputs, walk_layers
 from quantcli.model.names import CheckpointMap
@@ -50,7 +51,7 @@ class Stats:
         return (self.sumsq[module] / self.tokens[module]).to(torch.float32)
 
 
-class RecordingCache:
+class RecordingCache(PassThroughCache):
     """Stands in for a transformers Cache: records max |k|, |v| and returns them unchanged."""
 
     def __init__(self) -> None:

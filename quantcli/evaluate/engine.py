@@ -89,7 +89,7 @@ def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, layer_a
     layer, prefix = stack.layers[i], stack.layer_prefix(i)
     (ref, quant), (ref_map, quant_map), (ref_buf, quant_buf) = sides, maps, bufs
     ref_params = load_block(layer, prefix, ref, ref_map)
-    stack.output_arity = run_batches(layer, i, ref_buf, layer_args[0])
+    run_batches(layer, i, ref_buf, layer_args[0])
     load_block(layer, prefix, quant, quant_map)
     errors: dict[str, ErrorSum] = {}
     handles = attach(layer, prefix, quant_map, ref_params, emu.steps, errors)

@@ -31,6 +31,7 @@ import torch
 from quantcli.kernels.elements import ELEMENTS
 from quantcli.kernels.reference import decode_e2m1, encode_e2m1
 from quantcli.kernels.scales import e8m0_byte, e8m0_to_float
+from quantcli.model.cache import PassThroughCache
 
 MX_BLOCK = 32
 E4M3_MAX = 448.0
@@ -137,7 +138,7 @@ class ActQuant:
                 "mxfp4": f"MXFP4 dynamic 1x32 E8M0 blocks (rule {self.rule})"}[self.kind]
 
 
-class KvQuantCache:
+class KvQuantCache(PassThroughCache):
     """Stands in for a transformers Cache: the keys and values the attention stores come back
     quantize-dequantized to FP8 E4M3 with the attention's k_scale / v_scale (static, per tensor:
     what an FP8 KV cache holds and the attention then reads)."""

@@ -107,7 +107,7 @@ def _block(stack: Stack, i: int, sides: tuple, maps: tuple, ref_buf, bufs: dict,
             buf.write(j, ref_buf.read(j).clone())
     for buf in bufs.values():
         run_batches(layer, i, buf, layer_args)
-    stack.output_arity = run_batches(layer, i, ref_buf, layer_args)
+    run_batches(layer, i, ref_buf, layer_args)
     paths = module_paths(layer, prefix, quant_map) if new else {}
     for module, buf in new.items():
         saved, handles = _swap(layer, prefix, paths[module], quant, quant_map, steps, module)

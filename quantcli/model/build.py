@@ -50,9 +50,11 @@ def transformers_module():
 
 def model_config(config_dict: dict, label: str):
     """transformers' config object for `config_dict` (a config.json)."""
-    cfg = dict(config_dict)
-    model_type = cfg.pop("model_type", None)
     transformers = transformers_module()
+    cfg = dict(config_dict)
+    decode = getattr(transformers.PretrainedConfig, "_decode_special_floats", None)
+    cfg = decode(cfg) if decode is not None else cfg  # {"__float__": "Infinity"}, as from_pretrained reads it
+    model_type = cfg.pop("model_type", None)
     try:
         with interrupts_deferred():
             config = transformers.AutoConfig.for_model(model_type, **cfg)
@@ -61,7 +63,10 @@ def model_config(config_dict: dict, label: str):
         raise QuantcliError(f"{label}: transformers {transformers.__version__} cannot build model_type "
                             f"{model_type!r} from config.json ({first}); quantcli runs the architectures "
                             f"transformers ships, never remote code") from None
-    config._experts_implementation = "eager"  # one matmul per expert: what model/experts.py traces
+    config._experts_implementation = "eager"  # one matmul per expert: what model/expert_calls.py traces
+    # Run as transformers runs a quantized model: the few models that would otherwise use a Linear's
+    # weight without calling it (Jamba's and Falcon-Mamba's dt_proj) then call it, so its input is seen.
+    config._is_quantized = True
     return config
 
 

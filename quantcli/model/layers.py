@@ -21,16 +21,16 @@ What a pass does at each layer is a `LayerPass`:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from quantcli.errors import QuantcliError
 from quantcli.memory import fix_mmap_threshold
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
 from quantcli.model.names import CheckpointMap, Get
-from quantcli.model.outer import to_meta
+from quantcli.model.outer import load_module, to_meta
 from quantcli.model.stack import LayerArgs, Stack, Tail, build_stack, cache_kwarg, capture
 
 
@@ -97,35 +97,30 @@ def batches(ids: list[list[int]], size: int) -> list[torch.Tensor]:
 
 
 def run_batches(layer, index: int, buffer: ActivationBuffer, layer_args: LayerArgs, cache=None, write: bool = True,
-                batch_done=lambda j: None) -> int | None:
+                batch_done=lambda j: None) -> None:
     """Run every batch through the loaded layer `index` with the arguments the model's own forward
     gave it (stack.capture), `cache` as its KV cache (none for a layer that takes none); its
-    outputs replace its inputs in `buffer` when `write`. Returns what the layer returns, as
-    Stack.output_arity says it."""
+    outputs replace its inputs in `buffer` when `write`."""
     key = cache_kwarg(layer) if cache is not None else None
-    arity = None
+    signature = inspect.signature(type(layer).forward) if key else None
     for j, per_layer in enumerate(layer_args):
         args, kwargs = per_layer[index]
-        out = layer(buffer.read(j), *args, **({**kwargs, key: cache} if key else kwargs))
-        arity = len(out) if isinstance(out, tuple) else None
+        hidden = buffer.read(j)
+        if key:  # the cache by its name, wherever the model passed its (empty) one: by position or keyword
+            bound = signature.bind_partial(layer, hidden, *args, **kwargs)
+            bound.arguments[key] = cache
+            out = layer(*bound.args[1:], **bound.kwargs)
+        else:
+            out = layer(hidden, *args, **kwargs)
         if write:
             buffer.write(j, out[0] if isinstance(out, tuple) else out)
         batch_done(j)
-    return arity
 
 
 def load_layer(layer, prefix: str, get: Get, names: CheckpointMap, device: torch.device) -> dict[str, torch.Tensor]:
     """Give the (meta) `layer` its parameters and persistent buffers, built from checkpoint tensors
     `get(name)`, in FP32 (integer buffers keep their dtype); returns them by their name in it."""
-    state = {}
-    for n, meta in layer.state_dict().items():
-        t = names.tensor(prefix + n, get)
-        if tuple(t.shape) != tuple(meta.shape):
-            raise QuantcliError(f"{prefix}{n}: the checkpoint makes it {list(t.shape)}, but its config.json makes it "
-                                f"{list(meta.shape)}; the checkpoint does not match its architecture")
-        state[n] = t.to(device, torch.float32 if meta.is_floating_point() else meta.dtype)
-    layer.load_state_dict(state, assign=True)
-    return state
+    return load_module(layer, prefix, names, get, device)
 
 
 def layer_sources(layer, prefix: str, names: CheckpointMap) -> list[str]:
@@ -143,22 +138,21 @@ def run_layer(stack: Stack, i: int, get: Get, buffer: ActivationBuffer, layer_ar
     written = layer_pass.replay(prefix)
     load_layer(layer, prefix, written or get, names, buffer.device)
     if written is not None:
-        stack.output_arity = run_batches(layer, i, buffer, layer_args, None, write=True)
+        run_batches(layer, i, buffer, layer_args, None, write=True)
         to_meta(layer)
         return read
     hooks = layer_pass.observe(layer, prefix, names)
     cache = layer_pass.cache(layer, prefix)
     try:
-        arity = run_batches(layer, i, buffer, layer_args, cache, write=not layer_pass.changes_weights,
-                            batch_done=layer_pass.batch_done)
+        run_batches(layer, i, buffer, layer_args, cache, write=not layer_pass.changes_weights,
+                    batch_done=layer_pass.batch_done)
     finally:
         for h in reversed(hooks):  # last in, first out: nested expert tracers unwind in order
             h.remove()
     layer_pass.layer_done(layer, prefix, names, cache)
     if layer_pass.changes_weights:
         layer_pass.update(layer, prefix, names)
-        arity = run_batches(layer, i, buffer, layer_args, None, write=True)
-    stack.output_arity = arity
+        run_batches(layer, i, buffer, layer_args, None, write=True)
     to_meta(layer)
     return read
 

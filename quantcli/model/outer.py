@@ -54,6 +54,22 @@ def load_own(module: torch.nn.Module, path: str, names: CheckpointMap, get: Get,
     return read
 
 
+def load_module(module: torch.nn.Module, prefix: str, names: CheckpointMap, get: Get,
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """Give the (meta) `module` at model path prefix `prefix` (ending in '.') its parameters and
+    persistent buffers, built from checkpoint tensors `get(name)`, in FP32 (integer buffers keep
+    their dtype); returns them by their name in it."""
+    state = {}
+    for n, meta in module.state_dict().items():
+        t = names.tensor(prefix + n, get)
+        if tuple(t.shape) != tuple(meta.shape):
+            raise QuantcliError(f"{prefix}{n}: the checkpoint makes it {list(t.shape)}, but its config.json makes it "
+                                f"{list(meta.shape)}; the checkpoint does not match its architecture")
+        state[n] = t.to(device, torch.float32 if meta.is_floating_point() else meta.dtype)
+    module.load_state_dict(state, assign=True)
+    return state
+
+
 class OuterWeights:
     """Pre-hooks that load each module outside `inside` (the layers) on its first call. `read`:
     the checkpoint tensors loaded so far; `release()` empties them again and removes the hooks."""

@@ -25,6 +25,7 @@ class Reach:
     # checkpoint attention module -> the modules its KV-cache scales sit by: (k_proj, v_proj), or the
     # fused q/k/v Linear twice; absent for an attention that has neither (MLA's compressed latent)
     kv_modules: dict[str, tuple[str, str]] = field(default_factory=dict)
+    latent_attentions: frozenset[str] = frozenset()  # MLA attentions (kv_a_proj_with_mqa + kv_b_proj)
     vocab_size: int | None = None
     model_config: object = None  # transformers' config of the model (its text config's limits)
 
@@ -39,6 +40,7 @@ def walk_reach(config: dict, names, shape: Callable[[str], tuple[int, ...]], lab
     tensors: dict[str, int] = {}
     attentions: dict[str, int] = {}
     kv_modules: dict[str, tuple[str, str]] = {}
+    latent: set[str] = set()
     for i, layer in enumerate(stack.layers):
         prefix = stack.layer_prefix(i)
         for n in layer.state_dict():
@@ -47,14 +49,17 @@ def walk_reach(config: dict, names, shape: Callable[[str], tuple[int, ...]], lab
         attention = attention_path(layer, prefix) if stack.kind == CAUSAL and cache_kwarg(layer) else None
         if attention is not None:
             attentions[stack.names.module(attention)] = i
-            kv = _kv_modules(stack, layer.get_submodule(attention[len(prefix):]), attention)
+            module = layer.get_submodule(attention[len(prefix):])
+            kv = _kv_modules(stack, module, attention)
             if kv is not None:
                 kv_modules[stack.names.module(attention)] = kv
+            if hasattr(module, "kv_a_proj_with_mqa") and hasattr(module, "kv_b_proj"):
+                latent.add(stack.names.module(attention))
     head = stack.head()
     head_tensors = tuple(src for n in (stack.model.get_submodule(head).state_dict() if head else {})
                          for src in stack.names.sources(f"{head}.{n}"))
     return Reach(stack.kind, type(stack.model).__name__, len(stack.layers), stack.layer_path, tensors, head_tensors,
-                 attentions, kv_modules, stack.vocab_size, stack.config)
+                 attentions, kv_modules, frozenset(latent), stack.vocab_size, stack.config)
 
 
 def _kv_modules(stack, attention, path: str) -> tuple[str, str] | None:

@@ -28,7 +28,7 @@ import torch
 from quantcli.errors import QuantcliError
 from quantcli.model.build import meta_model
 from quantcli.model.names import CheckpointMap, Get
-from quantcli.model.outer import OuterWeights
+from quantcli.model.outer import OuterWeights, load_module, to_meta
 
 CAUSAL, ENCODER = "causal-lm", "encoder"
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
@@ -43,8 +43,9 @@ class Stack:
     layer_path: str  # model path of the layers: model.layers, model.language_model.layers, transformer.h, ...
     names: CheckpointMap
     # what a layer returns, as the model's loop reads it: None a tensor, n a tuple of n (hidden first);
-    # set by the walk from the layers' real outputs (layers.run_batches), used by `tail`
+    # learned by running layer 0 once (capture), used wherever a layer is stepped over
     output_arity: int | None = None
+    arity_known: bool = False
 
     def dressed(self, hidden: torch.Tensor):
         """`hidden` as a layer of this model returns it."""
@@ -209,13 +210,16 @@ def capture(stack: Stack, get: Get, device: torch.device, input_batches: list[to
         taken[-1].append((args, kwargs))
         if i == last:
             raise _Stop
-        return hidden
+        return stack.dressed(hidden)
 
-    with OuterWeights(stack.model, stack.layers, names or stack.names, get, device) as outer:
+    names = names or stack.names
+    with OuterWeights(stack.model, stack.layers, names, get, device) as outer:
         _stepped(stack.layers, lambda i, hidden, args, kwargs: _stop())
         try:
             if input_batches:
                 _warm_up(stack.body, input_batches[0].to(device))
+                if not stack.arity_known:
+                    _learn_arity(stack, names, get, device, input_batches[0])
             _stepped(stack.layers, on_call)
             for ids in input_batches:
                 try:
@@ -229,6 +233,29 @@ def capture(stack: Stack, get: Get, device: torch.device, input_batches: list[to
         raise QuantcliError(f"{type(stack.model).__name__}: its forward did not call each of its "
                             f"{len(stack.layers)} layers once per batch, so quantcli cannot run it layer by layer")
     return taken, read
+
+
+def _learn_arity(stack: Stack, names: CheckpointMap, get: Get, device: torch.device, ids: torch.Tensor) -> None:
+    """Run layer 0 for real once (loaded, then back to meta) to see what a layer returns: the
+    model's loop may index it (`outputs[0]`, Falcon, MPT), so a stepped-over layer must return
+    the same kind of thing for every later layer's arguments to be the model's."""
+    layer = stack.layers[0]
+
+    def probe(i, hidden, args, kwargs):
+        load_module(layer, stack.layer_prefix(0), names, get, device)
+        try:
+            out = type(layer).forward(layer, hidden, *args, **kwargs)
+        finally:
+            to_meta(layer)
+        stack.output_arity = len(out) if isinstance(out, tuple) else None
+        stack.arity_known = True
+        raise _Stop
+
+    _stepped(stack.layers, probe)
+    try:
+        stack.body(input_ids=ids.to(device), use_cache=False)
+    except _Stop:
+        pass
 
 
 class Tail:

@@ -103,11 +103,13 @@ def _check_kv(plan: Plan) -> None:
     among the planned weights (their KV-cache scales are written beside them)."""
     walk, label = plan.walk, plan.source.label
     missing = sorted(set(walk.attentions) - set(walk.kv_modules))
+    if missing and missing[0] in walk.latent_attentions:
+        raise QuantcliError(f"--kv-cache fp8: {label}'s attention {missing[0]} caches a compressed latent (MLA), whose "
+                            f"scale engines take from that latent, not from the k and v transformers computes, and "
+                            f"quantcli does not measure it; drop the option")
     if missing:
         raise QuantcliError(f"--kv-cache fp8: {label}'s attention {missing[0]} has neither k_proj/v_proj nor one "
-                            f"fused q/k/v Linear: its KV cache holds a compressed latent (MLA), whose scale engines "
-                            f"take from that latent, not from the k and v transformers computes, and quantcli does "
-                            f"not measure it; drop the option")
+                            f"fused q/k/v Linear, the modules quantcli names KV-cache scales by; drop the option")
     planned = {t.module or module_of(t.name) for t in plan.tensors}
     if not walk.kv_modules or not all(k in planned for kv in walk.kv_modules.values() for k in kv):
         raise QuantcliError(f"--kv-cache fp8: {label} has no attention k_proj/v_proj (or fused q/k/v) weights to "
