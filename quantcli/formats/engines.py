@@ -95,6 +95,9 @@ _WNA16 = ("layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa
           "CompressedTensorsWNA16.get_min_capability")
 V_WNA16, S_WNA16 = _V(*_WNA16), _S(*_WNA16)
 CT_PACKED = _CT("compressors/pack_quantized/base.py", "PackedQuantizationCompressor.decompress")
+H_CT_EXPERTS = _H("integrations/compressed_tensors.py", "CompressedTensorsDequantize.convert")
+H_INIT = _H("modeling_utils.py", "PreTrainedModel.initialize_weights")
+CT_MATCH = _CT("quantization/lifecycle/apply.py", "apply_quantization_config")
 
 _LLAMA = "not Llama-family (SGLang's Llama loader renames weight_scale_inv)"
 _SM100 = "an SM100+ GPU (AMD: gfx94x/95x)"
@@ -102,6 +105,17 @@ _FUSED = "each fused q/k/v, gate/up part but the last has N a multiple of 128 (o
 _STATIC = "static input scales (--activations static)"
 _MODELOPT_HF = "transformers has no `modelopt` quantizer: it skips quantization and loads the codes as weights"
 _NO_TRT_LINEAR = "TensorRT-LLM maps the config, but its loading of these tensors was not checked"
+# compressed-tensors' packed formats (nvfp4, mxfp4, int4) replace a Linear's `weight` by `weight_packed`
+# before loading (CompressedTensorsHfQuantizer._process_model_before_weight_loading: compress_model);
+# transformers then runs every module's `_init_weights` (initialize_weights), and a model whose own
+# override reads `module.weight` unguarded raises. `run_compressed=False` (dequantize=True) keeps the
+# model dense and loads. Which models do is found on the model (formats/transformers_view.py).
+_HF_INIT = ("the model's own _init_weights reads no packed Linear's .weight (Falcon's, ModernBERT's do: then "
+            "with run_compressed=False)")
+# transformers 5.24 merges per-expert Linears into 3-D parameters; for packed experts its
+# CompressedTensorsDequantize.convert builds each expert's module from weight_packed, weight_scale and
+# weight_shape only, so NVFP4's weight_global_scale is never divided out (with run_compressed=False too).
+_HF_EXPERTS = "no MoE experts it merges into 3-D parameters (5.24 drops their weight_global_scale)"
 
 
 def _loads(*rules: Rule, note: str = "") -> Verdict:
@@ -121,7 +135,15 @@ def _unchecked(why: str, *rules: Rule) -> Verdict:
 
 
 _W8A8_SM100 = "on SM100 with FlashInfer vLLM also quantizes activations (W8A8 MXFP8), though the file is weight-only"
-_CT_LOADS = {VLLM: _loads(V_CT), SGLANG: _loads(S_CT), HF: _loads(H_CT)}
+# compressed-tensors in transformers matches `targets` and `ignore` against the names of the modules
+# transformers builds (apply_quantization_config over model.named_modules()), which its conversion
+# mapping may rename (a VLM's `visual.` is `model.visual.` in transformers 5): a dense Linear the
+# ignore list names only as the checkpoint does would be quantized there from its dense weights.
+_HF_NAMES = "its config names every module as transformers 5 does (a VLM's towers under model.)"
+_HF_CT = _when(_HF_NAMES, ("hf_names",), H_CT, CT_MATCH)
+# The part of a verdict's condition each transformers check settles: a failed one is named alone.
+CHECK_CONDITIONS = {"hf_names": _HF_NAMES, "hf_experts": _HF_EXPERTS, "hf_init": _HF_INIT}
+_CT_LOADS = {VLLM: _loads(V_CT), SGLANG: _loads(S_CT), HF: _HF_CT}
 _SGLANG_MX = _when(f"{_SM100} and {_LLAMA}", ("not_llama",), S_MIN_CAP, S_LLAMA, hardware=_SM100)
 _GPT_OSS = "the GptOss architecture (model_type gpt_oss)"
 
@@ -170,7 +192,7 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
         VLLM: _loads(V_CT, note=_W8A8_SM100),
         SGLANG: _no("mxfp8-quantized is not one of SGLang's compressed-tensors formats (no scheme)", S_CT),
         TRTLLM: _no("reads input_activations.strategy, which this weight-only group lacks, and maps no 8-bit "
-                    "group strategy", _T_CT), HF: _loads(H_CT)},
+                    "group strategy", _T_CT), HF: _HF_CT},
     ("mxfp8", "fp8"): {
         VLLM: _no("quant_method mxfp8 registers weight_scale; the file's weight_scale_inv has no parameter",
                   V_MXFP8, V_LOADER),
@@ -182,7 +204,8 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
     ("mxfp4", "compressed-tensors"): {
         VLLM: _loads(V_CT, note="on SM100 with FlashInfer vLLM runs it W4A4 (dynamic MXFP4 activations)"),
         SGLANG: _no("no dense MXFP4 scheme without activation quantization", S_CT),
-        TRTLLM: _unchecked(_NO_TRT_LINEAR, _T_CT), HF: _loads(H_CT)},
+        TRTLLM: _unchecked(_NO_TRT_LINEAR, _T_CT),
+        HF: _when(f"{_HF_NAMES} and {_HF_INIT}", ("hf_names", "hf_init"), H_CT, CT_MATCH, H_INIT)},
     ("mxfp4", "gpt-oss"): {
         VLLM: _when(_GPT_OSS, ("gpt_oss",), V_GPT_OSS), SGLANG: _when(_GPT_OSS, ("gpt_oss",), S_GPT_OSS),
         TRTLLM: _unchecked("quant_method mxfp4 maps to an MXFP4 MoE algorithm; loading not checked", _T_CONFIG),
@@ -192,8 +215,11 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
         TRTLLM: _when("static input scales (--activations static: quant_algo NVFP4)", ("static",),
                       _t_linear("NVFP4LinearMethod.load_weight_scales")),
         HF: _no(_MODELOPT_HF, H_UNKNOWN)},
-    ("nvfp4", "compressed-tensors"): {**_CT_LOADS, TRTLLM: _no(
-        "reads input_activations.strategy of the group: weight-only NVFP4 (null) is not parsed", _T_CT)},
+    ("nvfp4", "compressed-tensors"): {
+        VLLM: _loads(V_CT), SGLANG: _loads(S_CT),
+        TRTLLM: _no("reads input_activations.strategy of the group: weight-only NVFP4 (null) is not parsed", _T_CT),
+        HF: _when(f"{_HF_NAMES}, {_HF_EXPERTS} and {_HF_INIT}", ("hf_names", "hf_experts", "hf_init"), H_CT,
+                  CT_MATCH, H_CT_EXPERTS, H_INIT)},
     ("int8-channel", "compressed-tensors"): {**_CT_LOADS, TRTLLM: _no(
         "8-bit channel groups are read as FP8_PER_CHANNEL_PER_TOKEN without a type check: INT8 codes would "
         "run as FP8", _T_CT)},
@@ -206,7 +232,7 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
                       note="Marlin: N a multiple of 64 and K of 128 per tensor-parallel part"),
         TRTLLM: _no("reads input_activations.strategy of the group, null for weight-only int4, and maps no "
                     "integer 4-bit group", _T_CT),
-        HF: _loads(H_CT, CT_PACKED)},
+        HF: _when(f"{_HF_NAMES} and {_HF_INIT}", ("hf_names", "hf_init"), H_CT, CT_PACKED, CT_MATCH, H_INIT)},
 }
 
 # SGLang reads the method from the config; ModelOpt's NVFP4 checkpoints are documented (and
