@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -111,11 +112,21 @@ def test_a_tied_head_is_named_under_both_names(run_cli, models):
 def test_moe_nvfp4_in_compressed_tensors_is_not_claimed_for_transformers(run_cli, models):
     out, summary = _convert(run_cli, models, "qwen3_moe", "nvfp4")
     loads, reason = _transformers_verdict(run_cli, out)
-    assert loads == "no" and "CompressedTensorsDequantize.convert" in reason and "mxfp4 or int4" in reason
-    assert "loads in: vLLM, SGLang\n" in summary and "not in: transformers (needs no MoE experts" in summary
+    assert loads == "no" and "never divides them by weight_global_scale" in reason, reason
+    assert "--recipe mxfp4, int4" in reason and "default modelopt layout" in reason
+    assert "loads in: vLLM, SGLang\n" in summary and "not in: transformers (needs every MoE expert" in summary
     # the claim is true: transformers loads it without an error and computes garbage
     got, ref = tm.load(out), tm.load(_decoded(run_cli, out))
     assert tm.cosine(tm.output(got, tm.IDS), tm.output(ref, tm.IDS)) < 0.9
+
+
+def test_moe_int8_experts_are_not_claimed_for_transformers(run_cli, models):
+    """int8 experts have no weight_packed, which transformers' expert loading looks for."""
+    out, _ = _convert(run_cli, models, "qwen3_moe", "int8-channel")
+    loads, reason = _transformers_verdict(run_cli, out)
+    assert loads == "no" and "looks for weight_packed" in reason, reason
+    with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
+        tm.load(out)
 
 
 def test_moe_mxfp4_experts_load_in_transformers(run_cli, models):
@@ -124,6 +135,16 @@ def test_moe_mxfp4_experts_load_in_transformers(run_cli, models):
     assert _transformers_verdict(run_cli, out)[0] == "yes"
     got, ref = tm.load(out), tm.load(_decoded(run_cli, out))
     assert tm.cosine(tm.output(got, tm.IDS), tm.output(ref, tm.IDS)) > 0.999
+
+
+def test_dense_experts_in_a_packed_checkpoint_are_not_claimed_for_transformers(run_cli, models):
+    """int4 leaves the experts' down_proj (K = 64) dense; transformers loads no merged dense expert
+    of a packed checkpoint, so its down_proj is not the checkpoint's."""
+    out, summary = _convert(run_cli, models, "qwen3_moe", "int4")
+    loads, reason = _transformers_verdict(run_cli, out)
+    assert loads == "no" and "dense expert Linears (e.g. model.layers.0.mlp.experts.0.down_proj)" in reason, reason
+    got, ref = tm.load(out), tm.load(_decoded(run_cli, out))
+    assert not torch.equal(got.model.layers[0].mlp.experts.down_proj, ref.model.layers[0].mlp.experts.down_proj)
 
 
 def test_expert_names_settle_the_verdict_without_transformers():

@@ -89,16 +89,43 @@ def _quant_algo(config: Mapping) -> object:
 _EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
+def _merged(f: Facts, modules) -> list[str]:
+    """Those of `modules` that transformers merges into 3-D expert parameters (by name without it)."""
+    merged = f.transformers.merged_experts if f.transformers else None
+    return sorted(m for m in modules if (m in merged if merged is not None else _EXPERT.search(m)))
+
+
+# What transformers 5.24's CompressedTensorsDequantize.convert does with the merged experts of each
+# recipe (engines._HF_EXPERTS): None where it decodes them. Dense merged experts pass through its
+# 8-bit float branch only (fp8, fp8-channel; the block and group scales fail there anyway).
+MERGED_EXPERTS = {
+    "fp8": None, "fp8-channel": None, "mxfp4": None, "int4": None,
+    "nvfp4": "never divides them by weight_global_scale (garbage logits, no error)",
+    "fp8-block": "multiplies the codes by weight_scale as stored, which a 128x128 block scale does not broadcast to "
+                 "(the load fails)",
+    "mxfp8": "multiplies the codes by the raw E8M0 bytes of weight_scale, which do not broadcast (the load fails; "
+             "K = 32 would broadcast them, wrong)",
+    "int8-channel": "looks for weight_packed, which int8 experts do not have, and returns nothing (the load fails)",
+}
+_DENSE_EXPERTS_PASS = ("fp8", "fp8-channel")
+
+
 def _merged_experts(f: Facts, recipe: str) -> str | None:
-    """Experts of `recipe` that transformers merges into 3-D parameters (HF_EXPERTS in engines.py)."""
-    mods = f.of(recipe)
-    merged = sorted(m for m in mods if (m in f.transformers.merged_experts if f.transformers else _EXPERT.search(m)))
-    if not merged:
-        return None
-    return (f"{len(merged)} expert Linears (e.g. {merged[0]}) are merged, and CompressedTensorsDequantize.convert "
-            f"never divides them by weight_global_scale (garbage logits, no error); for transformers write the "
-            f"experts as mxfp4 or int4, or keep them dense (--ignore); vLLM and SGLang load it, as they do the "
-            f"default modelopt layout")
+    """Merged experts transformers cannot decode: quantized ones of `recipe`, or dense ones beside them."""
+    fault = MERGED_EXPERTS.get(recipe)
+    quantized = _merged(f, f.of(recipe)) if fault else []
+    # every merge converter gets the dequantize op, with the experts' scheme: dense experts too
+    dense = _merged(f, f.dense) if recipe not in _DENSE_EXPERTS_PASS else []
+    if quantized:
+        served = "; vLLM and SGLang load it, as they do the default modelopt layout" if recipe == "nvfp4" else ""
+        return (f"{len(quantized)} {recipe} expert Linears (e.g. {quantized[0]}) are merged, and "
+                f"CompressedTensorsDequantize.convert {fault}; for transformers convert with --recipe mxfp4, int4, "
+                f"fp8 or fp8-channel{served}")
+    if dense:
+        return (f"{len(dense)} dense expert Linears (e.g. {dense[0]}) are merged, and "
+                f"CompressedTensorsDequantize.convert loads only {recipe} ones: theirs stay missing (the load fails, "
+                f"or leaves them random); quantize every expert Linear, or use fp8 or fp8-channel")
+    return None
 
 
 def _init_reads_weight(f: Facts, recipe: str) -> str | None:
