@@ -44,7 +44,7 @@ class EngineLoad:
     """One engine's verdict on a checkpoint."""
 
     engine: str
-    loads: str  # yes | if (a GPU the files cannot vouch for) | no | not checked
+    loads: str  # yes | if (a GPU the files cannot vouch for, or a load option) | no | not checked
     reason: str  # the condition and that it holds, why not, what is left to the GPU, or the load option
     rules: str  # the consumer code the verdict rests on (engines.TABLE)
     # the pair loads in this engine, these files do not (a shape, the architecture): the convert
