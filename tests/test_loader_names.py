@@ -76,6 +76,30 @@ def test_vlm_towers_are_listed_as_transformers_names_them_and_load(run_cli, mode
     assert tm.cosine(tm.vision(got, kind), tm.vision(ref, kind)) > 0.9999  # the tower's own weights, dense
 
 
+def test_a_vlm_config_with_checkpoint_names_only_loads_with_run_compressed_false(run_cli, models, tmp_path):
+    """What quantcli wrote before (and other producers may): the tower only as `visual...`. inspect
+    says transformers needs run_compressed=False, which decompresses into a dense model, and it does."""
+    import shutil
+
+    from transformers import CompressedTensorsConfig
+
+    out, _ = _convert(run_cli, models, "qwen2_vl", "nvfp4")
+    old = shutil.copytree(out, tmp_path / "old")
+    config = json.loads((old / "config.json").read_text())
+    config["quantization_config"]["ignore"] = [n for n in _ignore(out) if not n.startswith("model.")]
+    (old / "config.json").write_text(json.dumps(config))
+    loads, reason = _transformers_verdict(run_cli, old)
+    assert loads == "if" and "run_compressed=False" in reason and "model.visual.blocks.0" in reason, reason
+    got = tm.load(old, quantization_config=CompressedTensorsConfig(run_compressed=False))
+    ref = tm.load(_decoded(run_cli, out))
+    assert tm.cosine(tm.vision(got, "qwen2_vl"), tm.vision(ref, "qwen2_vl")) > 0.9999
+    try:  # the default load quantizes the tower: its init then reads a missing .weight, or it runs without one
+        default = tm.cosine(tm.vision(tm.load(old), "qwen2_vl"), tm.vision(ref, "qwen2_vl"))
+    except AttributeError as exc:
+        default = str(exc)
+    assert default == "'Linear' object has no attribute 'weight'" or default < 0.9, default
+
+
 def test_a_vlm_without_transformers_keeps_checkpoint_names_and_says_so(run_cli, models, monkeypatch):
     """A plain install (no transformers): the name rules, and a warning that transformers 5 may
     not match them."""

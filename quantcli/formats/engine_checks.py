@@ -156,12 +156,16 @@ def _names_transformers_misses(f: Facts, recipe: str) -> str | None:
     if not missed:
         return None
     return (f"{len(missed)} modules transformers builds under other names are not in the config by those names, "
-            f"e.g. {sorted(missed)[0]} (it would quantize a dense one from its dense weights, or leave a quantized "
-            f"one dense); convert the source again with transformers installed")
+            f"e.g. {sorted(missed)[0]} (by default it would quantize a dense one from its dense weights, or leave a "
+            f"quantized one dense); or convert the source again with transformers installed")
 
 
 # A failed check that a load option gets around: the engine loads it with that option ("if").
-WORKAROUNDS = {"hf_init": "CompressedTensorsConfig(run_compressed=False)"}
+# run_compressed=False (dequantize=True) decompresses each checkpoint tensor as it loads
+# (CompressedTensorsDequantize) into a dense model: no module is replaced, so neither the config's
+# names nor the model's init matter; the merged experts go through the same op and stay wrong.
+_DENSE_LOAD = "CompressedTensorsConfig(run_compressed=False)"
+WORKAROUNDS = {"hf_init": _DENSE_LOAD, "hf_names": _DENSE_LOAD}
 
 CHECKS: dict[str, Callable[[Facts, str], str | None]] = {
     "nk128": lambda f, r: _shape_offenders(f.of(r), lambda s: s[-1] % 128 != 0 or s[-2] % 128 != 0),

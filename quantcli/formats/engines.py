@@ -140,8 +140,10 @@ _W8A8_SM100 = "on SM100 with FlashInfer vLLM also quantizes activations (W8A8 MX
 # compressed-tensors in transformers matches `targets` and `ignore` against the names of the modules
 # transformers builds (apply_quantization_config over model.named_modules()), which its conversion
 # mapping may rename (a VLM's `visual.` is `model.visual.` in transformers 5): a dense Linear the
-# ignore list names only as the checkpoint does would be quantized there from its dense weights.
-_HF_NAMES = "its config names every module as transformers 5 does (a VLM's towers under model.)"
+# ignore list names only as the checkpoint does would be quantized there from its dense weights
+# (run_compressed=False replaces no module, so the names do not matter there).
+_HF_NAMES = ("its config names every module as transformers 5 does (a VLM's towers under model.; else with "
+             "run_compressed=False)")
 # The part of a verdict's condition each check settles: a failed one is named alone.
 CHECK_CONDITIONS = {"k128": "K a multiple of 128", "hf_names": _HF_NAMES, "hf_experts": _HF_EXPERTS,
                     "hf_init": _HF_INIT}
