@@ -35,8 +35,9 @@ W8A8_FLOOR = {"fp8": 0.99, "fp8-channel": 0.99, "fp8-block": 0.99, "int8-channel
 
 def quantcli(args: list[str], path: str | None) -> subprocess.CompletedProcess:
     env = {**os.environ, **({"PYTHONPATH": path} if path else {})}
+    # `python -m` puts the working folder first on sys.path: run in the tree asked for
     return subprocess.run([sys.executable, "-m", "quantcli", *map(str, args)], capture_output=True, text=True,
-                          env=env)
+                          env=env, cwd=path)
 
 
 def verdict(out: Path, path: str | None) -> tuple[str, str]:
