@@ -120,6 +120,7 @@ _HF_INIT = ("the model's own _init_weights reads no packed Linear's .weight (Fal
 _HF_EXPERTS = ("every MoE expert it merges into 3-D parameters one it decodes (5.24: fp8, fp8-channel, mxfp4, "
                "int4; dense ones only beside fp8)")
 
+
 def _loads(*rules: Rule, note: str = "") -> Verdict:
     return Verdict(LOADS, rules, note=note)
 
