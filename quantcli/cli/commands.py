@@ -49,6 +49,19 @@ from quantcli.reports import envelope, excluded_entries, to_json
 # 4, 8 threads); 24 bytes an element covers the 2-thread runs and overshoots at 8.
 PROCESS_BYTES = 340 * 2**20
 CHUNK_BYTES_PER_ELEMENT = 24
+# With transformers installed, planning builds the source's model class on the meta device to
+# learn the names transformers gives its modules (planning/consumer_names.py), which imports
+# transformers.modeling_utils: +176 MiB RSS (measured: 257 -> 451 MiB for the import alone), and
+# peak RSS 494.6-499.5 MiB for make_llama hidden 64 and 256, 515.8-558.8 for --hidden 1024
+# (scripts/measure_convert_memory.py --recipes nvfp4 fp8 int4, same session as above).
+TRANSFORMERS_BYTES = 175 * 2**20
+
+
+def process_bytes() -> int:
+    """PROCESS_BYTES, plus TRANSFORMERS_BYTES where transformers is installed (it is then imported)."""
+    from importlib.util import find_spec
+
+    return PROCESS_BYTES + (TRANSFORMERS_BYTES if find_spec("transformers") else 0)
 
 
 def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
@@ -133,7 +146,7 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
                      "bits_per_param": round(8 * t.bytes_out / max(1, t.numel), 3),
                      "fused_group": t.fused_group, "outputs": [o.name for o in t.outputs]})
     working_set = _working_set(plan)
-    peak = PROCESS_BYTES + working_set
+    peak = process_bytes() + working_set
     params_q = plan.params(quantized=True)
     total_params = plan.params()
     doc = {"layout": plan.target, "recipes": sorted(plan.recipes),
@@ -159,7 +172,7 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
     con.print(f"total {human_bytes(plan.bytes_in)} -> {human_bytes(plan.bytes_out)}, {doc['bits_per_param']:.2f} "
               f"bits/param over {counted(total_params, 'param', spec=',')} ({params_q:,} quantized); estimated peak "
               f"memory "
-              f"{human_bytes(peak)} (process {human_bytes(PROCESS_BYTES)} + largest tensor's working set "
+              f"{human_bytes(peak)} (process {human_bytes(process_bytes())} + largest tensor's working set "
               f"{human_bytes(working_set)}); nothing written (--dry-run)")
     if calibration:
         c = calibration

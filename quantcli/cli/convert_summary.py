@@ -51,9 +51,12 @@ def print_convert_result(plan, result, src: str, overwrite: bool = False) -> Non
         con.print(f"left dense: {dense_reasons(plan.exclusions)}")
     if plan.layout is not None:  # the card's verdicts (quantcli/formats/engines.py, checked on the output)
         from quantcli.convert.model_card import output_loads
-        from quantcli.formats.engine_checks import loads_in_line
+        from quantcli.formats.engine_checks import loads_in_line, ruled_out_line
 
-        con.print(f"loads in: {loads_in_line(output_loads(plan, result.dst))}", markup=False)
+        loads = output_loads(plan, result.dst)
+        con.print(f"loads in: {loads_in_line(loads)}", markup=False)
+        if ruled_out_line(loads):  # the pair loads there, this checkpoint does not: said, not left out silently
+            con.print(f"not in: {ruled_out_line(loads)}", markup=False)
     cal = plan.options.calibration
     if cal is not None and _calibrated_counts(plan):
         con.print(f"calibrated: {_calibrated_counts(plan)} from {cal.data}")

@@ -48,8 +48,9 @@ def write_side_files(plan: Plan, stage: Path) -> None:
 
 def _write_configs(plan: Plan, stage: Path) -> dict:
     """The layout's extra files; returns config.json: the source's, with the layout's
-    quantization_config (none for a dense output)."""
-    groups, excluded = plan.modules_by_recipe(), plan.excluded_names()
+    quantization_config (none for a dense output). Targets and exclusions name each module as the
+    checkpoint does and as transformers does where that differs (planning/consumer_names.py)."""
+    groups, excluded = plan.consumer_modules_by_recipe(), plan.excluded_names()
     config = dict(plan.source.config)
     config.pop("quantization_config", None)
     if plan.layout is not None and any(t.quantized for t in plan.tensors):

@@ -143,7 +143,8 @@ def output_loads(plan: Plan, folder: Path) -> list[EngineLoad]:
         config["hf_quant_config"] = json.loads((folder / "hf_quant_config.json").read_text(encoding="utf-8"))
     modules = {t.module: (t.recipe, t.logical_shape) for t in plan.tensors if t.quantized}
     static = any(o.name.endswith((".input_scale", ".input_global_scale")) for t in plan.tensors for o in t.outputs)
-    return judge_checkpoint(plan.layout.name, Facts(modules, config, static))
+    dense = tuple(e.module for e in plan.exclusions)
+    return judge_checkpoint(plan.layout.name, Facts(modules, config, static, plan.transformers, dense))
 
 
 def engines_table(engines: list[EngineLoad]) -> list[str]:

@@ -95,6 +95,9 @@ _WNA16 = ("layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa
           "CompressedTensorsWNA16.get_min_capability")
 V_WNA16, S_WNA16 = _V(*_WNA16), _S(*_WNA16)
 CT_PACKED = _CT("compressors/pack_quantized/base.py", "PackedQuantizationCompressor.decompress")
+H_CT_EXPERTS = _H("integrations/compressed_tensors.py", "CompressedTensorsDequantize.convert")
+H_INIT = _H("modeling_utils.py", "PreTrainedModel.initialize_weights")
+CT_MATCH = _CT("quantization/lifecycle/apply.py", "apply_quantization_config")
 
 _LLAMA = "not Llama-family (SGLang's Llama loader renames weight_scale_inv)"
 _SM100 = "an SM100+ GPU (AMD: gfx94x/95x)"
@@ -102,6 +105,20 @@ _FUSED = "each fused q/k/v, gate/up part but the last has N a multiple of 128 (o
 _STATIC = "static input scales (--activations static)"
 _MODELOPT_HF = "transformers has no `modelopt` quantizer: it skips quantization and loads the codes as weights"
 _NO_TRT_LINEAR = "TensorRT-LLM maps the config, but its loading of these tensors was not checked"
+# compressed-tensors' packed formats (nvfp4, mxfp4, int4) replace a Linear's `weight` by `weight_packed`
+# before loading (CompressedTensorsHfQuantizer._process_model_before_weight_loading: compress_model);
+# transformers then runs every module's `_init_weights` (initialize_weights), and a model whose own
+# override reads `module.weight` unguarded raises. `run_compressed=False` (dequantize=True) keeps the
+# model dense and loads. Which models do is found on the model (formats/transformers_view.py).
+_HF_INIT = ("the model's own _init_weights reads no packed Linear's .weight (Falcon's, ModernBERT's do: then "
+            "with run_compressed=False)")
+# transformers 5.24 merges per-expert Linears into 3-D parameters and loads them through
+# CompressedTensorsDequantize.convert: 8-bit float experts as codes * weight_scale elementwise (a
+# per-tensor or per-row scale broadcasts; a block or E8M0 group scale does not), every other scheme
+# through weight_packed alone (NVFP4's weight_global_scale is dropped; int8 and dense experts have no
+# weight_packed and yield nothing). engine_checks.MERGED_EXPERTS has the verdict per recipe.
+_HF_EXPERTS = ("every MoE expert it merges into 3-D parameters one it decodes (5.24: fp8, fp8-channel, mxfp4, "
+               "int4; dense ones only beside fp8)")
 
 
 def _loads(*rules: Rule, note: str = "") -> Verdict:
@@ -121,7 +138,28 @@ def _unchecked(why: str, *rules: Rule) -> Verdict:
 
 
 _W8A8_SM100 = "on SM100 with FlashInfer vLLM also quantizes activations (W8A8 MXFP8), though the file is weight-only"
-_CT_LOADS = {VLLM: _loads(V_CT), SGLANG: _loads(S_CT), HF: _loads(H_CT)}
+# compressed-tensors in transformers matches `targets` and `ignore` against the names of the modules
+# transformers builds (apply_quantization_config over model.named_modules()), which its conversion
+# mapping may rename (a VLM's `visual.` is `model.visual.` in transformers 5): a dense Linear the
+# ignore list names only as the checkpoint does would be quantized there from its dense weights
+# (run_compressed=False replaces no module, so the names do not matter there).
+_HF_NAMES = ("its config names every module as transformers 5 does (a VLM's towers under model.; else with "
+             "run_compressed=False)")
+# The part of a verdict's condition each check settles: a failed one is named alone.
+CHECK_CONDITIONS = {"k128": "K a multiple of 128", "hf_names": _HF_NAMES, "hf_experts": _HF_EXPERTS,
+                    "hf_init": _HF_INIT}
+
+
+def _hf_ct(packed: bool, *rules: Rule, shape: tuple[str, ...] = ()) -> Verdict:
+    """transformers on a compressed-tensors pair: the names, the merged MoE experts, and for a packed
+    format the model's init; `shape`: CHECKS keys of the recipe's own shape conditions first."""
+    checks = (*shape, "hf_names", "hf_experts", *(("hf_init",) if packed else ()))
+    parts = [CHECK_CONDITIONS[c] for c in checks]
+    return _when(", ".join(parts[:-1]) + " and " + parts[-1], checks, H_CT, *rules, CT_MATCH, H_CT_EXPERTS,
+                 *((H_INIT,) if packed else ()))
+
+
+_CT_LOADS = {VLLM: _loads(V_CT), SGLANG: _loads(S_CT), HF: _hf_ct(False)}
 _SGLANG_MX = _when(f"{_SM100} and {_LLAMA}", ("not_llama",), S_MIN_CAP, S_LLAMA, hardware=_SM100)
 _GPT_OSS = "the GptOss architecture (model_type gpt_oss)"
 
@@ -154,7 +192,7 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
         VLLM: _when(_FUSED, ("fused_n128_but_last",), V_CT, V_BLOCK),
         SGLANG: _when(_FUSED, ("fused_n128_but_last",), S_CT, S_BLOCK),
         TRTLLM: _unchecked(_NO_TRT_LINEAR, _T_CT),
-        HF: _when("K a multiple of 128", ("k128",), H_CT, CT_GROUP)},
+        HF: _hf_ct(False, CT_GROUP, shape=("k128",))},
     ("fp8-block", "fp8"): {
         VLLM: _when(_FUSED, ("fused_n128_but_last",), V_FP8, V_BLOCK),
         SGLANG: _when(f"{_LLAMA} and every fused q/k/v, gate/up part has N a multiple of 128",
@@ -170,7 +208,7 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
         VLLM: _loads(V_CT, note=_W8A8_SM100),
         SGLANG: _no("mxfp8-quantized is not one of SGLang's compressed-tensors formats (no scheme)", S_CT),
         TRTLLM: _no("reads input_activations.strategy, which this weight-only group lacks, and maps no 8-bit "
-                    "group strategy", _T_CT), HF: _loads(H_CT)},
+                    "group strategy", _T_CT), HF: _hf_ct(False)},
     ("mxfp8", "fp8"): {
         VLLM: _no("quant_method mxfp8 registers weight_scale; the file's weight_scale_inv has no parameter",
                   V_MXFP8, V_LOADER),
@@ -182,7 +220,8 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
     ("mxfp4", "compressed-tensors"): {
         VLLM: _loads(V_CT, note="on SM100 with FlashInfer vLLM runs it W4A4 (dynamic MXFP4 activations)"),
         SGLANG: _no("no dense MXFP4 scheme without activation quantization", S_CT),
-        TRTLLM: _unchecked(_NO_TRT_LINEAR, _T_CT), HF: _loads(H_CT)},
+        TRTLLM: _unchecked(_NO_TRT_LINEAR, _T_CT),
+        HF: _hf_ct(True)},
     ("mxfp4", "gpt-oss"): {
         VLLM: _when(_GPT_OSS, ("gpt_oss",), V_GPT_OSS), SGLANG: _when(_GPT_OSS, ("gpt_oss",), S_GPT_OSS),
         TRTLLM: _unchecked("quant_method mxfp4 maps to an MXFP4 MoE algorithm; loading not checked", _T_CONFIG),
@@ -192,8 +231,10 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
         TRTLLM: _when("static input scales (--activations static: quant_algo NVFP4)", ("static",),
                       _t_linear("NVFP4LinearMethod.load_weight_scales")),
         HF: _no(_MODELOPT_HF, H_UNKNOWN)},
-    ("nvfp4", "compressed-tensors"): {**_CT_LOADS, TRTLLM: _no(
-        "reads input_activations.strategy of the group: weight-only NVFP4 (null) is not parsed", _T_CT)},
+    ("nvfp4", "compressed-tensors"): {
+        VLLM: _loads(V_CT), SGLANG: _loads(S_CT),
+        TRTLLM: _no("reads input_activations.strategy of the group: weight-only NVFP4 (null) is not parsed", _T_CT),
+        HF: _hf_ct(True)},
     ("int8-channel", "compressed-tensors"): {**_CT_LOADS, TRTLLM: _no(
         "8-bit channel groups are read as FP8_PER_CHANNEL_PER_TOKEN without a type check: INT8 codes would "
         "run as FP8", _T_CT)},
@@ -206,7 +247,7 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
                       note="Marlin: N a multiple of 64 and K of 128 per tensor-parallel part"),
         TRTLLM: _no("reads input_activations.strategy of the group, null for weight-only int4, and maps no "
                     "integer 4-bit group", _T_CT),
-        HF: _loads(H_CT, CT_PACKED)},
+        HF: _hf_ct(True, CT_PACKED)},
 }
 
 # SGLang reads the method from the config; ModelOpt's NVFP4 checkpoints are documented (and

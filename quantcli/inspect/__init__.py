@@ -31,6 +31,7 @@ from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions
 from quantcli.formats.detect import Detected, all_names, config_with_extras, detect, global_scale_fault
 from quantcli.formats.engine_checks import EngineLoad, Facts, judge_checkpoint, loads_in_line
 from quantcli.formats.module_kinds import is_encoder
+from quantcli.formats.transformers_view import view
 from quantcli.planning.plan import matches
 from quantcli.reports import NOT_IN_JSON, OMITTED
 
@@ -250,7 +251,10 @@ def _engine_loads(det: Detected | None, tensors: CheckpointTensors, config: dict
         modules[module] = (recipe_name, det.layout.logical_shape(recipe, shape) if shape else ())
     static = (scales is not OMITTED and scales.activation_scheme == "static" and bool(scales.inputs)
               and not scales.missing_inputs)
-    return judge_checkpoint(det.layout.name, Facts(modules, config, static))
+    dense = tuple(m for m in linear_modules(tensors.where, tensors) if m not in modules)
+    names = [n[: -len(".weight")] for n in tensors.where if n.endswith(".weight")]  # what transformers renames
+    hf = view(config, [*modules, *names])
+    return judge_checkpoint(det.layout.name, Facts(modules, config, static, hf, dense))
 
 
 def _consumers(source: Source, det: Detected | None, disagree: list[str], engines) -> str:

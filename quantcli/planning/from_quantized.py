@@ -23,7 +23,9 @@ from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for
 from quantcli.formats.layouts.base import Role
 from quantcli.formats.module_kinds import is_dense_linear
+from quantcli.formats.transformers_view import view
 from quantcli.planning.actions import Action
+from quantcli.planning.consumer_names import output_heads
 from quantcli.planning.fused_groups import drop_single_member_groups
 from quantcli.planning.plan import Exclusion, Options, Plan, TensorPlan, output_specs
 from quantcli.recipes import DENSE_RECIPES, get_recipe
@@ -147,6 +149,8 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
     consumed: set[str] = set()
     widened: set[str] = set()  # float scale dtypes of the source written as F32
     exclusions = []
+    hf = view(source.config, [*det.modules, *(n[: -len(".weight")] for n in names if n.endswith(".weight"))])
+    heads = output_heads(source.config, hf)
     with CheckpointTensors(source) as ct:
         for module, src_recipe in sorted(det.modules.items()):
             refuse_corrupt_scales(source, det.layout, module, src_recipe, ct)
@@ -162,11 +166,11 @@ def make_reformat_plan(source: Source, opts: Options, det: Detected) -> Plan:
             info = ct.info(name)
             tensors.append(TensorPlan(name, shard, info.dtype, info.shape, action=Action.COPY,
                                       outputs=(OutSpec(name, info.dtype, info.shape),)))
-            if name.endswith(".weight") and len(info.shape) == 2 and is_dense_linear(name[:-7]):
+            if name.endswith(".weight") and len(info.shape) == 2 and (is_dense_linear(name[:-7]) or name[:-7] in heads):
                 exclusions.append(Exclusion(name[:-7], "dense in the source"))
     if errors:
         raise QuantcliError(f"{len(errors)} problem(s) converting {source.label}: " + "; ".join(errors))
     return Plan(source, layout, opts, drop_single_member_groups(tensors), exclusions,
                 _warnings(det.layout, opts, source, tensors, widened),
                 {recipe.name: recipe} if recipe else {}, source_layout=det.layout,
-                dense_dtype=opts.recipe if recipe is None else None)
+                dense_dtype=opts.recipe if recipe is None else None, transformers=hf)

@@ -23,8 +23,10 @@ from quantcli.formats.experts import every_layers_experts, experts_module
 from quantcli.formats.facts import Calibration
 from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
-from quantcli.formats.module_kinds import default_exclusion, has_lm_head, is_dense_linear
+from quantcli.formats.module_kinds import default_exclusion, is_dense_linear
+from quantcli.formats.transformers_view import TransformersView
 from quantcli.planning.actions import Action
+from quantcli.planning.consumer_names import output_heads, source_view, spelled, unnamed_warning
 from quantcli.planning.fused_groups import drop_single_member_groups, one_precision_per_fused_group
 from quantcli.planning.rounding import Rounding
 from quantcli.recipes import RECIPES, Recipe, get_recipe
@@ -119,6 +121,8 @@ class Plan:
     dense_dtype: str | None = None
     notes: list[str] = field(default_factory=list)
     walk: Reach | None = None  # with --calibration: what the layer walk reaches (planning/calibration.py)
+    # What transformers makes of the source's modules (planning/consumer_names.py), None without it
+    transformers: TransformersView | None = None
 
     @property
     def all_warnings(self) -> list[str]:
@@ -159,12 +163,15 @@ class Plan:
 
     def excluded_names(self) -> list[str]:
         """The exact module names for the layout's exclusion key: every Linear left unquantized,
-        and lm_head where the model has one (a tied head has no tensor but is still an unquantized
-        Linear; an encoder such as BertModel has none to name)."""
-        names = {e.module for e in self.exclusions}
-        if has_lm_head(self.source.config):
-            names.add("lm_head")
-        return sorted(names)
+        and the output head where the model has one (a tied head has no tensor but is still an
+        unquantized Linear; an encoder such as BertModel has none to name), each also under the
+        name transformers gives it where that differs (planning/consumer_names.py)."""
+        names = {e.module for e in self.exclusions} | set(output_heads(self.source.config, self.transformers))
+        return spelled(names, self.transformers)
+
+    def consumer_modules_by_recipe(self) -> dict[str, list[str]]:
+        """modules_by_recipe with transformers' names beside the checkpoint's: a config's targets."""
+        return {r: spelled(ms, self.transformers) for r, ms in self.modules_by_recipe().items()}
 
     @property
     def bytes_in(self) -> int:
@@ -207,7 +214,8 @@ def make_plan(source: Source, opts: Options) -> Plan:
     """The plan for a dense source: every tensor copied, or quantized by the recipe its module
     gets, or excluded with a reason; refused as a whole if it is inconsistent or quantizes nothing."""
     layout, recipes = _layout_and_recipes(opts)
-    found = _Planned()
+    hf = source_view(source.config, {n: i.shape for _, n, i in _owned_tensors(source)})
+    found = _Planned(heads=frozenset(output_heads(source.config, hf)), warnings=unnamed_warning(source.config, hf))
     for shard, name, info in _owned_tensors(source):
         _plan_tensor(found, source, opts, layout, recipes, shard, name, info)
     one_precision_per_fused_group(found.tensors, lambda m, why: found.exclusions.append(Exclusion(m, why)),
@@ -221,7 +229,7 @@ def make_plan(source: Source, opts: Options) -> Plan:
     warnings = found.warnings + _unmatched_patterns(opts, found.candidates)
     if not any(t.quantized for t in tensors):
         raise QuantcliError(_nothing_to_quantize(source, layout, found.exclusions))
-    return Plan(source, layout, opts, tensors, found.exclusions, warnings, recipes)
+    return Plan(source, layout, opts, tensors, found.exclusions, warnings, recipes, transformers=hf)
 
 
 def _check_whole_expert_layers(tensors: list[TensorPlan], exclusions: list[Exclusion], errors: list[str]) -> None:
@@ -245,6 +253,7 @@ class _Planned:
     exclusions: list[Exclusion] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     candidates: list[str] = field(default_factory=list)  # Linear and expert modules: what patterns can select
+    heads: frozenset[str] = frozenset()  # the output head's names (consumer_names.output_heads)
 
 
 def _layout_and_recipes(opts: Options) -> tuple[Layout, dict[str, Recipe]]:
@@ -294,7 +303,8 @@ def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout,
         return
     module = module_of(name)
     found.candidates.append(module)
-    reason = _exclusion_reason(module, info, is_experts, opts, layout, source.config)
+    reason = "output head" if module in found.heads else _exclusion_reason(module, info, is_experts, opts, layout,
+                                                                             source.config)
     transpose = bool(is_experts and TRANSPOSED_EXPERTS.search(name))
     shape = (*info.shape[:-2], info.shape[-1], info.shape[-2]) if transpose else info.shape
     recipe = recipes[_choose_recipe(module, opts)] if reason is None else None
@@ -311,7 +321,7 @@ def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout,
         if is_experts:  # named by its experts module, as engines look up the fused MoE layer
             if experts_module(name) not in {e.module for e in found.exclusions}:
                 found.exclusions.append(Exclusion(experts_module(name), reason))
-        elif is_linear and is_dense_linear(module):
+        elif is_linear and (is_dense_linear(module) or module in found.heads):  # GPT-NeoX's head: `embed_out`
             found.exclusions.append(Exclusion(module, reason))
         found.tensors.append(plain)
         return

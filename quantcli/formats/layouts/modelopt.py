@@ -67,10 +67,18 @@ class ModelOptLayout(Layout):
         qc = config.get("quantization_config") or {}
         hq = extra_files.get("hf_quant_config.json") or {}
         section = hq.get("quantization") or qc
-        problems = [f"modelopt config lacks a non-empty {key!r} (vLLM/SGLang need it)"
-                    for key in ("quant_algo", "exclude_modules" if "quantization" in hq else "ignore")
-                    if not section.get(key)]
+        problems = [] if section.get("quant_algo") else ["modelopt config lacks a non-empty 'quant_algo' (vLLM/SGLang "
+                                                         "need it)"]
+        # The exclusion list may be empty (every Linear quantized, an encoder with no head): vLLM's
+        # ModelOptQuantConfigBase.from_config reads `exclude_modules` (or config.json's `ignore`)
+        # with a default of [] and only refuses a non-list; SGLang's ModelOptFp4Config.from_config
+        # refuses only a missing one (None).
+        key = "exclude_modules" if "quantization" in hq else "ignore"
+        if not isinstance(section.get(key, []), list):
+            problems.append(f"modelopt config's {key!r} is {type(section[key]).__name__}, not a list (vLLM refuses it)")
         if "NVFP4" in str(section.get("quant_algo", "")).upper():
+            if key == "exclude_modules" and key not in section:  # ModelOptNvFp4Config._from_config: a required key
+                problems.append("modelopt NVFP4 config lacks 'exclude_modules' (vLLM requires the key; [] will do)")
             if "group_size" not in section:
                 problems.append("modelopt NVFP4 config lacks 'group_size' (vLLM requires it)")
             if "kv_cache_quant_algo" not in section and "kv_cache_scheme" not in section:
