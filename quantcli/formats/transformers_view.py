@@ -14,20 +14,18 @@ meta-device model of the checkpoint's architecture (no weights, no data read):
 - whether the model's own `_init_weights` reads `.weight` of a Linear, which compressed-tensors'
   packed formats replace by `weight_packed` (then only `run_compressed=False` loads it).
 
+The view is built by quantcli/model/transformers_view.py (the model layer builds models);
 transformers is an optional dependency: without it, or for an architecture it cannot build (a
-custom-code model, a config it refuses), `view` returns None and callers keep to quantcli's
+custom-code model, a config it refuses), there is no view and callers keep to quantcli's
 name rules (quantcli/formats/module_kinds.py)."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
-
-_CACHE: dict[tuple[str, frozenset[str]], TransformersView | None] = {}
 
 
 @dataclass(frozen=True)
@@ -66,93 +64,6 @@ class TransformersView:
         return None
 
 
-def view(config: Mapping, modules: Iterable[str]) -> TransformersView | None:
-    """transformers' view of a checkpoint of `config` whose 2-D weights are `modules` (checkpoint
-    module names), or None when transformers cannot build its model class."""
-    names = frozenset(modules)
-    key = (json.dumps(config, sort_keys=True, default=str), names)
-    if key not in _CACHE:
-        if len(_CACHE) >= 4:
-            _CACHE.clear()
-        _CACHE[key] = _build(config, names)
-    return _CACHE[key]
-
-
-def _build(config: Mapping, names: frozenset[str]) -> TransformersView | None:
-    model = _meta_model(config)
-    if model is None:
-        return None
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import MergeModulelist, WeightConverter, WeightRenaming, rename_source_key
-
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    merging = {p for c in converters if any(isinstance(op, MergeModulelist) for op in c.operations)
-               for p in c.source_patterns}
-    params = model.state_dict()
-    renamed, merged = {}, set()
-    for module in sorted(names, key=_natural):  # in the loader's order (GroupWeightRename guards)
-        key, pattern = rename_source_key(f"{module}.weight", renamings, converters, model.base_model_prefix, params)
-        if pattern in merging:
-            merged.add(module)
-        elif key.endswith(".weight") and key in params and key[: -len(".weight")] != module:
-            if isinstance(model.get_submodule(key[: -len(".weight")]), torch.nn.Linear):
-                renamed[module] = key[: -len(".weight")]  # what compressed-tensors' `Linear` target meets
-    return TransformersView(type(model).__name__, renamed, _heads(model, renamed), frozenset(merged), model)
-
-
-def _meta_model(config: Mapping) -> torch.nn.Module | None:
-    """The class `architectures` names, built on the meta device, or None."""
-    try:
-        import transformers
-    except ImportError:
-        return None
-    archs = [a for a in config.get("architectures") or [] if isinstance(a, str)]
-    cls = getattr(transformers, archs[0], None) if archs else None
-    if cls is None or not isinstance(config.get("model_type"), str):
-        return None
-    cfg = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config", "hf_quant_config")}
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # its config and init warnings are about training, not this
-    try:
-        with torch.device("meta"):
-            return cls(transformers.AutoConfig.for_model(config["model_type"], **cfg))
-    except Exception:  # noqa: BLE001 (any failure to build means: no view, the name rules apply)
-        return None
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-
-
-def _heads(model: torch.nn.Module, renamed: Mapping[str, str]) -> tuple[str, ...]:
-    """The output head's names: transformers' and the checkpoint's (a tied head has no tensor;
-    its checkpoint name is the one the checkpoint would have, by the reverse renaming)."""
-    try:
-        head = model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        head = None
-    name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
-    if not name:
-        return ()
-    checkpoint = next((c for c, t in renamed.items() if t == name), None) or _reverse_name(model, name)
-    return tuple(dict.fromkeys((checkpoint, name)))
-
-
-def _reverse_name(model: torch.nn.Module, name: str) -> str:
-    """The checkpoint name transformers would save `name` under (its reverse renamings)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightRenaming, rename_source_key
-
-    reverse = [c.reverse_transform() for c in get_model_conversion_mapping(model)[::-1]
-               if isinstance(c, WeightRenaming) and not isinstance(c, PrefixChange)]
-    key, _ = rename_source_key(f"{name}.weight", reverse, [], reverse=True)
-    return key[: -len(".weight")] if key.endswith(".weight") else name
-
-
-def _natural(name: str) -> list:
-    return [int(p) if p.isdigit() else p for p in name.split(".")]
-
-
 def _where(exc: AttributeError) -> str:
     """`FalconPreTrainedModel._init_weights (models/falcon/modeling_falcon.py) reads FalconLinear.weight`."""
     tb, frame = exc.__traceback__, None
@@ -168,4 +79,4 @@ def _where(exc: AttributeError) -> str:
     return f"{frame.f_code.co_qualname.split('.<locals>')[0]} ({path}) reads {what}"
 
 
-__all__ = ["TransformersView", "view"]
+__all__ = ["TransformersView"]

@@ -31,7 +31,7 @@ from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions
 from quantcli.formats.detect import Detected, all_names, config_with_extras, detect, global_scale_fault
 from quantcli.formats.engine_checks import EngineLoad, Facts, judge_checkpoint, loads_in_line
 from quantcli.formats.module_kinds import is_encoder
-from quantcli.formats.transformers_view import view
+from quantcli.model.transformers_view import view
 from quantcli.planning.plan import matches
 from quantcli.reports import NOT_IN_JSON, OMITTED
 

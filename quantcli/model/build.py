@@ -55,6 +55,8 @@ def model_config(config_dict: dict, label: str):
     decode = getattr(transformers.PretrainedConfig, "_decode_special_floats", None)
     cfg = decode(cfg) if decode is not None else cfg  # {"__float__": "Infinity"}, as from_pretrained reads it
     model_type = cfg.pop("model_type", None)
+    for key in ("quantization_config", "hf_quant_config"):  # the model's shape only: nothing is loaded
+        cfg.pop(key, None)
     try:
         with interrupts_deferred():
             config = transformers.AutoConfig.for_model(model_type, **cfg)
@@ -103,9 +105,21 @@ def _built(cls, config):
         return cls._from_config(config, dtype=torch.float32)
 
 
-def meta_model(config_dict: dict, label: str) -> torch.nn.Module:
+def meta_model(config_dict: dict, label: str, quiet: bool = True) -> torch.nn.Module:
     """The model of `config_dict`, FP32, in eval mode: parameters and persistent buffers on meta,
-    non-persistent buffers real (see the module docstring)."""
+    non-persistent buffers real (see the module docstring). `quiet`: transformers' own warnings
+    (about training, generation defaults) are not shown."""
+    transformers = transformers_module()
+    verbosity = transformers.logging.get_verbosity()
+    if quiet:
+        transformers.logging.set_verbosity_error()
+    try:
+        return _meta_model(config_dict, label)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _meta_model(config_dict: dict, label: str) -> torch.nn.Module:
     config = model_config(config_dict, label)
     if getattr(config, "is_encoder_decoder", False):
         raise QuantcliError(f"{label}: {type(config).__name__} is an encoder-decoder model; quantcli's layer walk "
@@ -126,4 +140,9 @@ def meta_model(config_dict: dict, label: str) -> torch.nn.Module:
             module._buffers[leaf] = torch.empty_like(buffer, device="cpu")
     with interrupts_deferred():
         model.initialize_weights()  # fills the real buffers; init on meta parameters does nothing
+    for module in model.modules():  # as built: a later initialize_weights runs again (transformers_view's check)
+        module.__dict__.pop("_is_hf_initialized", None)
+        for t in (*module._parameters.values(), *module._buffers.values()):
+            if t is not None:
+                t.__dict__.pop("_is_hf_initialized", None)
     return model.float().eval()

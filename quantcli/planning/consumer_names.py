@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from quantcli.formats.module_kinds import has_lm_head
-from quantcli.formats.transformers_view import TransformersView, view
+from quantcli.formats.transformers_view import TransformersView
+from quantcli.model.transformers_view import view
 
 MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower")
 

@@ -23,7 +23,7 @@ from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for
 from quantcli.formats.layouts.base import Role
 from quantcli.formats.module_kinds import is_dense_linear
-from quantcli.formats.transformers_view import view
+from quantcli.model.transformers_view import view
 from quantcli.planning.actions import Action
 from quantcli.planning.consumer_names import output_heads
 from quantcli.planning.fused_groups import drop_single_member_groups
