@@ -15,6 +15,7 @@ another language (or none) are not shell commands and are left alone.
     python3 scripts/readme_check.py                # clone this repository's HEAD and run
     python3 scripts/readme_check.py --list         # print the blocks and what happens to each
     python3 scripts/readme_check.py --from URL --keep
+    python3 scripts/readme_check.py --into DIR     # clone into DIR and keep it (.ci/run goes on there)
 
 Standard library only: it runs before any virtual environment exists.
 """
@@ -71,12 +72,15 @@ def bash_blocks(readme: str) -> list[Block]:
 
 
 def session_script(blocks: list[Block]) -> str:
-    """One bash script that runs the `run` blocks in order and names the README line that failed."""
+    """One bash script that runs the `run` blocks in order, says how long each took (the set-up and
+    the tests are blocks too, so CI's log shows their times) and names the README line that failed."""
     parts = ["set -eo pipefail",
              "trap 'rc=$?; echo \"readme-check: FAILED in the block at README.md:$block (exit $rc)\" >&2' ERR"]
     for b in blocks:
         if b.run:
-            parts += [f"block={b.line}", f"echo {shlex.quote(f'readme-check: README.md:{b.line}')} >&2", b.text]
+            said = f"readme-check: README.md:{b.line}"
+            parts += [f"block={b.line}; started=$SECONDS", f"echo {shlex.quote(said)} >&2", b.text,
+                      f"echo \"{said} took $((SECONDS - started)) s\" >&2"]
     return "\n".join(parts) + "\n"
 
 
@@ -86,9 +90,12 @@ def list_blocks(blocks: list[Block]) -> None:
         print(f"README.md:{b.line:<4} {'run ' if b.run else 'skip'}  {head}" + ("" if b.run else f"   ({b.why})"))
 
 
-def check(source: str, keep: bool) -> int:
-    work = Path(tempfile.mkdtemp(prefix="quantcli-readme-"))
-    clone = work / "quantcli"
+def check(source: str, keep: bool, into: Path | None = None) -> int:
+    """Clone `source` (into `into`, always kept, or a temporary folder) and run the README there -> its exit code."""
+    if into is not None and into.exists():
+        raise ValueError(f"--into {into}: already exists; name a new folder")
+    work = Path(tempfile.mkdtemp(prefix="quantcli-readme-"))  # the session script; the clone unless `into`
+    clone = into or work / "quantcli"
     subprocess.run(["git", "clone", "--quiet", source, str(clone)], check=True)
     commit = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"], check=True,
                             capture_output=True, text=True).stdout.strip()
@@ -103,9 +110,9 @@ def check(source: str, keep: bool) -> int:
     if code == 0:
         print(f"readme-check: the README ran top to bottom ({ran} blocks, {len(blocks) - ran} skipped "
               f"as marked) in {took:.0f} s", file=sys.stderr)
-    if code == 0 and not keep:
+    if code == 0 and not keep or into is not None:
         shutil.rmtree(work, ignore_errors=True)
-    else:
+    if code != 0 or keep or into is not None:
         print(f"readme-check: the clone is kept in {clone}", file=sys.stderr)
     return code
 
@@ -117,12 +124,14 @@ def main() -> int:
                         help="the repository to clone (default: this one; its HEAD commit, not the work tree)")
     parser.add_argument("--list", action="store_true", help="print the bash blocks and whether each runs; run nothing")
     parser.add_argument("--keep", action="store_true", help="keep the temporary clone after a success")
+    parser.add_argument("--into", type=Path, metavar="DIR",
+                        help="clone into DIR (a new folder) and keep it, so later steps can use its .venv")
     args = parser.parse_args()
     try:
         if args.list:
             list_blocks(bash_blocks((ROOT / "README.md").read_text()))
             return 0
-        return check(args.source, args.keep)
+        return check(args.source, args.keep, args.into)
     except ValueError as exc:
         print(f"readme-check: {exc}", file=sys.stderr)
         return 2
