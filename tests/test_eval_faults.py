@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from quantcli.testing import make_llama, make_moe
 
@@ -228,3 +229,21 @@ def test_recipe_emulation_takes_ignore_and_a_recipe_file(run_cli, root, tmp_path
     line = _fails(run_cli, *_eval(root / "llama", "--config", card, "--reference", root / "llama", "--data", data))
     assert "--config with --reference" in line
     assert "fp32" not in _fails(run_cli, *_eval(root / "llama", "--recipe", "nvfp5", "--data", data))
+
+
+def test_a_layout_eval_does_not_read_is_refused_not_taken_for_fp8():
+    """Once every layout but modelopt and compressed-tensors was read as the fp8 layout's
+    activation_scheme: a new layout would have been emulated with fp8's dynamic activations."""
+    from types import SimpleNamespace
+
+    from quantcli.evaluate.declared import NotEmulated, activation_steps
+    from quantcli.formats.activation_scales import CalibratedScales
+
+    config = {"quantization_config": {"quant_method": "future", "activation_scheme": "dynamic"}}
+    with pytest.raises(NotEmulated) as exc:
+        activation_steps(SimpleNamespace(name="future"), config, {"model.layers.0.mlp.down_proj": "fp8"},
+                         CalibratedScales("dynamic", None), "ckpt")
+    line = str(exc.value)
+    assert "\n" not in line and line.startswith("ckpt: layout future: eval emulates")
+    assert "compressed-tensors, modelopt, fp8 layouts" in line
+
