@@ -247,3 +247,19 @@ def test_a_layout_eval_does_not_read_is_refused_not_taken_for_fp8():
     assert "\n" not in line and line.startswith("ckpt: layout future: eval emulates")
     assert "compressed-tensors, modelopt, fp8 layouts" in line
 
+
+def test_a_module_decoding_to_nan_is_named_and_exits_2(run_cli, root, nvfp4, tmp_path):
+    """Block scales set to NaN: eval once exited 0 with `perplexity, quantized: nan`, naming nothing."""
+    import shutil
+
+    import safetensors.torch as st
+
+    bad = tmp_path / "nan-scales"
+    shutil.copytree(nvfp4, bad)
+    (shard,) = bad.glob("*.safetensors")
+    tensors = st.load_file(shard)
+    scale = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors[scale] = torch.full_like(tensors[scale].float(), float("nan")).to(tensors[scale].dtype)
+    st.save_file(tensors, shard, metadata={"format": "pt"})
+    line = _fails(run_cli, *_eval(bad, "--reference", root / "llama", "--data", root / "eval.jsonl"))
+    assert "model.layers.1.mlp.down_proj decodes to" in line and "non-finite" in line and "quantcli verify" in line
