@@ -78,3 +78,16 @@ def test_the_cap_is_stated_in_help_and_docs(run_cli):
     assert code == 0 and "by default the whole data up to 512 (llm-compressor's default)" in " ".join(out.split())
     assert "the whole data up to 512 samples" in " ".join((ROOT / "docs" / "cli.md").read_text().split())
 
+
+def test_eval_says_how_many_samples_of_the_data_it_used(src, tmp_path, run_cli):
+    assert run_cli("convert", src, tmp_path / "q", "--recipe", "nvfp4", "-q")[0] == 0
+    (tmp_path / "d64.jsonl").write_text("".join(json.dumps({"input_ids": [(5 * i + j) % 500 for j in range(6)]}) + "\n"
+                                                for i in range(64)))
+    args = ("eval", tmp_path / "q", "--reference", src, "--data", tmp_path / "d64.jsonl", "--device", "cpu")
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    assert "32 of 64 samples (the first 32: --samples), 192 tokens" in out
+    doc = validate("eval", run_json(run_cli, *args))
+    assert (doc["samples"], doc["samples_in_data"], doc["tokens"]) == (32, 64, 192)
+    doc = validate("eval", run_json(run_cli, *args, "--samples", "100"))
+    assert (doc["samples"], doc["samples_in_data"]) == (64, 64)
