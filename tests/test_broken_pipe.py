@@ -36,6 +36,7 @@ def closed(stream: str, *args) -> tuple[int, str]:
     return proc.wait(timeout=300), other
 
 
+@pytest.mark.slow
 def test_closed_stderr_mid_convert_exits_141_and_resume_finishes(llama, tmp_path, run_cli):
     code, _, err = run_cli("convert", llama, tmp_path / "clean", "--recipe", "nvfp4", "-q", "--device", "cpu")
     assert code == 0, err
@@ -50,6 +51,7 @@ def test_closed_stderr_mid_convert_exits_141_and_resume_finishes(llama, tmp_path
     assert tree_state(dst) == tree_state(tmp_path / "clean") and not stage.exists()
 
 
+@pytest.mark.slow
 def test_closed_stdout_after_convert_keeps_the_finished_output(llama, tmp_path):
     dst = tmp_path / "out"
     code, stderr = closed("stdout", "convert", llama, dst, "--recipe", "nvfp4", "--device", "cpu")
@@ -57,6 +59,7 @@ def test_closed_stdout_after_convert_keeps_the_finished_output(llama, tmp_path):
     assert (dst / "quantcli_manifest.json").is_file() and not (tmp_path / "out.partial").exists()
 
 
+@pytest.mark.slow
 def test_closed_stderr_under_a_failing_verify_exits_141_not_1(llama, tmp_path, run_cli):
     other = make_llama(tmp_path / "other", hidden=64, layers=1, shards=2, seed=1)
     quant = tmp_path / "q"
@@ -68,6 +71,7 @@ def test_closed_stderr_under_a_failing_verify_exits_141_not_1(llama, tmp_path, r
     assert stdout in ("", "FAIL\n") or stdout.startswith("FAIL"), stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [("verify", "no-such-folder/q"), ("inspect", "no-such-folder/q"),
                                   ("convert", "no-such-folder/q", "out", "--recipe", "nvfp4")])
 def test_an_error_line_into_a_closed_stderr_exits_141(tmp_path, monkeypatch, args):

@@ -205,6 +205,7 @@ def test_bad_buffer_budget_refused(mixtral, tmp_path, run_cli, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_resume_reuses_the_calibration_and_output_is_identical(mixtral, tmp_path, run_cli, monkeypatch):
     """Killed after the first shard: --resume finishes without calibrating again (the engine
     would raise), byte-identical to an uninterrupted run; the cache never reaches DST."""

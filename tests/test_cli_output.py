@@ -274,6 +274,7 @@ def test_dry_run_quiet_prints_only_the_total_line_with_the_real_peak(run_cli, mo
     assert doc["estimated_peak_memory_bytes"] > process_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="ru_maxrss counts KiB on Linux")
 def test_dry_run_peak_is_at_least_a_real_runs_peak_rss(run_cli, checkpoints, tmp_path):
     """PROCESS_BYTES and the working set are measured (CPU torch): a conversion's peak RSS, read

@@ -114,6 +114,7 @@ def test_two_runs_byte_identical_and_triton_backend_matches(tiny_llama, tmp_path
     assert a == b == c
 
 
+@pytest.mark.slow
 def test_kill_after_first_shard_then_resume_is_byte_identical(tiny_llama, tmp_path, run_cli):
     assert run_cli("convert", tiny_llama, tmp_path / "clean", "--recipe", "mxfp4", "--quiet")[0] == 0
     env = {**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}
@@ -130,6 +131,7 @@ def test_kill_after_first_shard_then_resume_is_byte_identical(tiny_llama, tmp_pa
     assert not (tmp_path / "out.partial").exists()
 
 
+@pytest.mark.slow
 def test_resume_with_other_recipe_refused(tiny_llama, tmp_path):
     env = {**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}
     base = [sys.executable, "-m", "quantcli", "convert", str(tiny_llama), str(tmp_path / "o"), "--quiet"]

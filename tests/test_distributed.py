@@ -173,6 +173,7 @@ def _same_bytes(one: Path, many: Path) -> None:
 @pytest.mark.parametrize("name", [f"{r}-{s}" for r, s in GROUP_A + GROUP_B] + ["relayout", "dequantize"] + [
     pytest.param(n, marks=pytest.mark.skipif(not CALIBRATE, reason="needs the calibrate extra"))
     for n in ("calibrated-llama", "calibrated-search", "calibrated-moe")])
+@pytest.mark.slow
 def test_ranks_write_the_bytes_of_one_process(runs, name):
     logs = runs["logs"][name]
     assert sorted(logs) == list(range(len(logs))) and len(logs) in (2, 3)
@@ -186,6 +187,7 @@ def test_every_recipe_runs_on_several_ranks():
     assert {r for r, _ in GROUP_A + GROUP_B} == set(RECIPES)
 
 
+@pytest.mark.slow
 def test_a_fused_group_split_over_ranks_gets_one_global_scale(runs):
     """The llama source deals q/k/v over shards that LPT gives to different ranks (2 and 3)."""
     from quantcli.checkpoint.source import open_source
@@ -210,6 +212,7 @@ def test_a_fused_group_split_over_ranks_gets_one_global_scale(runs):
                                             scales["model.layers.0.self_attn.k_proj.weight_scale_2"])
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_job_and_resume_on_other_ranks_finishes_it(runs):
     killed = runs["logs"]["killed"]
     assert list(killed) == [0], "rank 1 was killed before it could log"
@@ -224,6 +227,7 @@ def test_a_killed_rank_stops_the_job_and_resume_on_other_ranks_finishes_it(runs)
     _same_bytes(runs["ref"] / "nvfp4-llama", runs["out"]["resumed"])
 
 
+@pytest.mark.slow
 def test_a_refusal_on_one_rank_refuses_the_job_and_leaves_nothing(runs):
     logs = runs["logs"]["refused"]
     assert sorted(logs) == [0, 1, 2] and all(rec["code"] == 2 for rec in logs.values()), logs
@@ -233,6 +237,7 @@ def test_a_refusal_on_one_rank_refuses_the_job_and_leaves_nothing(runs):
     assert_nothing_left(runs["tmp"] / "refused")
 
 
+@pytest.mark.slow
 def test_workers_option_spawns_the_ranks_itself(runs, run_cli):
     out = runs["tmp"] / "workers"
     code, _, err = run_cli("convert", runs["src"]["llama"], out, "--recipe", "fp8-block", "--workers", "2",

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from quantcli.testing import make_llama, make_moe
 
@@ -230,3 +231,37 @@ def test_recipe_emulation_takes_ignore_and_a_recipe_file(run_cli, root, tmp_path
     line = _fails(run_cli, *_eval(root / "llama", "--config", card, "--reference", root / "llama", "--data", data))
     assert "--config with --reference" in line
     assert "fp32" not in _fails(run_cli, *_eval(root / "llama", "--recipe", "nvfp5", "--data", data))
+
+
+def test_a_layout_eval_does_not_read_is_refused_not_taken_for_fp8():
+    """Once every layout but modelopt and compressed-tensors was read as the fp8 layout's
+    activation_scheme: a new layout would have been emulated with fp8's dynamic activations."""
+    from types import SimpleNamespace
+
+    from quantcli.evaluate.declared import NotEmulated, activation_steps
+    from quantcli.formats.activation_scales import CalibratedScales
+
+    config = {"quantization_config": {"quant_method": "future", "activation_scheme": "dynamic"}}
+    with pytest.raises(NotEmulated) as exc:
+        activation_steps(SimpleNamespace(name="future"), config, {"model.layers.0.mlp.down_proj": "fp8"},
+                         CalibratedScales("dynamic", None), "ckpt")
+    line = str(exc.value)
+    assert "\n" not in line and line.startswith("ckpt: layout future: eval emulates")
+    assert "compressed-tensors, modelopt, fp8 layouts" in line
+
+
+def test_a_module_decoding_to_nan_is_named_and_exits_2(run_cli, root, nvfp4, tmp_path):
+    """Block scales set to NaN: eval once exited 0 with `perplexity, quantized: nan`, naming nothing."""
+    import shutil
+
+    import safetensors.torch as st
+
+    bad = tmp_path / "nan-scales"
+    shutil.copytree(nvfp4, bad)
+    (shard,) = bad.glob("*.safetensors")
+    tensors = st.load_file(shard)
+    scale = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors[scale] = torch.full_like(tensors[scale].float(), float("nan")).to(tensors[scale].dtype)
+    st.save_file(tensors, shard, metadata={"format": "pt"})
+    line = _fails(run_cli, *_eval(bad, "--reference", root / "llama", "--data", root / "eval.jsonl"))
+    assert "model.layers.1.mlp.down_proj decodes to" in line and "non-finite" in line and "quantcli verify" in line

@@ -50,6 +50,7 @@ def _same(a: dict, b: dict) -> None:
         assert x["output_error"] == pytest.approx(y["output_error"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_two_workers_report_what_one_process_reports(run_cli, pair):
     src, dst, data = pair
     one = _eval(run_cli, dst, src, data, "--sensitivity", "2")
@@ -58,6 +59,7 @@ def test_two_workers_report_what_one_process_reports(run_cli, pair):
     _same(two, one)
 
 
+@pytest.mark.slow
 def test_a_worker_without_a_batch_adds_nothing(run_cli, pair):
     src, dst, data = pair
     one = _eval(run_cli, dst, src, data, "--samples", "1", "--sensitivity", "1")

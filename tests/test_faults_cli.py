@@ -286,6 +286,7 @@ def _popen(*args: str, extra_env: dict[str, str] | None = None, **kw) -> subproc
     return subprocess.Popen([sys.executable, "-m", "quantcli", *map(str, args)], env=env, text=True, **kw)
 
 
+@pytest.mark.slow
 def test_stdout_closed_early_ends_quietly(small_src):
     proc = _popen("inspect", small_src, "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # like `| head` that has exited before quantcli writes
@@ -310,6 +311,7 @@ def _many_modules(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_inspect_json_into_closed_pipe_exits_141(tmp_path, run_cli):
     big = _many_modules(tmp_path / "big")
     code, out, _ = run_cli("inspect", big, "--json")
@@ -324,6 +326,7 @@ def test_inspect_json_into_closed_pipe_exits_141(tmp_path, run_cli):
     assert not err.strip(), err
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_convert_then_resume_is_byte_identical(tmp_path, run_cli):
     src = _write_checkpoint(tmp_path / "src", shards=4, layers_per_shard=1, dim=256)
     src_before = tree_state(src)

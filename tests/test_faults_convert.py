@@ -367,6 +367,7 @@ def test_write_fault_is_one_line_and_resume_continues(llama, tmp_path, run_cli, 
     assert tree_state(dst) == clean
 
 
+@pytest.mark.slow
 def test_file_size_limit_in_a_real_process(llama, tmp_path, run_cli):
     """RLIMIT_FSIZE: writes past it fail with EFBIG (Python starts with SIGXFSZ ignored, so the
     process is not killed); the run says so in one line and --resume finishes the job."""

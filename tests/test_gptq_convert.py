@@ -110,6 +110,7 @@ def test_dense_inputs_change_only_the_layers_after_the_first(run_cli, env, tmp_p
     assert _manifest(tmp_path / "dense")["rounding"]["inputs"] == "dense"
 
 
+@pytest.mark.slow
 def test_a_run_killed_after_a_layer_resumes_to_the_same_bytes(run_cli, env, tmp_path):
     argv = ["convert", str(env["llama"]), str(tmp_path / "killed"), "--recipe", "nvfp4", "--rounding", "gptq",
             "--calibration", str(env["data"]), "--device", "cpu", "-q"]
@@ -180,6 +181,7 @@ def test_a_recipe_file_with_a_bad_rounding_override_is_refused(run_cli, env, tmp
     assert code == 2 and "[[rounding_override]] #1 rounding" in err and "gptq" in err, err
 
 
+@pytest.mark.slow
 def test_two_ranks_write_one_process_s_bytes(env, tmp_path):
     from test_weight_pass_ranks import _two_ranks
 

@@ -192,6 +192,7 @@ def test_escaping_index_name_in_cache_still_refused(tiny_llama, hub_cache, tmp_p
     assert_nothing_left(tmp_path / "o")
 
 
+@pytest.mark.slow
 def test_fresh_process_reads_the_cache_from_hf_home(tiny_llama, tmp_path):
     """The environment alone, as a user sets it: HF_HOME/hub is the cache, HF_HUB_OFFLINE=1."""
     home = tmp_path / "hf-home"

@@ -43,6 +43,7 @@ def compiled(tmp_path_factory) -> dict:
     return report
 
 
+@pytest.mark.slow
 def test_every_variant_compiles_for_hopper_and_blackwell(compiled):
     failed = [f"sm_{r['arch']} {r['labels'][0]}: {r['kernel']}: {r['error']}"
               for r in compiled["results"] if not r["ok"]]
@@ -51,12 +52,14 @@ def test_every_variant_compiles_for_hopper_and_blackwell(compiled):
         assert any(r["arch"] == arch for r in compiled["results"])
 
 
+@pytest.mark.slow
 def test_ptx_keeps_the_references_arithmetic(compiled):
     bad = [f"sm_{r['arch']} {r['labels'][0]}: {r['kernel']}:\n{r['summary']}" for r in compiled["results"]
            if r["findings"]]
     assert not bad, "\n\n".join(bad)
 
 
+@pytest.mark.slow
 def test_every_recipe_rule_search_dtype_and_kernel_is_covered(compiled):
     """Stated here from the registry on its own, so a variant kernel_compile.py forgot shows."""
     labels = {label for r in compiled["results"] for label in r["labels"]}
@@ -81,6 +84,7 @@ EXPECTED = {  # control -> the reason its PTX is flagged (None: must be clean)
 }
 
 
+@pytest.mark.slow
 def test_negative_controls_prove_the_check(compiled):
     seen = {(c["control"], c["arch"]): c["findings"] for c in compiled["controls"]}
     assert set(seen) == {(name, arch) for name in EXPECTED for arch in ARCHS}

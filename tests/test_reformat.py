@@ -218,6 +218,7 @@ def test_gpt_oss_to_bf16_restores_expert_orientation(tmp_path, run_cli):
     shutil.rmtree(tmp_path / "d")
 
 
+@pytest.mark.slow
 def test_reformat_dry_run_and_resume_after_kill(quantized, tmp_path, run_cli):
     import os
     import subprocess

@@ -183,6 +183,7 @@ def runs(tmp_path_factory):
     return {"tmp": tmp, "logs": logs}
 
 
+@pytest.mark.slow
 def test_two_ranks_hand_the_pass_one_process_s_statistics_and_write_its_bytes(runs):
     tmp = runs["tmp"]
     assert all(rec["code"] == 0 and rec["err"] == "" for rec in runs["logs"]["two"].values()), runs["logs"]
@@ -195,6 +196,7 @@ def test_two_ranks_hand_the_pass_one_process_s_statistics_and_write_its_bytes(ru
     assert tree_state(tmp / "two") == tree_state(tmp / "one") == tree_state(tmp / "plain")
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_a_run_killed_in_one_process(runs):
     tmp = runs["tmp"]
     assert all(rec["code"] == 0 for rec in runs["logs"]["resumed"].values()), runs["logs"]

@@ -53,6 +53,7 @@ def _copy(killed, name: str) -> tuple[list[str], Path]:
     return [str(dst) if a == "DST" else a for a in killed["argv"]], dst
 
 
+@pytest.mark.slow
 def test_killed_mid_walk_resume_continues_after_the_last_finished_layer(killed, run_cli):
     state = tree_state(killed["partial"])
     assert f"{WEIGHTS}/layer-00000.safetensors" in state and f"{WEIGHTS}/layer-00001.safetensors" not in state
@@ -66,6 +67,7 @@ def test_killed_mid_walk_resume_continues_after_the_last_finished_layer(killed, 
     assert not dst.with_name("resumed.partial").exists()
 
 
+@pytest.mark.slow
 def test_a_resumed_walk_shows_no_rate(killed, run_cli):
     """docs/cli.md: a run with --resume shows what it resumed and no rate. A walk killed before
     any shard was written resumes no shard, but its staged layers are work of the earlier run."""
@@ -77,6 +79,7 @@ def test_a_resumed_walk_shows_no_rate(killed, run_cli):
     assert "B/s" not in line and line.endswith("); 2 shard(s) written, 0 resumed, 1 rounded layer of 2 resumed"), line
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_pass_s_products(killed, run_cli):
     argv, dst = _copy(killed, "other")
     stage = dst.with_name("other.partial")
@@ -95,6 +98,7 @@ def _without_lock(state: dict[str, str]) -> dict[str, str]:
     return {n: h for n, h in state.items() if not n.startswith(".quantcli-lock")}
 
 
+@pytest.mark.slow
 def test_a_staged_product_that_does_not_match_the_plan_is_refused(killed, run_cli):
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -128,6 +132,7 @@ def test_check_product_names_every_mismatch():
                                              "m.weight is I8 [4, 16], the plan says U8 [4, 16]"))
 
 
+@pytest.mark.slow
 def test_two_weight_passes_are_refused_and_nothing_is_written(killed, run_cli):
     import quantcli.convert.passes as passes
 
@@ -140,6 +145,7 @@ def test_two_weight_passes_are_refused_and_nothing_is_written(killed, run_cli):
     assert_nothing_left(dst)
 
 
+@pytest.mark.slow
 def test_a_weight_pass_without_calibration_data_is_refused(killed, run_cli):
     install(NearestPass())
     src, dst = killed["argv"][1], killed["tmp"] / "nodata"

@@ -36,6 +36,7 @@ def test_the_summary_says_start_up_and_conversion(one_shard, tmp_path, run_cli):
     assert re.search(r" in [0-9.]+ s \(start-up [0-9.]+ s, converting [0-9.]+ s at [0-9.]+ [KMG]?i?B/s\)", out), out
 
 
+@pytest.mark.slow
 def test_seconds_total_counts_the_process_start_up(one_shard, tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     proc = subprocess.run([sys.executable, "-m", "quantcli", "convert", str(one_shard), str(tmp_path / "o"),

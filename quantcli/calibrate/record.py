@@ -7,19 +7,23 @@ from pathlib import Path
 
 from quantcli.checkpoint.manifest import DiskEntry
 from quantcli.formats.layouts.base import Direction, Layout
+from quantcli.model.data_used import data_used
 from quantcli.model.samples import data_digest, is_hub_dataset, read_samples
 from quantcli.planning.plan import Plan, TensorPlan
 
 
 def calibration_record(plan: Plan) -> dict[str, object] | None:
     """`samples` / `seq_len` / `batch` as asked (at most; what verify --calibration reruns with),
-    `samples_used` as found in the data."""
+    `samples_used` as found in the data, and how much of the data that was: `samples_in_data`,
+    `tokens_used`, `tokens_in_data` (null: a Hub dataset, not read to its end)."""
     cal = plan.options.calibration
     if cal is None:
         return None
     name = cal.data if is_hub_dataset(cal.data) else Path(cal.data).name
+    used = data_used(cal, plan.source.root)
     return {"data": name, "data_sha256": data_digest(cal), "samples_used": len(read_samples(cal)),
-            "samples": cal.samples, "seq_len": cal.seq_len,
+            "samples_in_data": used.samples_in_data, "tokens_used": used.tokens,
+            "tokens_in_data": used.tokens_in_data,             "samples": cal.samples, "seq_len": cal.seq_len,
             "batch": cal.batch, "activations": plan.options.activations or "dynamic",
             "kv_cache": plan.options.kv_cache, "statistic": "max |x| over the unquantized model's forward"}
 

@@ -21,6 +21,7 @@ from quantcli.cli.options import (
     recipe_names,
     scale_rule_names,
 )
+from quantcli.formats.facts import CALIBRATION_SAMPLES
 
 
 def choice(option: str, kind: str, names: Callable[[], Sequence[str]], shown: Sequence[str], metavar: str,
@@ -76,7 +77,9 @@ KvCache = Annotated[Optional[str], choice(
 Calibration = Annotated[Optional[str], typer.Option(metavar="DATA", help=(
     "Calibration samples: .txt or .jsonl (text, messages or input_ids), or a Hub dataset OWNER/NAME[:SPLIT] (needs "
     "the datasets package)."))]
-CalibrationSamples = Annotated[Optional[int], typer.Option(metavar="N", help="Samples to use.  [default: 128]")]
+CalibrationSamples = Annotated[Optional[int], typer.Option(metavar="N", help=(
+    f"Samples to use, at most: by default the whole data up to {CALIBRATION_SAMPLES} (llm-compressor's default).  "
+    f"[default: {CALIBRATION_SAMPLES}]"))]
 CalibrationSeqLen = Annotated[Optional[int], typer.Option(metavar="L",
                                                           help="Tokens per sample, at most.  [default: 512]")]
 CalibrationBatch = Annotated[Optional[int], typer.Option(metavar="B", help="Samples per forward.  [default: 1]")]

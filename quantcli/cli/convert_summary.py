@@ -26,6 +26,7 @@ def convert_summary(plan, result) -> dict:
         "lossless": plan.lossless, "notes": result.notes,
         "requantize_rel_err_vs_decoded_source": result.requantize_errors,
         "already_complete": result.already_complete,
+        "calibration": _calibration_record(plan, result.dst),
     }, source=plan.source.label, destination=result.dst)
 
 
@@ -60,6 +61,9 @@ def print_convert_result(plan, result, src: str, overwrite: bool = False) -> Non
     cal = plan.options.calibration
     if cal is not None and _calibrated_counts(plan):
         con.print(f"calibrated: {_calibrated_counts(plan)} from {cal.data}")
+    record = _calibration_record(plan, result.dst)
+    if record is not None:
+        con.print(f"calibration data: {_data_used(record)}", markup=False)
     if plan.options.rounding.data_aware:
         con.print(f"rounded: {_rounding_line(result.dst)}", markup=False)
     con.print(f"next: {_verify_command(plan, result, src)}")
@@ -94,13 +98,40 @@ def _calibrated_counts(plan) -> str:
     return ", ".join(parts)
 
 
+def _manifest(dst: Path):
+    """The manifest just written."""
+    from quantcli.checkpoint.manifest import MANIFEST_NAME, Manifest
+
+    return Manifest.from_json((dst / MANIFEST_NAME).read_text())
+
+
 def _rounding_line(dst: Path) -> str:
     """`14 modules by GPTQ, 2 to nearest (see the notes); layer-output error on the calibration
     data 0.0092 -> 0.0063 (mean)`, from the manifest just written."""
-    from quantcli.checkpoint.manifest import MANIFEST_NAME, Manifest
-
-    manifest = Manifest.from_json((dst / MANIFEST_NAME).read_text())
+    manifest = _manifest(dst)
     return rounding_summary([m.rounding for m in manifest.modules if m.rounding], "see the notes")
+
+
+def _calibration_record(plan, dst: Path) -> dict | None:
+    """The manifest's record of the calibration run (the data, how much of it was used), or None."""
+    if plan.options.calibration is None:
+        return None
+    return dict(_manifest(dst).calibration or {}) or None
+
+
+def _data_used(record: dict) -> str:
+    """`all 8 samples, 256 tokens of calib.jsonl`, or `128 of 190 samples, 40,960 of 61,233 tokens
+    of data.jsonl (the rest left out by --calibration-samples 128 and --calibration-seq-len 512)`;
+    a Hub dataset read only as far as the cap says `the first 512 samples`."""
+    n, held = record["samples_used"], record.get("samples_in_data")
+    tokens, tokens_held = record.get("tokens_used"), record.get("tokens_in_data")
+    if n == held and tokens == tokens_held:
+        return f"all {counted(n, 'sample')}, {counted(tokens, 'token', spec=',')} of {record['data']}"
+    samples = f"{n} of {counted(held, 'sample')}" if held is not None else f"the first {counted(n, 'sample')}"
+    said = f"{tokens:,} of {counted(tokens_held, 'token', spec=',')}" if tokens_held is not None else \
+        counted(tokens, "token", spec=",")
+    return (f"{samples}, {said} of {record['data']} (the rest left out by --calibration-samples {record['samples']} "
+            f"and --calibration-seq-len {record['seq_len']})")
 
 
 def _what_was_done(plan, result) -> str:

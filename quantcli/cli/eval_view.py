@@ -94,7 +94,7 @@ def render_eval(report, con: Console, top: int) -> None:
         "none declared (weight-only)"
     con.print(f"  activations emulated: {acts}")
     con.print(f"  KV cache: {report.kv_cache}")
-    con.print(f"  {counted(report.samples, 'sample')}, {counted(report.tokens, 'token')} (at most {report.seq_len} "
+    con.print(f"  {_samples(report)}, {counted(report.tokens, 'token')} (at most {report.seq_len} "
               f"each) on {report.device}, {report.seconds:.1f} s")
     for note in report.notes:
         con.print(f"  note: {note}")
@@ -102,6 +102,15 @@ def render_eval(report, con: Console, top: int) -> None:
     con.print(_metrics_table(report))
     if report.sensitivity:
         con.print(_sensitivity_table(report))
+
+
+def _samples(report) -> str:
+    """`32 of 64 samples (the first 32: --samples)`, `64 of 64 samples`, or for a Hub dataset read
+    only as far as --samples, `the first 32 samples of the dataset`."""
+    n, held = report.samples, report.samples_in_data
+    if held is None:
+        return f"the first {counted(n, 'sample')} of the dataset"
+    return f"{n} of {counted(held, 'sample')}" + (f" (the first {n}: --samples)" if n < held else "")
 
 
 def render_eval_brief(report, con: Console) -> None:

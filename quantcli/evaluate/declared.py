@@ -40,6 +40,7 @@ MODELOPT_STATIC = {"NVFP4": ("nvfp4", "nvfp4"), "FP8": (None, "fp8-static"),
 MX_BITS = {8: "mxfp8", 4: "mxfp4"}
 MODELOPT_WEIGHT_ONLY = ("", "W4A16_NVFP4", "FP8_PB_WO")
 KV_MODES = ("auto", "scale-one", "none")
+DECLARING = ("compressed-tensors", "modelopt", "fp8")  # the layouts whose activation declarations are read here
 
 
 def _refuse(label: str, what: str) -> NotEmulated:
@@ -125,13 +126,16 @@ def activation_steps(layout, config: Mapping, modules: Mapping[str, str], scales
     out: dict[str, ActQuant] = {}
     if layout is None or layout.name == "gpt-oss":
         return out
+    if layout.name not in DECLARING:  # a layout added later must say how it declares activations, not pass as fp8
+        raise NotEmulated(f"{label}: layout {layout.name}: eval emulates the activation quantization declared in the "
+                          f"{', '.join(DECLARING)} layouts (gpt-oss is weight-only), not in this one; nothing was run")
     algo = _modelopt_algo(config) if layout.name == "modelopt" else ""
     for module, recipe in sorted(modules.items()):
         if layout.name == "compressed-tensors":
             step = _compressed_tensors(layout, config, module, scales, label)
         elif layout.name == "modelopt":
             step = _modelopt(algo, module, recipe, scales, label)
-        else:
+        else:  # fp8, the one left in DECLARING
             step = _fp8(config, module, recipe, scales, label)
         if step is not None:
             out[module] = step

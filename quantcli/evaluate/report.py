@@ -48,6 +48,7 @@ class EvalReport:
     activations: list[Emulated]  # activation quantization emulated, per scheme
     kv_cache: str
     samples: int
+    samples_in_data: int | None  # the data's samples, of which --samples keeps the first; None: a Hub dataset
     tokens: int
     seq_len: int
     device: str

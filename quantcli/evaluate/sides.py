@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from quantcli.checkpoint.tensors import CheckpointTensors
-from quantcli.errors import QuantcliError
+from quantcli.errors import CheckpointError, QuantcliError
 from quantcli.formats.activation_scales import CalibratedScales, calibrated_scales
 from quantcli.formats.decode import decode_module
 from quantcli.formats.detect import config_with_extras, detect
@@ -65,7 +65,13 @@ class Side:
         except (KeyError, RuntimeError, ValueError) as exc:
             raise QuantcliError(f"{self.label}: {module} cannot be decoded as {self.layout.name} "
                                 f"{recipe.name}: {exc}") from None
-        return decode_module(self.layout, module, recipe, q, transpose=self._transposed(module), device=self.device)
+        w = decode_module(self.layout, module, recipe, q, transpose=self._transposed(module), device=self.device)
+        bad = int((~torch.isfinite(w)).sum())
+        if bad:  # else NaN runs through every later block and the report reads `perplexity: nan`, naming nothing
+            raise CheckpointError(f"{self.label}: {module} decodes to {bad} non-finite value(s) (NaN or Inf from its "
+                                  f"stored codes and scales); `quantcli verify {self.label}` names its tensors; "
+                                  f"convert it again from its source")
+        return w
 
     def release(self, name: str) -> None:
         module = self._module(name)

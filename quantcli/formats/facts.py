@@ -35,12 +35,18 @@ class ModuleFacts:
     note: str | None = None
 
 
+# --calibration-samples' default: a cap, so that the whole of an ordinary calibration file is used
+# (it once kept the first 128, dropping a third of a 190-sample file); llm-compressor's
+# num_calibration_samples defaults to 512 too.
+CALIBRATION_SAMPLES = 512
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """What `--calibration` asks for: the data file and how much of it to run."""
+    """What `--calibration` asks for: the data file and how much of it to run (`samples`: at most)."""
 
     data: str
-    samples: int = 128
+    samples: int = CALIBRATION_SAMPLES
     seq_len: int = 512
     batch: int = 1
 

@@ -3,7 +3,7 @@ has blank lines) or .jsonl (`text`, `messages` rendered with the source's chat t
 `input_ids`), or a Hub dataset `OWNER/NAME[:SPLIT]` / `OWNER/NAME:CONFIG:SPLIT` (rows with the
 same keys, streamed with the optional `datasets` package, offline from its cache under
 HF_DATASETS_OFFLINE=1); tokenized with the source's tokenizer, truncated to seq_len, the first
-N kept."""
+N kept (`samples_held`: how many there were)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,15 @@ def read_samples(cal: Calibration) -> list:
     the file is missing, of another kind, or holds no samples. Read once per process and version of
     the file (size, mtime): the plan's checks, the resume fingerprint, the engine and the
     manifest all ask for them, and a Hub dataset would otherwise be streamed each time."""
-    return list(_read_samples(cal, _version(cal.data)))
+    return list(_read_samples(cal, _version(cal.data))[: cal.samples])
+
+
+def samples_held(cal: Calibration) -> int | None:
+    """How many samples the data holds, however many `cal.samples` keeps (reports say N of M): a
+    local file's count; a Hub dataset is streamed only up to `cal.samples`, so its count when it
+    ran out before that, else None (not known)."""
+    held = len(_read_samples(cal, _version(cal.data)))
+    return None if is_hub_dataset(cal.data) and held >= cal.samples else held
 
 
 def _version(data: str) -> tuple[int, int] | None:
@@ -128,7 +136,7 @@ def _read_samples(cal: Calibration, version: tuple[int, int] | None) -> tuple:
             raise QuantcliError(f"{where}: holds no text (the file is empty or blank); write one sample per line")
     else:
         raise QuantcliError(f"{where}: unknown kind {path.suffix or '(no suffix)'!r}; use .txt or .jsonl")
-    return tuple(samples[: cal.samples])
+    return tuple(samples)  # all of them: read_samples keeps cal.samples, samples_held counts them
 
 
 def _keys_said(keys) -> str:

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from quantcli.checkpoint.safetensors_io import OutSpec
 from quantcli.errors import QuantcliError
+from quantcli.formats.facts import CALIBRATION_SAMPLES
 from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import LAYOUTS, module_of
 from quantcli.formats.layouts.base import ONE, SCALAR
@@ -67,10 +68,11 @@ def checked_plan(plan: Plan) -> Plan:
     if opts.kv_cache == "fp8":
         _check_kv(plan)
     warnings = list(plan.warnings)
-    if found < opts.calibration.samples:
-        default = " (the default)" if opts.calibration.samples == 128 else ""
+    # the default is a cap (the whole data, up to it): fewer samples than that is no surprise, and
+    # the summary says how many were used of how many
+    if opts.calibration.samples != CALIBRATION_SAMPLES and found < opts.calibration.samples:
         warnings.append(f"--calibration {opts.calibration.data}: holds {found} sample(s), fewer than "
-                        f"--calibration-samples {opts.calibration.samples}{default}; calibrating with {found}")
+                        f"--calibration-samples {opts.calibration.samples}; calibrating with {found}")
     warnings += unreached_warnings(plan)
     return replace(plan, tensors=tensors, warnings=warnings)
 

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 from quantcli.errors import QuantcliError, did_you_mean, pick
-from quantcli.formats.facts import Calibration
+from quantcli.formats.facts import CALIBRATION_SAMPLES, Calibration
 from quantcli.formats.layouts import LAYOUTS
 from quantcli.kernels.spec import SCALE_RULES, SCALE_SEARCHES
 from quantcli.planning.calibration import check_options
@@ -44,7 +44,7 @@ def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[s
 
 
 _CALIBRATION_KEYS = {"activations": ("static", "dynamic"), "kv_cache": ("fp8", "none"), "calibration": None,
-                     "calibration_samples": 128, "calibration_seq_len": 512, "calibration_batch": 1}
+                     "calibration_samples": CALIBRATION_SAMPLES, "calibration_seq_len": 512, "calibration_batch": 1}
 
 
 _GPTQ_KEYS = {"gptq_dampening": float, "gptq_act_order": ACT_ORDERS, "gptq_scales": SCALE_CHOICES,
