@@ -50,7 +50,7 @@ def collect_stats(plan: Plan, tensors, device: torch.device, progress: Callable[
     ids = token_ids(cal, plan.source.root)
     if progress is not None:
         progress(0, f"calibrating: layer 0/{layer_count(plan.source.config)}, {len(ids)} samples")
-    return collect(plan.source.config, Weights.of(tensors), ids, cal.batch, device,
+    return collect(plan.source.config, Weights.of(tensors, plan.transforms), ids, cal.batch, device,
                    progress=_LayerProgress(progress) if progress is not None else None,
                    channel_stats=plan.options.scale_search == "mse", part=part)
 
@@ -62,8 +62,8 @@ def walk_source(plan: Plan, tensors, device: torch.device, layer_pass: LayerPass
     calibration runs on, for a weight pass (convert/passes/weight_walk.py)."""
     if progress is not None:  # the bar names the phase before the first layer is done
         progress(0, f"{verb}: layer 0/{layer_count(plan.source.config)}, {len(ids)} samples")
-    walk_layers(plan.source.config, Weights.of(tensors), ids, plan.options.calibration.batch, device, layer_pass,
-                _LayerProgress(progress, verb) if progress is not None else None, part)
+    walk_layers(plan.source.config, Weights.of(tensors, plan.transforms), ids, plan.options.calibration.batch,
+                device, layer_pass, _LayerProgress(progress, verb) if progress is not None else None, part)
 
 
 def splits_exactly(plan: Plan) -> bool:

@@ -119,10 +119,13 @@ class Manifest:
     calibration: Mapping[str, object] | None = None
     # Data-aware rounding: the method and its parameters (the per-module account is in `modules`).
     rounding: Mapping[str, object] | None = None
+    # Exact transforms applied to the source's weights before rounding (planning/transforms.py):
+    # enough to recompute each changed tensor (verify and eval compare against the transformed source).
+    transforms: Mapping[str, object] | None = None
 
     def to_json(self) -> str:
         doc = asdict(self)
-        for key in ("calibration", "rounding"):
+        for key in ("calibration", "rounding", "transforms"):
             if doc[key] is None:
                 del doc[key]
         for m in doc["modules"]:

@@ -42,6 +42,7 @@ from quantcli.cli.convert_options import (
     Quiet,
     Recipe,
     Resume,
+    Rotate,
     RoundingMethod,
     ScaleRule,
     ScaleSearch,
@@ -134,6 +135,7 @@ def convert(
     gptq_scales: GptqScales = None,
     gptq_min_tokens: GptqMinTokens = None,
     gptq_inputs: GptqInputs = None,
+    rotate: Rotate = None,
     activations: Activations = None,
     kv_cache: KvCache = None,
     calibration: Calibration = None,
@@ -167,6 +169,7 @@ def convert(
                            scale_rule=scale_rule, scale_search=scale_search, rounding=dict(
                                rounding=rounding, gptq_dampening=gptq_dampening, gptq_act_order=gptq_act_order,
                                gptq_scales=gptq_scales, gptq_min_tokens=gptq_min_tokens, gptq_inputs=gptq_inputs),
+                           rotate=rotate,
                            calibrate=dict(
                                activations=activations, kv_cache=kv_cache, calibration=calibration,
                                calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,

@@ -66,7 +66,7 @@ def process_bytes() -> int:
 
 def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
                 config: Path | None, scale_rule: str | None, revision: str | None, device: str, backend: str,
-                scale_search: str | None = None, rounding: dict | None = None,
+                scale_search: str | None = None, rounding: dict | None = None, rotate: str | None = None,
                 dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool,
                 calibrate: dict | None = None, per_tensor: bool = False, verbose: bool = False,
                 workers: int = 1, argv: list[str] | None = None, push_to_hub: dict | None = None,
@@ -79,7 +79,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     from quantcli.planning.options_file import conversion_options
 
     opts = conversion_options(recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule,
-                              calibrate=calibrate, scale_search=scale_search, rounding=rounding)
+                              calibrate=calibrate, scale_search=scale_search, rounding=rounding, rotate=rotate)
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
     if push_to_hub and dry_run:

@@ -66,6 +66,10 @@ GptqInputs = Annotated[Optional[str], choice(
     "--gptq-inputs", "GPTQ inputs", lambda: ["quantized", "dense"], ["quantized", "dense"], "FROM",
     "GPTQ: quantized takes each layer's inputs from the layers already quantized (sequential), dense from the "
     "source model.  [default: quantized]")]
+Rotate = Annotated[Optional[str], choice(
+    "--rotate", "rotation", lambda: ["vo"], ["vo"], "WHAT",
+    "vo: rotate each attention's value and output projections per head by a Hadamard matrix before rounding "
+    "(exact: the model's function is unchanged; spreads outliers within each head).")]
 Activations = Annotated[Optional[str], choice(
     "--activations", "activation scheme", lambda: ["static", "dynamic"], ["static", "dynamic"], "MODE",
     "static: write calibrated activation scales (nvfp4 W4A4, fp8); needs --calibration. dynamic (the default): "

@@ -136,6 +136,9 @@ def _data_used(record: dict) -> str:
 
 def _what_was_done(plan, result) -> str:
     """'14 of 21 tensors quantized (nvfp4 -> modelopt)', or re-laid out, or dequantized."""
+    if plan.layout is None and plan.source_layout is None:  # a transform alone
+        return (f"{counted(len(plan.transforms), 'tensor')} rotated (--rotate {plan.options.rotate}), every tensor in "
+                f"{plan.dense_dtype}")
     if plan.layout is None:
         dequantized = sum(t.action == "dequantize" for t in plan.tensors)
         return f"{counted(dequantized, 'module')} dequantized to {plan.dense_dtype}"

@@ -19,6 +19,7 @@ from quantcli.convert.records import Findings
 from quantcli.formats.layouts.base import Role, stored_value
 from quantcli.planning.actions import Action
 from quantcli.planning.plan import Plan, TensorPlan
+from quantcli.planning.transforms import record as transform_record
 
 
 def import_ahead() -> None:
@@ -69,9 +70,10 @@ def build_manifest(plan: Plan, fp: str, found: Findings) -> Manifest:
     modules = [_manifest_module(plan, t, found) for t in plan.tensors if t.quantized]
     excluded = tuple(plan.excluded_names()) if plan.layout is not None else ()
     rounding = plan.options.rounding.record() if plan.options.rounding.data_aware else None
+    transforms = transform_record(plan.options.rotate, plan.transforms) if plan.transforms else None
     return Manifest(__version__, plan.target, plan.options.recipe, plan.source.describe(), fp, tuple(modules),
                     excluded, lossless=plan.lossless, notes=tuple(found.note_list()),
-                    calibration=calibration_record(plan), rounding=rounding)
+                    calibration=calibration_record(plan), rounding=rounding, transforms=transforms)
 
 
 def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:

@@ -164,6 +164,11 @@ def card_section(plan: Plan, base: object = None, engines: list[EngineLoad] | No
     engines = engines or []
     lines = ["", CARD_HEADING, ""]
     source = base if isinstance(base, str) and base else _model_name(plan, plan.source.repo_id)
+    if plan.layout is None and plan.source_layout is None:  # a transform alone (--rotate --recipe fp32)
+        lines += [f"`{source}` in {plan.dense_dtype} with its weights rotated (`--rotate {plan.options.rotate}`, "
+                  f"quantcli {__version__}): the same model's function, a plain checkpoint, no quantization_config.",
+                  ""]
+        return "\n".join(lines)
     if plan.layout is None:
         lines += [f"Dequantized to {plan.dense_dtype} from the {plan.source_layout.name} checkpoint `{source}` with "
                   f"quantcli {__version__}: a plain checkpoint, no quantization_config.", ""]

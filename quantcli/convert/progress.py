@@ -41,6 +41,9 @@ def fingerprint(plan: Plan) -> str:
         h.update(data_digest(c).encode())
     if opts.rounding.data_aware:  # only then: round-to-nearest fingerprints keep their bytes
         h.update(f"rounding|{opts.rounding.fingerprint()}".encode())
+    if plan.transforms:  # likewise: plans without a transform keep their fingerprints
+        h.update(f"transforms|{opts.rotate}|{sorted((n, op.part, op.head) for n, op in plan.transforms.items())}"
+                 .encode())
     for shard in plan.source.shards:
         header = plan.source.headers[shard]
         h.update(json.dumps({n: [i.start, i.end] for n, i in sorted(header.tensors.items())}).encode())

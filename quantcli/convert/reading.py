@@ -35,14 +35,23 @@ class ModuleReader:
         return layout.from_disk(t.module, layout.recipe_for(t.source_recipe), self.tensors.get, self.tensors.where)
 
     def weight(self, t: TensorPlan) -> torch.Tensor:
-        """The weight to quantize, on the device, as [..., N, K]: the source tensor, or the
-        decoded module of a quantized source."""
+        """The weight to quantize, on the device, as [..., N, K]: the source tensor (transformed
+        where the plan's transforms change it), or the decoded module of a quantized source."""
         if t.source_recipe is None:
             w = self.tensors.get(t.name).to(self.device)
+            op = self.plan.transforms.get(t.name)
+            if op is not None:  # an exact transform first (planning/transforms.py), in FP64 -> FP32
+                w = op.apply(w)
             return w.transpose(-1, -2) if t.transpose else w
         layout = self.plan.source_layout
         return decode_module(layout, t.module, layout.recipe_for(t.source_recipe), self.source_quantized(t),
                              backend=self.backend, device=self.device)
+
+    def source_tensor(self, name: str) -> torch.Tensor:
+        """A source tensor by name as the output's model holds it: transformed where the plan's
+        transforms change it (what a layer walk over the converted model loads)."""
+        op = self.plan.transforms.get(name)
+        return self.tensors.get(name) if op is None else op.apply(self.tensors.get(name))
 
     def inputs(self, t: TensorPlan) -> list[str]:
         """The source tensors a planned tensor reads."""

@@ -140,6 +140,9 @@ def produce(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts) -> tuple[di
     plan = reader.plan
     if t.action == Action.COPY:
         return {t.name: reader.tensors.raw(t.name)}, Learned()  # bit-identical pass-through
+    if t.action == Action.TRANSFORM:  # an exact transform's result, in the output's dense dtype
+        (spec,) = t.outputs
+        return {spec.name: reader.weight(t).to(DTYPES[spec.dtype]).cpu()}, Learned()
     if t.action == Action.RELAYOUT:  # codes and block scales carried over byte for byte
         q = reader.source_quantized(t)
         out = plan.layout.to_disk(t.module, q, facts=facts)

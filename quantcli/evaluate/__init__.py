@@ -153,7 +153,8 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=No
     def walk_mine():
         if not input_batches:  # more ranks than batches
             return Walked.empty(len(stack.layers), sums.empty())
-        return walk(stack, ref, quant, input_batches, device, Emulation(steps, kv), finish, progress)
+        return walk(stack, ref, quant, input_batches, device, Emulation(steps, kv, quant.transforms()), finish,
+                    progress)
 
     walked = _together(world, walk_mine, Walked.to_json, lambda doc: Walked.from_json(doc, sums), Walked.merge)
     ranked = _sensitivity(opts, stack, (ref, quant), input_batches, device, steps, walked,

@@ -28,6 +28,23 @@ from quantcli.model.stack import Stack, attention_path, capture
 class Emulation:
     steps: dict  # checkpoint module -> fake_quant.ActQuant
     kv: dict  # checkpoint attention module -> (k_scale, v_scale)
+    # the checkpoint's exact transforms (its manifest's; planning/transforms.py): a module's own
+    # error is against the reference's module transformed alike (a rotated v_proj against the
+    # rotated reference), while the layers' and the model's outputs are the reference's own
+    transforms: dict = field(default_factory=dict)
+
+
+def transformed(params: dict[str, torch.Tensor], prefix: str, names: CheckpointMap, ops: dict) -> dict:
+    """A block's reference parameters with the checkpoint's transforms applied (a parameter
+    built from one transformed checkpoint tensor)."""
+    if not ops:
+        return params
+    out = dict(params)
+    for n, p in params.items():
+        sources = names.sources(prefix + n)
+        if len(sources) == 1 and sources[0] in ops:
+            out[n] = ops[sources[0]].apply(p).to(p.dtype)
+    return out
 
 
 @dataclass
@@ -92,7 +109,8 @@ def _block(stack: Stack, i: int, sides: tuple, maps: tuple, bufs: tuple, layer_a
     run_batches(layer, i, ref_buf, layer_args[0])
     load_block(layer, prefix, quant, quant_map)
     errors: dict[str, ErrorSum] = {}
-    handles = attach(layer, prefix, quant_map, ref_params, emu.steps, errors)
+    handles = attach(layer, prefix, quant_map, transformed(ref_params, prefix, ref_map, emu.transforms), emu.steps,
+                     errors)
     attention = attention_path(layer, prefix)
     attention = quant_map.module(attention) if attention is not None else None
     cache = KvQuantCache(*emu.kv[attention]) if attention in emu.kv else None

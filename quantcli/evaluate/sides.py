@@ -92,6 +92,13 @@ class Side:
         shape = tuple(self.layout.logical_shape(self._recipe(module), tuple(self.tensors.info(codes).shape)))
         return (*shape[:-2], shape[-1], shape[-2]) if self._transposed(module) else shape
 
+    def transforms(self) -> dict:
+        """The exact transforms its manifest records ({source tensor: op}; empty: none)."""
+        from quantcli.planning.transforms import ops_of
+
+        manifest = self.detected.manifest if self.detected else None
+        return ops_of(manifest.transforms if manifest is not None else None)
+
     def calibrated(self) -> CalibratedScales | None:
         """The activation scheme, input scales and KV-cache scales the checkpoint declares."""
         if self.layout is None:

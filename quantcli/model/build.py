@@ -98,28 +98,31 @@ def model_class(config, config_dict: dict, label: str):
                         f"{config.model_type!r}")
 
 
-def _built(cls, config):
-    try:  # BERT-likes build a pooler no walk runs (sentence-transformers pools the hidden states)
-        return cls._from_config(config, dtype=torch.float32, add_pooling_layer=False)
-    except TypeError:
-        return cls._from_config(config, dtype=torch.float32)
+def _built(cls, config, pooler: bool):
+    if not pooler:
+        try:  # BERT-likes build a pooler no walk runs (sentence-transformers pools the hidden states)
+            return cls._from_config(config, dtype=torch.float32, add_pooling_layer=False)
+        except TypeError:
+            pass
+    return cls._from_config(config, dtype=torch.float32)
 
 
-def meta_model(config_dict: dict, label: str, quiet: bool = True) -> torch.nn.Module:
+def meta_model(config_dict: dict, label: str, quiet: bool = True, as_loaded: bool = False) -> torch.nn.Module:
     """The model of `config_dict`, FP32, in eval mode: parameters and persistent buffers on meta,
     non-persistent buffers real (see the module docstring). `quiet`: transformers' own warnings
-    (about training, generation defaults) are not shown."""
+    (about training, generation defaults) are not shown. `as_loaded`: every module from_pretrained
+    builds (a BERT's pooler too), for the names transformers gives them; else what a walk runs."""
     transformers = transformers_module()
     verbosity = transformers.logging.get_verbosity()
     if quiet:
         transformers.logging.set_verbosity_error()
     try:
-        return _meta_model(config_dict, label)
+        return _meta_model(config_dict, label, as_loaded)
     finally:
         transformers.logging.set_verbosity(verbosity)
 
 
-def _meta_model(config_dict: dict, label: str) -> torch.nn.Module:
+def _meta_model(config_dict: dict, label: str, as_loaded: bool) -> torch.nn.Module:
     config = model_config(config_dict, label)
     if getattr(config, "is_encoder_decoder", False):
         raise QuantcliError(f"{label}: {type(config).__name__} is an encoder-decoder model; quantcli's layer walk "
@@ -128,7 +131,7 @@ def _meta_model(config_dict: dict, label: str) -> torch.nn.Module:
     cls = model_class(config, config_dict, label)
     with torch.device("meta"), interrupts_deferred():
         try:
-            model = _built(cls, config)
+            model = _built(cls, config, as_loaded)
         except (ValueError, TypeError, AssertionError, AttributeError, KeyError, IndexError, RuntimeError) as exc:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             raise QuantcliError(f"{label}: transformers cannot build {cls.__name__} from its config.json ({first}); "

@@ -45,9 +45,15 @@ class Weights:
     shape: Callable[[str], tuple[int, ...]]
 
     @staticmethod
-    def of(tensors) -> Weights:
-        """The walk's view of a checkpoint.tensors.CheckpointTensors."""
-        return Weights(tensors.get, tensors.release, set(tensors.where), lambda n: tuple(tensors.info(n).shape))
+    def of(tensors, transforms: dict | None = None) -> Weights:
+        """The walk's view of a checkpoint.tensors.CheckpointTensors, with the tensors `transforms`
+        ({name: planning.transforms.TransformOp}) changes transformed: the model the output is."""
+        get = tensors.get
+        if transforms:
+            def get(name: str):
+                op = transforms.get(name)
+                return tensors.get(name) if op is None else op.apply(tensors.get(name))
+        return Weights(get, tensors.release, set(tensors.where), lambda n: tuple(tensors.info(n).shape))
 
 
 class LayerPass:

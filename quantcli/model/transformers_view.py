@@ -31,7 +31,7 @@ def view(config: Mapping, modules: Iterable[str]) -> TransformersView | None:
 
 def _build(config: Mapping, names: frozenset[str]) -> TransformersView | None:
     try:
-        model = meta_model(dict(config), "transformers' view", quiet=True)
+        model = meta_model(dict(config), "transformers' view", quiet=True, as_loaded=True)
     except QuantcliError:  # not installed, remote code, a config it refuses: the name rules apply
         return None
     from transformers.conversion_mapping import get_model_conversion_mapping

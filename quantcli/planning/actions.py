@@ -13,3 +13,4 @@ class Action(StrEnum):
     RELAYOUT = "relayout"  # a quantized weight's codes and scales, renamed and reshaped
     REQUANTIZE = "requantize"  # a quantized weight, decoded and quantized with another recipe
     DEQUANTIZE = "dequantize"  # a quantized weight, decoded to a dense dtype
+    TRANSFORM = "transform"  # a dense tensor an exact transform changes (planning/transforms.py), in its dtype

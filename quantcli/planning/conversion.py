@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from quantcli.checkpoint.safetensors_io import OutSpec
 from quantcli.checkpoint.source import Source
 from quantcli.errors import CheckpointError, QuantcliError
 from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config, undeclared_codes_in
 from quantcli.formats.detect import Detected, detect
+from quantcli.planning.actions import Action
 from quantcli.planning.calibration import checked_plan
-from quantcli.planning.from_quantized import make_reformat_plan
-from quantcli.planning.plan import Options, Plan, make_plan
+from quantcli.planning.from_quantized import DENSE_DTYPES, make_reformat_plan
+from quantcli.planning.plan import Options, Plan, TensorPlan, make_plan
+from quantcli.planning.transforms import with_transforms
 from quantcli.recipes import DENSE_RECIPES, RECIPES
 
 
@@ -30,13 +33,27 @@ def plan_conversion(source: Source, opts: Options) -> Plan:
         opts = replace(opts, recipe=default_recipe(source, detected))
     if detected is not None:
         plan = make_reformat_plan(source, opts, detected)
+    elif opts.recipe in DENSE_RECIPES and opts.rotate:  # a transform alone: the dense model, rotated
+        plan = with_transforms(dense_plan(source, opts), DENSE_DTYPES[opts.recipe][0])
     elif opts.recipe in DENSE_RECIPES:
         raise QuantcliError(f"--recipe {opts.recipe}: the source {source.label} is not quantized; "
                             "nothing to dequantize")
     else:
         plan = make_plan(source, opts)
-    plan = checked_plan(plan)
+    plan = checked_plan(with_transforms(plan) if not plan.transforms else plan)
     return replace(plan, warnings=[*stale, *plan.warnings]) if stale else plan
+
+
+def dense_plan(source: Source, opts: Options) -> Plan:
+    """Every tensor of a dense source copied: what a transform-only conversion starts from."""
+    if opts.calibration is not None or opts.rounding.data_aware:
+        raise QuantcliError(f"--recipe {opts.recipe}: a dense output has nothing to calibrate or round; drop "
+                            f"--calibration and --rounding, or choose a quantizing recipe")
+    tensors = [TensorPlan(name, shard, info.dtype, tuple(info.shape), action=Action.COPY,
+                          outputs=(OutSpec(name, info.dtype, tuple(info.shape)),))
+               for shard, header in source.headers.items() for name, info in header.tensors.items()
+               if not source.weight_map or source.weight_map.get(name) == shard]
+    return Plan(source, None, opts, tensors, [], [], {}, dense_dtype=opts.recipe)
 
 
 def _config_against_tensors(source: Source, det: Detected | None) -> list[str]:

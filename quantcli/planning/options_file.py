@@ -13,13 +13,15 @@ from quantcli.kernels.spec import SCALE_RULES, SCALE_SEARCHES
 from quantcli.planning.calibration import check_options
 from quantcli.planning.plan import Options
 from quantcli.planning.rounding import INPUTS, METHODS, Rounding, rounding_options
+from quantcli.planning.transforms import ROTATIONS
 from quantcli.recipes import DENSE_RECIPES, RECIPES
 from quantcli.rounding.gptq import ACT_ORDERS, SCALE_CHOICES
 
 
 def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[str], config: Path | None,
                        scale_rule: str | None, calibrate: dict | None = None,
-                       scale_search: str | None = None, rounding: dict | None = None) -> Options:
+                       scale_search: str | None = None, rounding: dict | None = None,
+                       rotate: str | None = None) -> Options:
     """The options of one conversion, from the command line and the recipe file (if any);
     `calibrate`: the command line's activations, kv_cache, calibration and calibration_* values;
     `rounding`: the command line's rounding and gptq_* values."""
@@ -38,6 +40,7 @@ def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[s
     opts.scale_rule = scale_rule or opts.scale_rule
     opts.scale_search = scale_search or opts.scale_search
     opts.ignore += ignore
+    opts.rotate = rotate or data.get("rotate")
     opts.rounding = _rounding_options(data, rounding or {})
     _calibration_options(opts, data, calibrate or {})
     return opts  # no recipe: the planner takes a quantized source's own (conversion.default_recipe)
@@ -111,7 +114,7 @@ def _toml_type(value: object) -> str:
 
 def _check_recipe_file(data: dict, where: str) -> dict:
     known = ("recipe", "layout", "scale_rule", "scale_search", "targets", "ignore", "override", *_CALIBRATION_KEYS,
-             "rounding", *_GPTQ_KEYS, "rounding_override")
+             "rounding", *_GPTQ_KEYS, "rounding_override", "rotate")
     for key in data:
         if key not in known:
             raise QuantcliError(f"{where}: unknown key {key!r}{did_you_mean(key, known)} (allowed: {', '.join(known)})")
@@ -130,7 +133,7 @@ def _check_recipe_file(data: dict, where: str) -> dict:
 
     out: dict = {}
     names = {"recipe": [*RECIPES, *DENSE_RECIPES], "layout": list(LAYOUTS), "scale_rule": list(SCALE_RULES),
-             "scale_search": list(SCALE_SEARCHES), "rounding": list(METHODS)}
+             "scale_search": list(SCALE_SEARCHES), "rounding": list(METHODS), "rotate": list(ROTATIONS)}
     for key, choices in names.items():
         if key in data:
             value = string(key, data[key], f'{key} = "{choices[0]}"')

@@ -33,6 +33,7 @@ from quantcli.recipes import RECIPES, Recipe, get_recipe
 
 if TYPE_CHECKING:  # the walk's types only: importing the model layer costs every plan its import time
     from quantcli.model.reach import Reach
+    from quantcli.planning.transforms import TransformOp
 
 # docs/formats.md, "What is never quantized by default". (reason, pattern on the module name)
 # 3-D expert parameters without a `.weight` suffix (gpt-oss, Llama 4) are stored [E, in, out].
@@ -106,6 +107,7 @@ class Options:
     calibration: Calibration | None = None
     scale_search: str = "none"  # none | mse: how NVFP4 / MX block scales are chosen (kernels/search.py)
     rounding: Rounding = field(default_factory=Rounding)  # to nearest, or GPTQ per module (planning/rounding.py)
+    rotate: str | None = None  # "vo": rotate values and outputs per head first (planning/transforms.py)
 
 
 @dataclass
@@ -123,6 +125,8 @@ class Plan:
     walk: Reach | None = None  # with --calibration: what the layer walk reaches (planning/calibration.py)
     # What transformers makes of the source's modules (planning/consumer_names.py), None without it
     transformers: TransformersView | None = None
+    # Exact transforms of source tensors before rounding: {source tensor: op} (planning/transforms.py)
+    transforms: dict[str, TransformOp] = field(default_factory=dict)
 
     @property
     def all_warnings(self) -> list[str]:

@@ -98,7 +98,7 @@ class WeightWalk(LayerPass):
         i = self.index[prefix]
         if i >= self.finished:
             return None
-        return self._written(i) if self.sequential else self.reader.tensors.get
+        return self._written(i) if self.sequential else self.reader.source_tensor
 
     def observe(self, layer, prefix: str, names) -> list:
         self.layer_tensors = [self.taken[n] for n in layer_sources(layer, prefix, names) if n in self.taken]
@@ -183,7 +183,7 @@ class WeightWalk(LayerPass):
         def get(name: str) -> torch.Tensor:
             t = products.get(name)
             if t is None:
-                return reader.tensors.get(name)
+                return reader.source_tensor(name)
             recipe = plan.recipes[t.recipe]
             q = plan.layout.from_disk(t.module, recipe, files.tensor, files.header.tensors)
             return decode_module(plan.layout, t.module, recipe, q, transpose=t.transpose, backend=reader.backend,
