@@ -263,6 +263,8 @@ def make_tiny(out: Path, model_type: str, architecture: str, seed: int = 0, shar
     import torch
     import transformers
 
+    transformers.logging.set_verbosity_error()  # its config warnings and save progress bars are about the
+    transformers.logging.disable_progress_bar()  # full-size model, not this one: kept out of the tests' output
     config = tiny_config(model_type)
     with torch.device("meta"):  # a size the shrinking missed is refused before it takes the memory
         size = sum(p.numel() for p in getattr(transformers, architecture)(config).parameters())

@@ -14,21 +14,21 @@ rotate vo, card:
   random orthogonal matrix (QR of a seeded Gaussian), the same on every run.
 - what it changes for quantization: v_proj's and o_proj's weights see their outliers spread
   within each head, which block formats round with less error; nothing else changes.
-- architectures: any whose attention has separate v_proj and o_proj with the config's head
-  counts (fused q/k/v and MLA attentions have none to rotate: refused); vision towers are
-  left as they are (their own heads).
+- architectures: any whose layers' attention has separate v_proj and o_proj (fused q/k/v and
+  MLA attentions have none to rotate: refused), each rotated by the head size its attention
+  module holds; planning proves it exact by running one layer of each kind by its own code
+  before and after (model/transform_check.py), and refuses where it is not (Qwen 3.5's gated
+  attention output). Vision towers are not the layers walked: left as they are.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
 
 from quantcli.errors import QuantcliError
-from quantcli.formats.module_kinds import default_exclusion
 
 ROTATIONS = ("vo",)
 SEED = 0  # the random orthogonal matrix's (head sizes that are not powers of two)
@@ -67,39 +67,42 @@ def rotation(d: int, device=None) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).to(device)  # a unique Q: R's diagonal made positive
 
 
-_V = re.compile(r"^(?P<attn>.+)\.v_proj\.(?P<leaf>weight|bias)$")
+def plan_rotation(source, label: str) -> dict[str, TransformOp]:
+    """{source tensor: TransformOp} of `--rotate vo`: every attention of the model's layers with
+    separate v_proj and o_proj, by its own head size (model/transform_check.py), and only once
+    its layers' own forward shows the rotation leaves their output unchanged."""
+    from quantcli.checkpoint.tensors import CheckpointTensors
+    from quantcli.model.layers import Weights
+    from quantcli.model.stack import build_stack
+    from quantcli.model.transform_check import TOLERANCE, vo_pairs, worst_change
 
-
-def plan_rotation(config: dict, shapes: dict[str, tuple[int, ...]], label: str) -> dict[str, TransformOp]:
-    """{source tensor: TransformOp} of `--rotate vo` on a checkpoint of `config` whose tensors
-    have `shapes`; a one-line refusal when no attention can be rotated or one does not match
-    the config's heads."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    heads = text.get("num_attention_heads")
-    kv = text.get("num_key_value_heads") or heads
-    hidden = text.get("hidden_size")
-    if not isinstance(heads, int) or not isinstance(kv, int) or heads % kv:
-        raise QuantcliError(f"--rotate vo: {label}'s config.json names no usable num_attention_heads / "
-                            f"num_key_value_heads, which the rotation is per head of")
-    head = text.get("head_dim") or (hidden // heads if isinstance(hidden, int) else None)
-    ops: dict[str, TransformOp] = {}
-    for name in sorted(shapes):
-        m = _V.match(name)
-        if m is None or default_exclusion(m["attn"], config) == "vision tower":
-            continue
-        o = f"{m['attn']}.o_proj.weight"
-        if o not in shapes:
-            continue
-        v_rows, o_cols = shapes[name][0], shapes[o][-1]
-        if v_rows != kv * head or o_cols != heads * head:
-            raise QuantcliError(f"--rotate vo: {m['attn']}: v_proj has {v_rows} rows and o_proj {o_cols} columns, not "
-                                f"{kv} and {heads} heads of {head} (config.json); the rotation needs those")
-        ops[name] = TransformOp("rows" if m["leaf"] == "weight" else "bias", head)
-        ops[o] = TransformOp("columns", head)
-    if not ops:
-        raise QuantcliError(f"--rotate vo: {label} has no attention with separate v_proj and o_proj (fused q/k/v or "
-                            f"MLA attention has none to rotate); drop the option")
+    with CheckpointTensors(source) as tensors:
+        weights = Weights.of(tensors)
+        stack = build_stack(source.config, weights.names, weights.shape, f"--rotate vo: {label}")
+        pairs = vo_pairs(stack)
+        if not pairs:
+            raise QuantcliError(f"--rotate vo: {label} has no attention with separate v_proj and o_proj (fused q/k/v "
+                                f"or MLA attention has none to rotate); drop the option")
+        ops: dict[str, TransformOp] = {}
+        for p in pairs:
+            _check_heads(p, weights.shape(p.v), weights.shape(p.o))
+            ops.update({p.v: TransformOp("rows", p.head), p.o: TransformOp("columns", p.head)})
+            if p.v_bias:
+                ops[p.v_bias] = TransformOp("bias", p.head)
+        change, layer = worst_change(stack, weights, pairs, lambda n, t: ops[n].apply(t) if n in ops else t,
+                                     torch.device("cpu"))
+    if change > TOLERANCE:
+        raise QuantcliError(f"--rotate vo: rotating layer {layer}'s v_proj and o_proj changes its output by "
+                            f"{change:.3g} (relative), so its attention does more to the values than a weighted sum "
+                            f"per head (an output gate, a norm on v): not exact on {type(stack.model).__name__}, "
+                            f"refused")
     return ops
+
+
+def _check_heads(pair, v_shape: tuple[int, ...], o_shape: tuple[int, ...]) -> None:
+    if v_shape[0] % pair.head or o_shape[-1] % pair.head:
+        raise QuantcliError(f"--rotate vo: {pair.attention}: v_proj has {v_shape[0]} rows and o_proj {o_shape[-1]} "
+                            f"columns, not whole heads of {pair.head}; the rotation is per head")
 
 
 def with_transforms(plan, dense_dtype: str | None = None):
@@ -118,8 +121,7 @@ def with_transforms(plan, dense_dtype: str | None = None):
     if plan.source_layout is not None:
         raise QuantcliError(f"--rotate {opts.rotate}: {plan.source.label} is already quantized; rotate the dense "
                             f"(BF16/FP16/FP32) checkpoint")
-    shapes = {t.name: tuple(t.shape) for t in plan.tensors}
-    ops = plan_rotation(plan.source.config, shapes, plan.source.label)
+    ops = plan_rotation(plan.source, plan.source.label)
     tensors = []
     for t in plan.tensors:
         floating = t.dtype in ("F32", "F16", "BF16", "F64")
