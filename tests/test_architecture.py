@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # package dir -> import name (recipes/ and kernels/ install as quantcli.recipes / quantcli.kernels)
-PACKAGES = {ROOT / "quantcli": "quantcli", ROOT / "recipes": "quantcli.recipes", ROOT / "kernels": "quantcli.kernels"}
+PACKAGES = {ROOT / "quantcli": "quantcli", ROOT / "recipes": "quantcli.recipes"}
 # Layer of each package, top (the face) to bottom; a module may import its own layer or lower ones.
 LAYERS = [
     ("face", ["quantcli.cli", "quantcli.__main__", "quantcli.testing"]),
