@@ -56,6 +56,38 @@ def assert_nothing_left(dst: Path) -> None:
     assert not dst.with_name(dst.name + ".partial").exists(), f"{dst}.partial was left behind"
 
 
+HOOKS = Path(__file__).resolve().parent / "hooks"  # sitecustomize.py: the fault injection below
+
+
+def fault_env(kill_after_shards: int | None = None, shard_delay_s: float | None = None,
+              kill_after_layers: int | None = None) -> dict[str, str]:
+    """Environment variables for a quantcli process (and the ranks it spawns) into which
+    tests/hooks/sitecustomize.py injects a fault: SIGKILL after N shards or N staged layers, or a
+    delay after each shard; merge them into the process's environment."""
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p)}
+    for key, value in (("SHARDS", kill_after_shards), ("LAYERS", kill_after_layers)):
+        if value is not None:
+            env[f"QUANTCLI_TEST_KILL_AFTER_{key}"] = str(value)
+    if shard_delay_s is not None:
+        env["QUANTCLI_TEST_SHARD_DELAY_S"] = str(shard_delay_s)
+    return env
+
+
+def after_each_shard(monkeypatch, action) -> None:
+    """In this process: `action(n)` right after the n-th shard is recorded (a test's Ctrl-C)."""
+    from quantcli.convert.progress import ProgressFile
+
+    original, count = ProgressFile.record, [0]
+
+    def record(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        count[0] += 1
+        action(count[0])
+        return out
+
+    monkeypatch.setattr(ProgressFile, "record", record)
+
+
 def run_subprocess(*args: str, env: dict | None = None, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     """`python -m quantcli ARGS` in a separate process (for signals, resource limits, real exit codes)."""
     full_env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **(env or {})}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import fault_env
 
 from quantcli.testing import make_llama, make_moe
 
@@ -218,7 +219,7 @@ def test_resume_reuses_the_calibration_and_output_is_identical(mixtral, tmp_path
             "--kv-cache", "fp8", "--calibration", str(data), "--quiet"]
     assert run_cli(args[0], args[1], str(tmp_path / "clean"), *args[2:])[0] == 0
     out = tmp_path / "out"
-    env = {**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}
+    env = {**os.environ, **fault_env(kill_after_shards=1)}
     proc = subprocess.run([sys.executable, "-m", "quantcli", args[0], args[1], str(out), *args[2:]], env=env,
                           capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr

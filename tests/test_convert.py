@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import fault_env
 
 from quantcli.checkpoint.source import open_source
 from quantcli.formats.layouts import DEFAULT_LAYOUT
@@ -117,7 +118,7 @@ def test_two_runs_byte_identical_and_triton_backend_matches(tiny_llama, tmp_path
 @pytest.mark.slow
 def test_kill_after_first_shard_then_resume_is_byte_identical(tiny_llama, tmp_path, run_cli):
     assert run_cli("convert", tiny_llama, tmp_path / "clean", "--recipe", "mxfp4", "--quiet")[0] == 0
-    env = {**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}
+    env = {**os.environ, **fault_env(kill_after_shards=1)}
     cmd = [sys.executable, "-m", "quantcli", "convert", str(tiny_llama), str(tmp_path / "out"), "--recipe", "mxfp4",
            "--quiet"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -133,7 +134,7 @@ def test_kill_after_first_shard_then_resume_is_byte_identical(tiny_llama, tmp_pa
 
 @pytest.mark.slow
 def test_resume_with_other_recipe_refused(tiny_llama, tmp_path):
-    env = {**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}
+    env = {**os.environ, **fault_env(kill_after_shards=1)}
     base = [sys.executable, "-m", "quantcli", "convert", str(tiny_llama), str(tmp_path / "o"), "--quiet"]
     assert subprocess.run(base + ["--recipe", "nvfp4"], env=env, capture_output=True).returncode == -9
     before = tree_digest(tmp_path / "o.partial")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import assert_one_line_error, tree_state
+from faults import after_each_shard, assert_one_line_error, tree_state
 
 import quantcli.convert.job as job_mod
 from quantcli.checkpoint.source import open_source
@@ -88,7 +88,7 @@ def test_resume_rebuilds_the_manifest_from_recorded_results(llama, tmp_path, run
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(job_mod, "_fault_injection", stop)
+        after_each_shard(m, stop)
         code, _, err = run_cli("convert", llama, dst, *flags)
     assert code == 130, err
     state = json.loads((dst.with_name("out.partial") / PROGRESS_NAME).read_text())
@@ -117,7 +117,7 @@ def test_progress_record_without_findings_is_refused_in_one_line(llama, tmp_path
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(job_mod, "_fault_injection", stop)
+        after_each_shard(m, stop)
         assert run_cli("convert", llama, dst, *flags)[0] == 130
     path = dst.with_name("out.partial") / PROGRESS_NAME
     state = json.loads(path.read_text())

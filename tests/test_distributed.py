@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import assert_nothing_left, tree_state
+from faults import assert_nothing_left, fault_env, tree_state
 from safetensors.torch import load_file, save_file
 
 from quantcli.convert.world import assign_shards
@@ -137,7 +137,7 @@ def runs(tmp_path_factory):
                    {"name": "calibrated-search", "argv": ["convert", str(src["llama"]), str(a / "calibrated-search"),
                                                           "--recipe", "nvfp4", "--scale-search", "mse", *static]}]
     jobs_a.append({"name": "killed", "argv": ["convert", str(src["llama"]), str(tmp / "killed"), "--recipe", "nvfp4",
-                                              "--quiet"], "env": {"1": {"QUANTCLI_KILL_AFTER_SHARDS": "1"}}})
+                                              "--quiet"], "env": {"1": fault_env(kill_after_shards=1)}})
     jobs_b = cases(b, GROUP_B) + [
         {"name": "dequantize", "argv": ["convert", str(quantized), str(b / "dequantize"), *extra["dequantize"],
                                         "--quiet"]}]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import assert_nothing_left, assert_one_line_error, tree_state
+from faults import assert_nothing_left, assert_one_line_error, fault_env, tree_state
 from safetensors.torch import save_file
 
 
@@ -334,7 +334,7 @@ def test_ctrl_c_during_convert_then_resume_is_byte_identical(tmp_path, run_cli):
     # Each shard takes 0.5 s more (a slow disk), so the interrupt lands mid-run: a run that had
     # already finished would be complete and exit 0 (see the test below).
     proc = _popen("convert", src, dst, "--recipe", "nvfp4", "--quiet", stdout=subprocess.PIPE,
-                  stderr=subprocess.PIPE, extra_env={"QUANTCLI_SHARD_DELAY_S": "0.5"})
+                  stderr=subprocess.PIPE, extra_env=fault_env(shard_delay_s=0.5))
     deadline = time.monotonic() + 120
     while not (stage / ".quantcli-progress.json").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import assert_nothing_left, assert_one_line_error, run_subprocess, tree_state
+from faults import after_each_shard, assert_nothing_left, assert_one_line_error, run_subprocess, tree_state
 
-import quantcli.convert.job as job_mod
 import quantcli.convert.shard as shard_mod
 from quantcli.checkpoint.safetensors_io import ShardWriter, write_file
 from quantcli.convert import LOCK_NAME, PROGRESS_NAME, StagingLock
@@ -62,7 +61,7 @@ def interrupt_after_shards(run_cli, monkeypatch, src: Path, dst: Path, n: int = 
             raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(job_mod, "_fault_injection", stop)
+        after_each_shard(m, stop)
         code, _, err = convert(run_cli, src, dst, *flags)
     assert code == 130 and "Traceback" not in err, err
     stage = dst.with_name(dst.name + ".partial")

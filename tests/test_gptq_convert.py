@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from faults import tree_state
+from faults import fault_env, tree_state
 from safetensors.torch import load_file
 
 from quantcli.testing import make_llama, make_moe
@@ -115,7 +115,7 @@ def test_a_run_killed_after_a_layer_resumes_to_the_same_bytes(run_cli, env, tmp_
     argv = ["convert", str(env["llama"]), str(tmp_path / "killed"), "--recipe", "nvfp4", "--rounding", "gptq",
             "--calibration", str(env["data"]), "--device", "cpu", "-q"]
     proc = subprocess.run([sys.executable, "-m", "quantcli", *argv], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "QUANTCLI_KILL_AFTER_LAYERS": "1"})
+                          env={**os.environ, **fault_env(kill_after_layers=1)})
     assert proc.returncode == -9, proc.stderr
     staged = list((tmp_path / "killed.partial" / ".quantcli-weights").glob("layer-*.safetensors"))
     assert [p.name for p in staged] == ["layer-00000.safetensors"]

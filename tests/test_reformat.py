@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import fault_env
 
 from quantcli.checkpoint.safetensors_io import write_file
 from quantcli.checkpoint.source import open_source
@@ -233,7 +234,7 @@ def test_reformat_dry_run_and_resume_after_kill(quantized, tmp_path, run_cli):
     convert(run_cli, src, tmp_path / "clean", "--recipe", "nvfp4", "--layout", "modelopt")
     cmd = [sys.executable, "-m", "quantcli", "convert", str(src), str(tmp_path / "o"), "--recipe", "nvfp4",
            "--layout", "modelopt", "--quiet"]
-    assert subprocess.run(cmd, env={**os.environ, "QUANTCLI_KILL_AFTER_SHARDS": "1"}).returncode == -9
+    assert subprocess.run(cmd, env={**os.environ, **fault_env(kill_after_shards=1)}).returncode == -9
     s = convert(run_cli, src, tmp_path / "o", "--recipe", "nvfp4", "--layout", "modelopt", "--resume")
     assert s["shards_resumed"] == 1
     assert tensors_of(tmp_path / "o") == tensors_of(tmp_path / "clean")

@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from faults import assert_one_line_error
+from faults import after_each_shard, assert_one_line_error
 
-import quantcli.convert.job as job_mod
 from quantcli.testing import make_llama
 
 
@@ -26,7 +25,7 @@ def interrupted(llama, tmp_path, run_cli, monkeypatch) -> Path:
 
     dst = tmp_path / "out" / "bk"
     with monkeypatch.context() as m:
-        m.setattr(job_mod, "_fault_injection", stop)
+        after_each_shard(m, stop)
         code, _, err = run_cli("convert", llama, dst, "--recipe", "nvfp4", "-q", "--device", "cpu")
     assert code == 130 and dst.with_name("bk.partial").is_dir(), err
     return dst

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import tree_state
+from faults import fault_env, tree_state
 from safetensors.torch import load_file
 
 from quantcli.convert.passes.ordered_sum import OrderedSum
@@ -174,7 +174,7 @@ def runs(tmp_path_factory):
         from quantcli.cli.app import _run
 
         assert _run(at["plain"]) == 0
-    for name, extra in (("one", {}), ("killed", {"QUANTCLI_KILL_AFTER_LAYERS": "1"})):
+    for name, extra in (("one", {}), ("killed", fault_env(kill_after_layers=1))):
         proc = subprocess.run([sys.executable, str(TESTS / "nearest_pass.py"), *at[name]],
                               env={**env, **extra}, capture_output=True, text=True, timeout=300)
         assert proc.returncode == (-9 if extra else 0), proc.stderr

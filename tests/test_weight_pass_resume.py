@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from faults import assert_nothing_left, assert_one_line_error, tree_state
+from faults import assert_nothing_left, assert_one_line_error, fault_env, tree_state
 from nearest_pass import NearestPass, install
 
 from quantcli.checkpoint.safetensors_io import OutSpec
@@ -38,7 +38,7 @@ def killed(tmp_path_factory):
     from quantcli.cli.app import _run
 
     assert _run([str(tmp / "plain") if a == "DST" else a for a in argv]) == 0
-    env = {**os.environ, "QUANTCLI_KILL_AFTER_LAYERS": "1"}
+    env = {**os.environ, **fault_env(kill_after_layers=1)}
     proc = subprocess.run([sys.executable, str(TESTS / "nearest_pass.py"),
                            *[str(tmp / "out") if a == "DST" else a for a in argv]],
                           env=env, capture_output=True, text=True, timeout=300)

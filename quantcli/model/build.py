@@ -60,7 +60,7 @@ def model_config(config_dict: dict, label: str):
     try:
         with interrupts_deferred():
             config = transformers.AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any refusal of the config (huggingface_hub's validators raise their own)
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise QuantcliError(f"{label}: transformers {transformers.__version__} cannot build model_type "
                             f"{model_type!r} from config.json ({first}); quantcli runs the architectures "

@@ -19,7 +19,6 @@ very file a replay reads, so both feed the next layer the same bits.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, replace
 
 import torch
@@ -36,8 +35,6 @@ from quantcli.formats.decode import decode_module
 from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.model.inputs import input_hooks
 from quantcli.model.layers import LayerPass, batches, layer_sources, load_layer
-
-KILL_ENV = "QUANTCLI_KILL_AFTER_LAYERS"  # crash-safety tests: SIGKILL once this many layers are staged
 
 
 def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, ModuleFacts], world: World) -> StagedWeights:
@@ -136,10 +133,6 @@ class WeightWalk(LayerPass):
         self.statistics = ({}, {})
         if self.sequential:  # else the layer keeps the source's weights: the next inputs are the source's
             load_layer(layer, prefix, self._written(i), names, self.reader.device)
-        if os.environ.get(KILL_ENV) == str(i + 1):
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def _stage(self, i: int) -> None:
         """The lead: round every module of layer `i` the pass takes, stage the layer's file."""
