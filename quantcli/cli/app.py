@@ -127,8 +127,7 @@ def convert(
     layout: Layout = None,
     ignore: Ignore = None,
     config: ConfigFile = None,
-    scale_rule: ScaleRule = None,
-    scale_search: ScaleSearch = None,
+    scale_rule: ScaleRule = None, scale_search: ScaleSearch = None,
     rounding: RoundingMethod = None,
     gptq_dampening: GptqDampening = None,
     gptq_act_order: GptqActOrder = None,
@@ -169,8 +168,7 @@ def convert(
                            scale_rule=scale_rule, scale_search=scale_search, rounding=dict(
                                rounding=rounding, gptq_dampening=gptq_dampening, gptq_act_order=gptq_act_order,
                                gptq_scales=gptq_scales, gptq_min_tokens=gptq_min_tokens, gptq_inputs=gptq_inputs),
-                           rotate=rotate,
-                           calibrate=dict(
+                           rotate=rotate, calibrate=dict(
                                activations=activations, kv_cache=kv_cache, calibration=calibration,
                                calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
                                calibration_batch=calibration_batch), revision=revision, device=device,

@@ -53,8 +53,10 @@ CHUNK_BYTES_PER_ELEMENT = 24
 # learn the names transformers gives its modules (planning/consumer_names.py), which imports
 # transformers.modeling_utils: +176 MiB RSS (measured: 257 -> 451 MiB for the import alone), and
 # peak RSS 494.6-499.5 MiB for make_llama hidden 64 and 256, 515.8-558.8 for --hidden 1024
-# (scripts/measure_convert_memory.py --recipes nvfp4 fp8 int4, same session as above).
-TRANSFORMERS_BYTES = 175 * 2**20
+# (scripts/measure_convert_memory.py --recipes nvfp4 fp8 int4, same session as above); a later CI
+# run measured more than 340 + 175 MiB for hidden 64 (433.6 MiB here with transformers 5.25), so the
+# allowance covers the spread of the import's cost between runs and versions.
+TRANSFORMERS_BYTES = 240 * 2**20
 
 
 def process_bytes() -> int:
