@@ -205,8 +205,8 @@ def test_summary_lines_count_one_in_the_singular():
     from quantcli.cli.render_rounding import rounding_summary, settings_line
 
     one = SimpleNamespace(action="dequantize")
-    assert _what_was_done(SimpleNamespace(layout=None, source_layout="modelopt", tensors=[one], dense_dtype="bf16"), None) == \
-        "1 module dequantized to bf16"  # was: 1 modules
+    dequantized = SimpleNamespace(layout=None, source_layout="modelopt", tensors=[one], dense_dtype="bf16")
+    assert _what_was_done(dequantized, None) == "1 module dequantized to bf16"  # was: 1 modules
     plan = SimpleNamespace(layout=object(), lossless=False, tensors=[one], recipes={"fp8"}, target="fp8")
     assert _what_was_done(plan, SimpleNamespace(quantized=1)) == "1 of 1 tensor quantized (fp8 -> fp8)"
     gptq = {"method": "gptq", "nearest_output_error": 0.2, "output_error": 0.1}

@@ -29,11 +29,6 @@ from quantcli.cli.convert_options import (
     CalibrationSeqLen,
     ConfigFile,
     DryRun,
-    GptqActOrder,
-    GptqDampening,
-    GptqInputs,
-    GptqMinTokens,
-    GptqScales,
     Ignore,
     KvCache,
     Layout,
@@ -49,6 +44,7 @@ from quantcli.cli.convert_options import (
     Verbose,
     Workers,
 )
+from quantcli.cli.declared_options import with_settings
 from quantcli.cli.eval_options import (
     EvalBatch,
     EvalCheckpoint,
@@ -95,6 +91,7 @@ from quantcli.cli.options import (
 )
 from quantcli.cli.push_command import Private, PushRevision, PushToHub, push_command
 from quantcli.cli.usage import Command, Commands, examples
+from quantcli.planning.rounding import GPTQ_SETTINGS
 
 __all__ = ["BACKEND_NAMES", "LAYOUT_NAMES", "RECIPE_NAMES", "SCALE_RULE_NAMES", "app", "main"]
 
@@ -118,6 +115,7 @@ def _root(version: Annotated[bool, typer.Option("--version", "-V", callback=_ver
 
 
 @app.command(cls=Command, epilog=examples("convert"))
+@with_settings(GPTQ_SETTINGS, after="rounding", into="gptq")
 def convert(
     ctx: typer.Context,
     src: Annotated[str, typer.Argument(
@@ -129,11 +127,7 @@ def convert(
     config: ConfigFile = None,
     scale_rule: ScaleRule = None, scale_search: ScaleSearch = None,
     rounding: RoundingMethod = None,
-    gptq_dampening: GptqDampening = None,
-    gptq_act_order: GptqActOrder = None,
-    gptq_scales: GptqScales = None,
-    gptq_min_tokens: GptqMinTokens = None,
-    gptq_inputs: GptqInputs = None,
+    gptq: dict | None = None,  # the --gptq-* options (planning/rounding.py GPTQ_SETTINGS), added after --rounding
     rotate: Rotate = None,
     activations: Activations = None,
     kv_cache: KvCache = None,
@@ -165,9 +159,8 @@ def convert(
         ctx.meta[DESTINATION] = Path(dst).absolute()
     with hub_access(token, cache_dir):
         code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
-                           scale_rule=scale_rule, scale_search=scale_search, rounding=dict(
-                               rounding=rounding, gptq_dampening=gptq_dampening, gptq_act_order=gptq_act_order,
-                               gptq_scales=gptq_scales, gptq_min_tokens=gptq_min_tokens, gptq_inputs=gptq_inputs),
+                           scale_rule=scale_rule, scale_search=scale_search,
+                           rounding=dict(rounding=rounding, **(gptq or {})),
                            rotate=rotate, calibrate=dict(
                                activations=activations, kv_cache=kv_cache, calibration=calibration,
                                calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,

@@ -51,21 +51,6 @@ RoundingMethod = Annotated[Optional[str], choice(
     "--rounding", "rounding", lambda: ["nearest", "gptq"], ["nearest", "gptq"], "METHOD",
     "nearest: round each weight to nearest (default); gptq: round with GPTQ's error feedback from the calibration "
     "data (needs --calibration).")]
-GptqDampening = Annotated[Optional[float], typer.Option(metavar="F", help=(
-    "GPTQ: dampening, a fraction of mean diag(X^T X) added to it.  [default: 0.01]"))]
-GptqActOrder = Annotated[Optional[str], choice(
-    "--gptq-act-order", "GPTQ column order", lambda: ["none", "static"], ["none", "static"], "ORDER",
-    "GPTQ: static rounds columns by decreasing input energy, none in their order.  [default: static]")]
-GptqScales = Annotated[Optional[str], choice(
-    "--gptq-scales", "GPTQ scale choice", lambda: ["updated", "original"], ["updated", "original"], "FROM",
-    "GPTQ, block formats: choose each block's scale from the updated or the original weights (per-tensor and "
-    "per-row scales always come from the original weights).  [default: updated]")]
-GptqMinTokens = Annotated[Optional[int], typer.Option(metavar="N", help=(
-    "GPTQ: a module (an MoE expert) fewer calibration tokens reached is rounded to nearest.  [default: 32]"))]
-GptqInputs = Annotated[Optional[str], choice(
-    "--gptq-inputs", "GPTQ inputs", lambda: ["quantized", "dense"], ["quantized", "dense"], "FROM",
-    "GPTQ: quantized takes each layer's inputs from the layers already quantized (sequential), dense from the "
-    "source model.  [default: quantized]")]
 Rotate = Annotated[Optional[str], choice(
     "--rotate", "rotation", lambda: ["vo"], ["vo"], "WHAT",
     "vo: rotate each attention's value and output projections per head by a Hadamard matrix before rounding "

@@ -17,7 +17,7 @@ from quantcli.checkpoint.manifest import Manifest
 from quantcli.errors import QuantcliError
 from quantcli.formats.facts import Calibration
 from quantcli.planning.plan import Options
-from quantcli.planning.rounding import Rounding
+from quantcli.planning.rounding import GPTQ_SETTINGS, Rounding
 from quantcli.recipes import get_recipe
 from quantcli.rounding.gptq import GptqSettings
 
@@ -62,11 +62,13 @@ def _scale_search(manifest: Manifest, label: str) -> str:
 def _roundings(record: Mapping[str, object], label: str) -> list[Rounding]:
     try:
         overrides = tuple((str(p), str(m)) for p, m in record["overrides"])  # type: ignore[union-attr]
-        scales = ["updated", "original"] if record["act_order"] == "static" else [str(record["scales"])]
-        return [Rounding(str(record["default"]), overrides,
-                         GptqSettings(float(record["dampening"]), str(record["act_order"]), s,  # type: ignore[arg-type]
-                                      int(record["block_columns"])),  # type: ignore[call-overload]
-                         int(record["min_tokens"]), str(record["inputs"]))  # type: ignore[call-overload]
+        values = {s.key: s.read_back(dict(record)) for s in GPTQ_SETTINGS}
+        owned = {owner: {s.key: values[s.key] for s in GPTQ_SETTINGS if s.owner is owner}
+                 for owner in (GptqSettings, Rounding)}
+        gptq = GptqSettings(**owned[GptqSettings], block_columns=int(record["block_columns"]))  # type: ignore[call-overload]
+        # act_order static records scales "original" whichever was asked (see recorded_options)
+        scales = ["updated", "original"] if gptq.act_order == "static" else [gptq.scales]
+        return [Rounding(str(record["default"]), overrides, replace(gptq, scales=s), **owned[Rounding])
                 for s in scales]
     except (KeyError, TypeError, ValueError) as exc:
         raise QuantcliError(CANNOT.format(label=label) + f"its rounding record is malformed ({exc})") from None

@@ -12,10 +12,9 @@ from quantcli.formats.layouts import LAYOUTS
 from quantcli.kernels.spec import SCALE_RULES, SCALE_SEARCHES
 from quantcli.planning.calibration import check_options
 from quantcli.planning.plan import Options
-from quantcli.planning.rounding import INPUTS, METHODS, Rounding, rounding_options
+from quantcli.planning.rounding import GPTQ_SETTINGS, METHODS, Rounding, rounding_options
 from quantcli.planning.transforms import ROTATIONS
 from quantcli.recipes import DENSE_RECIPES, RECIPES
-from quantcli.rounding.gptq import ACT_ORDERS, SCALE_CHOICES
 
 
 def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[str], config: Path | None,
@@ -50,21 +49,16 @@ _CALIBRATION_KEYS = {"activations": ("static", "dynamic"), "kv_cache": ("fp8", "
                      "calibration_samples": CALIBRATION_SAMPLES, "calibration_seq_len": 512, "calibration_batch": 1}
 
 
-_GPTQ_KEYS = {"gptq_dampening": float, "gptq_act_order": ACT_ORDERS, "gptq_scales": SCALE_CHOICES,
-              "gptq_min_tokens": int, "gptq_inputs": INPUTS}
-
-
 def _rounding_options(data: dict, given: dict) -> Rounding:
     """--rounding and --gptq-*: the command line over the file."""
-    values, where = {}, {}
-    for key in _GPTQ_KEYS:
-        field_name = key.removeprefix("gptq_")
-        if given.get(key) is not None:
-            values[field_name], where[field_name] = given[key], f"--{key.replace('_', '-')}"
-        elif key in data:
-            values[field_name], where[field_name] = data[key], f"{key} in --config"
+    values = {}
+    for s in GPTQ_SETTINGS:
+        if given.get(s.file_key) is not None:
+            values[s.key] = (given[s.file_key], s.flag)
+        elif s.file_key in data:
+            values[s.key] = (data[s.file_key], f"{s.file_key} in --config")
     overrides = [(o["pattern"], o["rounding"]) for o in data.get("rounding_override", [])]
-    return rounding_options(given.get("rounding") or data.get("rounding"), overrides, values, where)
+    return rounding_options(given.get("rounding") or data.get("rounding"), overrides, values)
 
 
 def _calibration_options(opts: Options, data: dict, given: dict) -> None:
@@ -114,7 +108,7 @@ def _toml_type(value: object) -> str:
 
 def _check_recipe_file(data: dict, where: str) -> dict:
     known = ("recipe", "layout", "scale_rule", "scale_search", "targets", "ignore", "override", *_CALIBRATION_KEYS,
-             "rounding", *_GPTQ_KEYS, "rounding_override", "rotate")
+             "rounding", *(s.file_key for s in GPTQ_SETTINGS), "rounding_override", "rotate")
     for key in data:
         if key not in known:
             raise QuantcliError(f"{where}: unknown key {key!r}{did_you_mean(key, known)} (allowed: {', '.join(known)})")
@@ -144,12 +138,13 @@ def _check_recipe_file(data: dict, where: str) -> dict:
                             list(choices))
         elif key in data:
             out[key] = data[key] if key != "calibration" else string(key, data[key], 'calibration = "data.jsonl"')
-    for key, choices in _GPTQ_KEYS.items():
-        if key in data and isinstance(choices, tuple):
-            out[key] = pick(f"{where}: {key}", key.replace("_", " "), string(key, data[key], f'{key} = "{choices[0]}"'),
-                            list(choices))
-        elif key in data:
-            out[key] = data[key]  # numbers: checked with the command line's (planning/rounding.py)
+    for s in GPTQ_SETTINGS:
+        if s.file_key in data and s.choices:
+            key = s.file_key
+            out[key] = pick(f"{where}: {key}", s.key.replace("_", " "),
+                            string(key, data[key], f'{key} = "{s.choices[0]}"'), list(s.choices))
+        elif s.file_key in data:
+            out[s.file_key] = data[s.file_key]  # numbers: checked with the command line's (Setting.checked)
     if "rounding_override" in data:
         out["rounding_override"] = _pattern_tables(data["rounding_override"], where, string, "rounding_override",
                                                    "rounding", ('"gptq"', '"gptq"'), list(METHODS))

@@ -5,10 +5,11 @@ pattern, first match wins."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from quantcli.errors import QuantcliError
 from quantcli.formats.patterns import matches, validate
+from quantcli.planning.settings import Setting
 from quantcli.rounding.gptq import ACT_ORDERS, SCALE_CHOICES, GptqSettings
 
 NEAREST, GPTQ = "nearest", "gptq"
@@ -43,21 +44,39 @@ class Rounding:
         return self.method == GPTQ or any(m == GPTQ for _, m in self.overrides)
 
     def record(self) -> dict:
-        """The manifest's account of the method (data-aware runs only)."""
-        return {**self.gptq.record(), "min_tokens": self.min_tokens, "inputs": self.inputs,
-                "default": self.method, "overrides": [list(o) for o in self.overrides]}
+        """The manifest's account of the method (data-aware runs only): GptqSettings' fields, then
+        every GPTQ setting held here (GPTQ_SETTINGS), the default method and the overrides."""
+        own = {s.key: getattr(self, s.key) for s in GPTQ_SETTINGS if s.owner is Rounding}
+        return {"method": GPTQ, **asdict(self.gptq), **own, "default": self.method,
+                "overrides": [list(o) for o in self.overrides]}
 
     def fingerprint(self) -> str:
         return repr((self.method, self.overrides, self.gptq, self.min_tokens, self.inputs))
 
 
-GPTQ_FLAGS = {"dampening": "--gptq-dampening", "act_order": "--gptq-act-order", "scales": "--gptq-scales",
-              "min_tokens": "--gptq-min-tokens", "inputs": "--gptq-inputs"}
+GPTQ_SETTINGS = (  # the --gptq-* options (planning/settings.py), in the order --help lists them
+    Setting("dampening", GptqSettings, "F", "GPTQ: dampening, a fraction of mean diag(X^T X) added to it.",
+            kind=float, valid=lambda v: 0 < v <= 1, expected="a number in (0, 1] (a fraction of H's mean diagonal)"),
+    Setting("act_order", GptqSettings, "ORDER",
+            "GPTQ: static rounds columns by decreasing input energy, none in their order.", choices=ACT_ORDERS,
+            noun="GPTQ column order"),
+    Setting("scales", GptqSettings, "FROM",
+            "GPTQ, block formats: choose each block's scale from the updated or the original weights (per-tensor and "
+            "per-row scales always come from the original weights).", choices=SCALE_CHOICES,
+            noun="GPTQ scale choice"),
+    Setting("min_tokens", Rounding, "N",
+            "GPTQ: a module (an MoE expert) fewer calibration tokens reached is rounded to nearest.",
+            kind=int, valid=lambda v: v >= 1, expected="a positive integer"),
+    Setting("inputs", Rounding, "FROM",
+            "GPTQ: quantized takes each layer's inputs from the layers already quantized (sequential), dense from the "
+            "source model.", choices=INPUTS, noun="GPTQ inputs"),
+)
 
 
-def rounding_options(method: str | None, overrides: list[tuple[str, str]], gptq: dict, where: dict) -> Rounding:
-    """The Rounding of the merged command line and recipe file; `gptq` holds the given GPTQ
-    values by field (None: not given), `where` how the user gave each (for messages)."""
+def rounding_options(method: str | None, overrides: list[tuple[str, str]], given: dict[str, tuple[object, str]]
+                     ) -> Rounding:
+    """The Rounding of the merged command line and recipe file; `given` holds each GPTQ value the
+    user gave, by Setting key, with where it was given ('--gptq-scales', 'gptq_scales in --config')."""
     method = method or NEAREST
     if method not in METHODS:
         raise QuantcliError(f"--rounding {method!r}: choose one of {', '.join(METHODS)}")
@@ -65,39 +84,18 @@ def rounding_options(method: str | None, overrides: list[tuple[str, str]], gptq:
         validate(pattern, "[[rounding_override]] pattern")
         if m not in METHODS:
             raise QuantcliError(f"[[rounding_override]] {pattern!r}: rounding {m!r} is not one of {', '.join(METHODS)}")
-    r = Rounding(method, tuple(overrides))
-    given = {k: v for k, v in gptq.items() if v is not None}
-    if given and not r.data_aware:
-        k = sorted(given)[0]
-        fix = 'rounding = "gptq" in the file' if "--config" in where.get(k, "") else "--rounding gptq"
-        raise QuantcliError(f"{where.get(k, GPTQ_FLAGS[k])}: only used with --rounding gptq; add {fix} or drop the "
-                            f"option")
-    settings = GptqSettings(dampening=_dampening(given.get("dampening", r.gptq.dampening), where),
-                            act_order=_one_of("act_order", given.get("act_order", "static"), ACT_ORDERS, where),
-                            scales=_one_of("scales", given.get("scales", "updated"), SCALE_CHOICES, where))
-    tokens = given.get("min_tokens", MIN_TOKENS)
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-        flag = where.get("min_tokens", "--gptq-min-tokens")
-        raise QuantcliError(f"{flag}: must be a positive integer, got {tokens!r}")
-    return Rounding(method, tuple(overrides), settings, tokens, _one_of("inputs", given.get("inputs", "quantized"),
-                                                                        INPUTS, where),
-                    _given_as("scales", settings.scales, where) if "scales" in given else None)
-
-
-def _given_as(key: str, value: str, where: dict) -> str:
-    """`--gptq-scales original`, or `gptq_scales = "original" in --config`: how the user said it."""
-    flag = where.get(key, GPTQ_FLAGS[key])
-    return f"{flag} {value}" if flag.startswith("--") else f'{flag.split()[0]} = "{value}" in --config'
-
-
-def _dampening(value: object, where: dict) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < float(value) <= 1:
-        raise QuantcliError(f"{where.get('dampening', '--gptq-dampening')}: must be a number in (0, 1] (a fraction "
-                            f"of H's mean diagonal), got {value!r}")
-    return float(value)
-
-
-def _one_of(key: str, value: object, choices: tuple[str, ...], where: dict) -> str:
-    if value not in choices:
-        raise QuantcliError(f"{where.get(key, GPTQ_FLAGS[key])}: {value!r} is not one of {', '.join(choices)}")
-    return str(value)
+    data_aware = Rounding(method, tuple(overrides)).data_aware
+    if given and not data_aware:
+        where = given[sorted(given)[0]][1]
+        fix = 'rounding = "gptq" in the file' if "--config" in where else "--rounding gptq"
+        raise QuantcliError(f"{where}: only used with --rounding gptq; add {fix} or drop the option")
+    values = {s.key: s.checked(*given[s.key]) if s.key in given else s.default for s in GPTQ_SETTINGS}
+    owned = {owner: {s.key: values[s.key] for s in GPTQ_SETTINGS if s.owner is owner} for owner in (GptqSettings,
+                                                                                                    Rounding)}
+    scales_given = None
+    if "scales" in given:  # how the user said it: `--gptq-scales original` or `gptq_scales = "original" in --config`
+        where = given["scales"][1]
+        scales_given = f"{where} {values['scales']}" if where.startswith("--") else \
+            f'{where.split()[0]} = "{values["scales"]}" in --config'
+    return Rounding(method, tuple(overrides), GptqSettings(**owned[GptqSettings]), **owned[Rounding],
+                    scales_given=scales_given)

@@ -55,13 +55,7 @@ class GptqSettings:
     dampening: float = DAMPENING
     act_order: str = "static"  # static | none (measured on all-MiniLM-L6-v2: docs/gptq.md)
     scales: str = "updated"  # updated | original (block formats; see the module docstring)
-    block_columns: int = BLOCK_COLUMNS
-
-    def record(self) -> dict:
-        """What the manifest records of the method."""
-        return {"method": "gptq", "dampening": self.dampening, "act_order": self.act_order,
-                "scales": self.scales,
-                "block_columns": self.block_columns}
+    block_columns: int = BLOCK_COLUMNS  # not an option; the manifest records it (planning/rounding.py)
 
 
 @dataclass(frozen=True)
