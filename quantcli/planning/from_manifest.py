@@ -65,7 +65,7 @@ def _roundings(record: Mapping[str, object], label: str) -> list[Rounding]:
         values = {s.key: s.read_back(dict(record)) for s in GPTQ_SETTINGS}
         owned = {owner: {s.key: values[s.key] for s in GPTQ_SETTINGS if s.owner is owner}
                  for owner in (GptqSettings, Rounding)}
-        gptq = GptqSettings(**owned[GptqSettings], block_columns=int(record["block_columns"]))  # type: ignore[call-overload]
+        gptq = GptqSettings(**owned[GptqSettings])
         # act_order static records scales "original" whichever was asked (see recorded_options)
         scales = ["updated", "original"] if gptq.act_order == "static" else [gptq.scales]
         return [Rounding(str(record["default"]), overrides, replace(gptq, scales=s), **owned[Rounding])

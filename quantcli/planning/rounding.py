@@ -64,6 +64,9 @@ GPTQ_SETTINGS = (  # the --gptq-* options (planning/settings.py), in the order -
             "GPTQ, block formats: choose each block's scale from the updated or the original weights (per-tensor and "
             "per-row scales always come from the original weights).", choices=SCALE_CHOICES,
             noun="GPTQ scale choice"),
+    Setting("block_columns", GptqSettings, "N",
+            "GPTQ: columns per lazy batch update (the error reaches later columns once per block).",
+            kind=int, valid=lambda v: v >= 1, expected="a positive integer"),
     Setting("min_tokens", Rounding, "N",
             "GPTQ: a module (an MoE expert) fewer calibration tokens reached is rounded to nearest.",
             kind=int, valid=lambda v: v >= 1, expected="a positive integer"),

@@ -55,7 +55,7 @@ class GptqSettings:
     dampening: float = DAMPENING
     act_order: str = "static"  # static | none (measured on all-MiniLM-L6-v2: docs/gptq.md)
     scales: str = "updated"  # updated | original (block formats; see the module docstring)
-    block_columns: int = BLOCK_COLUMNS  # not an option; the manifest records it (planning/rounding.py)
+    block_columns: int = BLOCK_COLUMNS
 
 
 @dataclass(frozen=True)
