@@ -10,13 +10,13 @@ and the calibration options."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from quantcli.atomic import write_atomic
 from quantcli.calibrate.engine import Stats, collect
 from quantcli.calibrate.scales import scale_facts
 from quantcli.convert.passes.kinds import combined_max
@@ -92,14 +92,12 @@ def merged_stats(stats: Stats, share: Callable[[object], list],
 
 def save_facts(path: Path, facts: Facts) -> None:
     """Atomically: a run killed while writing leaves no cache, so --resume calibrates again."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {f"{m}:{k}": v.detach().cpu().contiguous() for m, found in facts.items() for k, v in found.items()
                if isinstance(v, torch.Tensor)}
     notes = {m: found["note"] for m, found in facts.items() if isinstance(found.get("note"), str)}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"notes": json.dumps(notes, sort_keys=True)})
-    os.replace(tmp, path)
+    write_atomic(path, save(tensors, metadata={"notes": json.dumps(notes, sort_keys=True)}))
 
 
 def load_facts(path: Path) -> Facts:

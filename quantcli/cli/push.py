@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantcli.atomic import write_atomic
 from quantcli.checkpoint.hub import current, network_errors
 from quantcli.checkpoint.manifest import MANIFEST_NAME, STAGING_SUFFIX, finish_hint, unfinished_conversion
 from quantcli.checkpoint.source import REPO_ID
@@ -138,9 +139,7 @@ def _name_the_repo_in_card(folder: Path, repo_id: str) -> None:
     text = readme.read_text(encoding="utf-8")
     new = retarget_serving(text, repo_id)
     if new != text:
-        tmp = readme.with_name(readme.name + ".quantcli-tmp")
-        tmp.write_text(new, encoding="utf-8")
-        tmp.replace(readme)
+        write_atomic(readme, new)
 
 
 def _hub_call(target: str, call, *args, **kwargs):

@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 
 from quantcli import __version__
+from quantcli.atomic import write_atomic
 from quantcli.checkpoint.source import Source
 from quantcli.convert.records import ShardResult
 from quantcli.errors import CheckpointError
@@ -101,9 +102,7 @@ def sha256_file(path: Path) -> str:
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _is_map(value: object, key_type: type = str, value_type: type | tuple = object) -> bool:

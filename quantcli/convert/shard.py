@@ -7,7 +7,6 @@ was staged instead of being quantized here."""
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -16,6 +15,7 @@ from typing import Mapping
 
 import torch
 
+from quantcli.atomic import atomic_file
 from quantcli.checkpoint.safetensors_io import DTYPES, ShardWriter, tensor_bytes
 from quantcli.convert.reading import ModuleReader
 from quantcli.convert.records import Findings, Progress, ShardResult
@@ -49,18 +49,12 @@ def convert_shard(reader: ModuleReader, shard: str, facts: Mapping[str, ModuleFa
     """Write output shard `shard` to `out_path` atomically. A failed or interrupted write leaves
     no partial file behind; an OSError names the file it was writing."""
     planned = [t for t in reader.plan.tensors if t.shard == shard]
-    tmp = out_path.with_name(out_path.name + ".tmp")
     learned: dict[str, Learned] = {}
     try:
-        with open(tmp, "wb") as f, compute_threads(reader.device):
+        with atomic_file(out_path) as f, compute_threads(reader.device):
             writer = _stream(f, reader, shard, planned, facts, staged, learned, progress or (lambda n, s: None))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and not (exc.filename or exc.filename2):
+    except OSError as exc:
+        if not (exc.filename or exc.filename2):
             exc.filename = str(out_path)  # a write() error names no file: name the shard
         raise
     return ShardResult(writer.size, writer.sha256, _findings(learned))

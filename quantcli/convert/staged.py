@@ -12,15 +12,14 @@ folder is removed by finalize and never reaches DST.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
+from quantcli.atomic import atomic_file
 from quantcli.checkpoint.safetensors_io import OutSpec, ShardWriter, TensorReader, dtype_name, read_header, tensor_bytes
 from quantcli.errors import CheckpointError
 from quantcli.formats.layouts import Layout
@@ -63,20 +62,11 @@ class StagedWeights:
         meta = {"pass": self.pass_name, "products": json.dumps(dict(products), sort_keys=True),
                 "learned": json.dumps(dict(learned), sort_keys=True)}
         specs = [OutSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                writer = ShardWriter(f, specs, meta)
-                for spec in writer.order:
-                    writer.write(spec.name, tensor_bytes(tensors[spec.name]))
-                writer.finish()
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise
+        with atomic_file(path) as f:
+            writer = ShardWriter(f, specs, meta)
+            for spec in writer.order:
+                writer.write(spec.name, tensor_bytes(tensors[spec.name]))
+            writer.finish()
 
     def finished(self, layers: int) -> int:
         """How many layers, from the first, an earlier run of this pass finished."""
