@@ -20,7 +20,8 @@ LAYERS = [
     ("model", ["quantcli.model"]),
     ("formats", ["quantcli.formats", "quantcli.recipes", "quantcli.rounding"]),
     ("bytes", ["quantcli.checkpoint", "quantcli.kernels"]),
-    ("base", ["quantcli", "quantcli.errors", "quantcli.reports", "quantcli.memory", "quantcli.atomic", "quantcli.schemas"]),
+    ("base", ["quantcli", "quantcli.errors", "quantcli.reports", "quantcli.memory", "quantcli.atomic",
+              "quantcli.schemas"]),
 ]
 TOP_LEVEL_MODULES = {"__init__.py", "__main__.py", "errors.py", "reports.py", "memory.py", "atomic.py", "testing.py"}
 MAX_FUNCTION_LINES = 60

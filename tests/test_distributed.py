@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import assert_nothing_left, fault_env, tree_state
+from faults import HOOKS, assert_nothing_left, fault_env, tree_state
 from safetensors.torch import load_file, save_file
 
-from quantcli.convert.world import assign_shards
+from quantcli.convert.world import assign_largest_first
 from quantcli.testing import make_llama, make_moe
 
 CALIBRATE = importlib.util.find_spec("transformers") is not None
@@ -41,16 +41,18 @@ def _rank_worker(rank: int, size: int, port: int, jobs: list[dict], log: str) ->
 
     from quantcli.cli.app import _run
 
+    sys.path.insert(0, str(HOOKS))
+    import fault_hooks
+
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=60))
     for job in jobs:
         env = job.get("env", {}).get(str(rank), {})
-        os.environ.update(env)
+        undo = fault_hooks.install(env)  # this process is running: its sitecustomize has run
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = _run(job["argv"])
-        for key in env:
-            os.environ.pop(key)
+        undo()
         with open(f"{log}.{rank}", "a") as f:
             f.write(json.dumps({"name": job["name"], "code": code, "err": err.getvalue()}) + "\n")
     sys.stdout.flush()
@@ -200,7 +202,7 @@ def test_a_fused_group_split_over_ranks_gets_one_global_scale(runs):
     for t in plan.tensors:
         sizes[t.shard] = sizes.get(t.shard, 0) + t.bytes_in
     for ranks in (2, 3):
-        owner = assign_shards(sizes, ranks)
+        owner = assign_largest_first(sizes, ranks)
         split = [g for g, members in plan.fused_groups().items() if len({owner[t.shard] for t in members}) > 1]
         assert split, f"no fused group spans ranks with {ranks} ranks"
     out = runs["out"]["nvfp4-llama"]
@@ -248,9 +250,9 @@ def test_workers_option_spawns_the_ranks_itself(runs, run_cli):
 
 def test_lpt_split_is_balanced_and_stable():
     sizes = {"a": 10, "b": 7, "c": 6, "d": 5, "e": 4}
-    owner = assign_shards(sizes, 2)
+    owner = assign_largest_first(sizes, 2)
     loads = [sum(n for s, n in sizes.items() if owner[s] == r) for r in range(2)]
-    assert owner == assign_shards(dict(reversed(sizes.items())), 2) and sorted(loads) == [15, 17]
+    assert owner == assign_largest_first(dict(reversed(sizes.items())), 2) and sorted(loads) == [15, 17]
 
 
 def test_merged_calibration_stats_are_the_max_and_leave_unreached_experts_absent():

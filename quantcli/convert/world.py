@@ -52,15 +52,19 @@ def rank_timeout() -> float:
     return float(os.environ.get("QUANTCLI_RANK_TIMEOUT", "60"))
 
 
-def assign_shards(sizes: Mapping[str, int], ranks: int) -> dict[str, int]:
-    """Longest processing time first: the largest shard goes to the least loaded rank (ties: the
-    lower rank, then the shard name), so every rank computes the same split from the plan."""
+K = TypeVar("K")  # a shard name or a batch index: sortable
+
+
+def assign_largest_first(sizes: Mapping[K, int], ranks: int) -> dict[K, int]:
+    """Longest processing time first: the largest item (a shard's bytes, an eval batch's tokens)
+    goes to the least loaded rank (ties: the lower rank, then the smaller key), so every rank
+    computes the same split from the same sizes."""
     loads = [(0, r) for r in range(ranks)]
-    out: dict[str, int] = {}
-    for shard in sorted(sizes, key=lambda s: (-sizes[s], s)):
+    out: dict[K, int] = {}
+    for item in sorted(sizes, key=lambda k: (-sizes[k], k)):
         load, r = heapq.heappop(loads)
-        out[shard] = r
-        heapq.heappush(loads, (load + sizes[shard], r))
+        out[item] = r
+        heapq.heappush(loads, (load + sizes[item], r))
     return out
 
 
@@ -89,7 +93,7 @@ class World:
 
     def mine(self, sizes: Mapping[str, int]) -> set[str]:
         """The shards this rank works on, out of `sizes` (shard -> bytes)."""
-        return {s for s, r in assign_shards(sizes, self.size).items() if r == self.rank}
+        return {s for s, r in assign_largest_first(sizes, self.size).items() if r == self.rank}
 
     # --- meeting points
 

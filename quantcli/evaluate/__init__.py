@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from quantcli.convert.world import assign_largest_first
 from quantcli.errors import QuantcliError
 
 
@@ -103,13 +104,9 @@ def _recipe_side(opts: EvalOptions, source, tensors, device: torch.device):
 
 
 def share(input_batches: list[torch.Tensor], rank: int, size: int) -> list[torch.Tensor]:
-    """Rank `rank`'s batches out of `size` ranks: the largest first, each to the rank with the
-    fewest tokens so far (lowest rank on a tie), kept in their order."""
-    loads, owner = [0] * size, {}
-    for i in sorted(range(len(input_batches)), key=lambda i: (-input_batches[i].numel(), i)):
-        r = min(range(size), key=lambda r: (loads[r], r))
-        owner[i] = r
-        loads[r] += input_batches[i].numel()
+    """Rank `rank`'s batches out of `size` ranks, split by tokens as convert splits shards
+    (largest first, each to the least loaded rank), kept in their order."""
+    owner = assign_largest_first({i: b.numel() for i, b in enumerate(input_batches)}, size)
     return [b for i, b in enumerate(input_batches) if owner[i] == rank]
 
 
