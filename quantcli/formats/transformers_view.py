@@ -35,6 +35,9 @@ class TransformersView:
     heads: tuple[str, ...]  # the output head: its checkpoint and transformers names (one if they agree)
     merged_experts: frozenset[str]  # per-expert checkpoint modules merged into 3-D parameters
     model: torch.nn.Module = field(repr=False, compare=False)
+    # Checkpoint modules transformers builds as its Conv1D (GPT-2, OpenAI GPT, ImageGPT, CLVP, ...),
+    # whose weight is stored [in, out], the transpose of a Linear's.
+    transposed: frozenset[str] = frozenset()
 
     def spellings(self, module: str) -> list[str]:
         """`module` and, where it differs, the name transformers gives it."""

@@ -51,7 +51,15 @@ def _build(config: Mapping, names: frozenset[str]) -> TransformersView | None:
         elif key.endswith(".weight") and key in params and key[: -len(".weight")] != module:
             if isinstance(model.get_submodule(key[: -len(".weight")]), torch.nn.Linear):
                 renamed[module] = key[: -len(".weight")]  # what compressed-tensors' `Linear` target meets
-    return TransformersView(type(model).__name__, renamed, _heads(model, renamed), frozenset(merged), model)
+    return TransformersView(type(model).__name__, renamed, _heads(model, renamed), frozenset(merged), model,
+                            frozenset(m for m in names if _is_conv1d(model, renamed.get(m, m))))
+
+
+def _is_conv1d(model: torch.nn.Module, module: str) -> bool:
+    try:
+        return type(model.get_submodule(module)).__name__ == "Conv1D"  # transformers.pytorch_utils.Conv1D
+    except AttributeError:
+        return False
 
 
 def _heads(model: torch.nn.Module, renamed: Mapping[str, str]) -> tuple[str, ...]:

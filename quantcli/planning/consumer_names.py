@@ -17,7 +17,8 @@ transformers, by name (`lm_head` for a generative architecture, module_kinds.has
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+import re
+from typing import Callable, Iterable, Mapping
 
 from quantcli.formats.module_kinds import has_lm_head
 from quantcli.formats.transformers_view import TransformersView
@@ -29,6 +30,21 @@ MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower")
 def source_view(config: Mapping, shapes: Mapping[str, tuple[int, ...]]) -> TransformersView | None:
     """transformers' view of a source whose tensors have these shapes (its 2-D `.weight` modules)."""
     return view(config, [n[: -len(".weight")] for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2])
+
+
+# Model types whose attention and MLP weights are transformers' Conv1D, for when transformers is
+# not installed (with it, the built model says: TransformersView.transposed).
+CONV1D_MODEL_TYPES = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer", "clvp")
+CONV1D_NAMES = re.compile(r"(^|\.)(c_attn|c_proj|c_fc|q_attn)$")
+
+
+def transposed_modules(config: Mapping, found: TransformersView | None) -> Callable[[str], bool]:
+    """Whether a module's weight is stored [in, out] (transformers' Conv1D: GPT-2 and kin)."""
+    if found is not None:
+        return found.transposed.__contains__
+    if config.get("model_type") in CONV1D_MODEL_TYPES:
+        return lambda module: bool(CONV1D_NAMES.search(module))
+    return lambda module: False
 
 
 def output_heads(config: Mapping, found: TransformersView | None) -> tuple[str, ...]:

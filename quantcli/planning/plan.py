@@ -11,7 +11,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -26,7 +26,7 @@ from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts
 from quantcli.formats.module_kinds import default_exclusion, is_dense_linear
 from quantcli.formats.transformers_view import TransformersView
 from quantcli.planning.actions import Action
-from quantcli.planning.consumer_names import output_heads, source_view, spelled, unnamed_warning
+from quantcli.planning.consumer_names import output_heads, source_view, spelled, transposed_modules, unnamed_warning
 from quantcli.planning.fused_groups import drop_single_member_groups, one_precision_per_fused_group
 from quantcli.planning.rounding import Rounding
 from quantcli.recipes import RECIPES, Recipe, get_recipe
@@ -86,6 +86,10 @@ class TensorPlan:
 
 
 EMPTY_TENSOR = "empty tensor"  # the exclusion reason of a weight with a 0-size dimension
+# transformers' Conv1D (GPT-2 and kin) stores its weight [in, out]; every recipe's blocks run along
+# a Linear's input dimension, and vLLM's GPT-2 transposes the weight as it loads it, so a
+# quantized one would be read across the wrong axis.
+TRANSPOSED_LINEAR = "stored transposed, [in, out] (transformers' Conv1D): no engine reads it quantized"
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,8 @@ def make_plan(source: Source, opts: Options) -> Plan:
     gets, or excluded with a reason; refused as a whole if it is inconsistent or quantizes nothing."""
     layout, recipes = _layout_and_recipes(opts)
     hf = source_view(source.config, {n: i.shape for _, n, i in _owned_tensors(source)})
-    found = _Planned(heads=frozenset(output_heads(source.config, hf)), warnings=unnamed_warning(source.config, hf))
+    found = _Planned(heads=frozenset(output_heads(source.config, hf)), warnings=unnamed_warning(source.config, hf),
+                     transposed=transposed_modules(source.config, hf))
     for shard, name, info in _owned_tensors(source):
         _plan_tensor(found, source, opts, layout, recipes, shard, name, info)
     one_precision_per_fused_group(found.tensors, lambda m, why: found.exclusions.append(Exclusion(m, why)),
@@ -258,6 +263,7 @@ class _Planned:
     warnings: list[str] = field(default_factory=list)
     candidates: list[str] = field(default_factory=list)  # Linear and expert modules: what patterns can select
     heads: frozenset[str] = frozenset()  # the output head's names (consumer_names.output_heads)
+    transposed: Callable[[str], bool] = lambda module: False  # a Conv1D module (consumer_names.transposed_modules)
 
 
 def _layout_and_recipes(opts: Options) -> tuple[Layout, dict[str, Recipe]]:
@@ -307,8 +313,8 @@ def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout,
         return
     module = module_of(name)
     found.candidates.append(module)
-    reason = "output head" if module in found.heads else _exclusion_reason(module, info, is_experts, opts, layout,
-                                                                             source.config)
+    reason = "output head" if module in found.heads else TRANSPOSED_LINEAR if found.transposed(module) else \
+        _exclusion_reason(module, info, is_experts, opts, layout, source.config)
     transpose = bool(is_experts and TRANSPOSED_EXPERTS.search(name))
     shape = (*info.shape[:-2], info.shape[-1], info.shape[-2]) if transpose else info.shape
     recipe = recipes[_choose_recipe(module, opts)] if reason is None else None
@@ -325,7 +331,8 @@ def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout,
         if is_experts:  # named by its experts module, as engines look up the fused MoE layer
             if experts_module(name) not in {e.module for e in found.exclusions}:
                 found.exclusions.append(Exclusion(experts_module(name), reason))
-        elif is_linear and (is_dense_linear(module) or module in found.heads):  # GPT-NeoX's head: `embed_out`
+        elif is_linear and (is_dense_linear(module) or module in found.heads or reason == TRANSPOSED_LINEAR):
+            # GPT-NeoX's head: `embed_out`; a Conv1D, which engines build as a Linear
             found.exclusions.append(Exclusion(module, reason))
         found.tensors.append(plain)
         return
