@@ -100,3 +100,41 @@ def test_a_rotated_run_has_its_own_fingerprint_so_resume_never_mixes_it_with_a_p
     plain, rotated = (plan_conversion(source, conversion_options(recipe="nvfp4", layout=None, ignore=[], config=None,
                                                                  scale_rule=None, rotate=r)) for r in (None, "vo"))
     assert fingerprint(plain) != fingerprint(rotated) and not plain.transforms and rotated.transforms
+
+
+def test_verify_judges_a_rotated_checkpoint_against_the_reference_rotated_as_the_manifest_records(zoo, run_cli):
+    """Qwen2 has v_proj biases: the rotated bias is a dense changed tensor, compared bit for bit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = zoo["root"] / "qwen2-biased"  # transformers initializes biases to 0: give them values to rotate
+    shutil.copytree(_src(zoo, "qwen2", "Qwen2ForCausalLM"), src)
+    shard = next(src.glob("*.safetensors"))
+    tensors = load_file(shard)
+    gen = torch.Generator().manual_seed(0)
+    for n in [n for n in tensors if n.endswith(".bias")]:
+        tensors[n] = torch.randn(tensors[n].shape, generator=gen).to(tensors[n].dtype)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    out = zoo["root"] / "verify-rotated"
+    code, _, err = run_cli("convert", str(src), str(out), "--recipe", "nvfp4", "--rotate", "vo", "-q")
+    assert code == 0, err
+    code, text, err = run_cli("verify", str(out), "--reference", str(src))
+    assert code == 0, text + err
+
+    manifest_path = out / "quantcli_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    unrecorded = dict(manifest)
+    del unrecorded["transforms"]
+    manifest_path.write_text(json.dumps(unrecorded))  # without the record, the rotated codes fail
+    code, text, _ = run_cli("verify", str(out), "--reference", str(src))
+    assert code == 1 and "self_attn.v_proj" in text, text
+    manifest_path.write_text(json.dumps(manifest))
+
+    shard = next(out.glob("*.safetensors"))
+    tensors = load_file(shard)
+    bias = next(n for n in tensors if n.endswith("self_attn.v_proj.bias"))
+    tensors[bias] = load_file(next(src.glob("*.safetensors")))[bias]  # the source's bias, not the rotated one
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, text, _ = run_cli("verify", str(out), "--reference", str(src))
+    assert code == 1 and bias in text and "transformed as the manifest records" in text, text

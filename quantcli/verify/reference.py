@@ -12,6 +12,7 @@ from quantcli.formats.detect import detect
 from quantcli.formats.fused import fused_group_of
 from quantcli.kernels import tensor_amax
 from quantcli.planning.plan import TRANSPOSED_EXPERTS, matches
+from quantcli.planning.transforms import ops_of
 from quantcli.recipes import RECIPES
 from quantcli.reports import OMITTED
 from quantcli.verify.compare import (
@@ -50,10 +51,13 @@ class Reference:
     """The --reference checkpoint. Dense weights are read as stored; when the reference is itself
     quantized (the source of a re-layout, re-quantization or dequantization), each of its modules
     is read through its own layout (detected as inspect and convert do) and decoded, so
-    comparisons are against the values it stands for, never its packed codes."""
+    comparisons are against the values it stands for, never its packed codes. Where the checkpoint
+    under test records exact transforms (`convert --rotate`: the manifest's `transforms`), a dense
+    reference tensor they changed is read transformed alike, recomputed from the record."""
 
-    def __init__(self, label: str, source, rt: CheckpointTensors, dev):
+    def __init__(self, label: str, source, rt: CheckpointTensors, dev, transforms: dict | None = None):
         self.label, self.source, self.rt, self.dev = label, source, rt, dev
+        self.transforms = transforms or {}  # reference tensor name -> TransformOp
         found = detect(source)
         self.det = found if found is not None and found.modules else None
         manifest = self.det.manifest if self.det is not None else None
@@ -103,7 +107,13 @@ class Reference:
         if name is None:
             return None
         transpose = transpose_hint if transpose_hint is not None else bool(TRANSPOSED_EXPERTS.search(name))
-        return self.rt.get(name), transpose
+        return self.dense(name), transpose
+
+    def dense(self, name: str) -> torch.Tensor:
+        """A dense reference tensor as the checkpoint's producer started from: transformed (FP32)
+        where the checkpoint records a transform of it, else as stored."""
+        op = self.transforms.get(name)
+        return self.rt.get(name) if op is None else op.apply(self.rt.get(name))
 
     def release_weight(self, module: str) -> None:
         """Memory tracks the tensor in flight, not the model."""
@@ -273,7 +283,7 @@ def reference_checks(reference: str, revision: str | None, det, decoded_cache: d
     rows = []
     ref_source = open_source(reference, revision)
     with CheckpointTensors(ref_source) as rt:
-        ref = Reference(reference, ref_source, rt, dev)
+        ref = Reference(reference, ref_source, rt, dev, ops_of(det.manifest.transforms) if det.manifest else None)
         job = _Comparison(det, ref, qt, exact, limits, dev, found)
         job.channel_ms, job.outputs, job.rerun = channel_ms, outputs or {}, rerun
         progress("comparing", 0, len(decoded_cache), "(fused groups' amax)")
@@ -299,7 +309,7 @@ def reference_checks(reference: str, revision: str | None, det, decoded_cache: d
             found.ran(REF_ERROR)
         if any(r.output_rel_err is not OMITTED for r in rows):
             found.ran(REF_OUTPUT)
-        _unquantized_identical(rt, qt, consumed, pattern, det.modules, found)
+        _unquantized_identical(ref, qt, consumed, pattern, det.modules, found)
     return rows, ref.kind
 
 
@@ -336,12 +346,19 @@ def rebuilt_position_ids(rt: CheckpointTensors, name: str) -> bool:
     return counts
 
 
-def _unquantized_identical(rt: CheckpointTensors, qt: CheckpointTensors, consumed: set, pattern: str | None,
+def _unquantized_identical(ref: Reference, qt: CheckpointTensors, consumed: set, pattern: str | None,
                            quantized: dict, found: Findings) -> None:
-    """Tensors neither side quantizes: present and bit-identical."""
+    """Tensors neither side quantizes: present and bit-identical (a transformed one: to the
+    reference transformed as recorded, in the checkpoint's dtype)."""
+    rt = ref.rt
     for name in remaining_reference_tensors(rt, qt, consumed, pattern, quantized, found, "the quantized checkpoint"):
         ri, qi = rt.info(name), qt.info(name)
-        if ri.dtype != qi.dtype or ri.shape != qi.shape:
+        if name in ref.transforms and ri.shape == qi.shape:
+            expected = ref.dense(name).to(qt.get(name).dtype)
+            if not torch.equal(expected.view(torch.uint8), qt.get(name).contiguous().view(torch.uint8)):
+                found.fault(REF_IDENTICAL, name, "differs from the reference transformed as the manifest records "
+                                                 "(transforms)")
+        elif ri.dtype != qi.dtype or ri.shape != qi.shape:
             found.fault(REF_IDENTICAL, name, f"changed from {ri.dtype}{list(ri.shape)} to {qi.dtype}"
                                              f"{list(qi.shape)} (a lossy cast or a different model)")
         elif not same_bytes(rt.raw(name), qt.raw(name)):
