@@ -25,7 +25,10 @@ code): the layer walk of calibration, GPTQ and eval takes the model's own class,
 stack, its own embedding, masks, rotary and head, and maps the checkpoint's tensors to its
 parameters by transformers' own loading rules ([architecture](architecture.md#one-walk-for-any-model)).
 What it cannot run (an encoder-decoder, a class transformers does not ship, a checkpoint that
-does not match its config) is refused in one line before any work.
+does not match its config) is refused in one line before any work. GPT-2 and its kin (OpenAI GPT,
+ImageGPT, CLVP) store attention and MLP weights as transformers' `Conv1D`, `[in, out]`: those
+stay dense, named in the exclusion list, so a GPT-2 has nothing to quantize and is refused
+(tests/test_conv1d.py).
 
 The table is the matrix `tests/test_architectures.py` runs in CI on tiny random models built from
 transformers' config classes (`quantcli.testing.make_tiny`), each through: `convert` with nvfp4,
