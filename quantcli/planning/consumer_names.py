@@ -38,6 +38,12 @@ CONV1D_MODEL_TYPES = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer", 
 CONV1D_NAMES = re.compile(r"(^|\.)(c_attn|c_proj|c_fc|q_attn)$")
 
 
+# transformers' Conv1D (GPT-2 and kin) stores its weight [in, out]; every recipe's blocks run along
+# a Linear's input dimension, and vLLM's GPT-2 transposes the weight as it loads it, so a
+# quantized one would be read across the wrong axis.
+TRANSPOSED_LINEAR = "stored transposed, [in, out] (transformers' Conv1D): no engine reads it quantized"
+
+
 def transposed_modules(config: Mapping, found: TransformersView | None) -> Callable[[str], bool]:
     """Whether a module's weight is stored [in, out] (transformers' Conv1D: GPT-2 and kin)."""
     if found is not None:

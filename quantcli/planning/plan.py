@@ -25,6 +25,7 @@ from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
 from quantcli.formats.module_kinds import default_exclusion, is_dense_linear
 from quantcli.formats.transformers_view import TransformersView
+from quantcli.planning import consumer_names
 from quantcli.planning.actions import Action
 from quantcli.planning.consumer_names import output_heads, source_view, spelled, transposed_modules, unnamed_warning
 from quantcli.planning.fused_groups import drop_single_member_groups, one_precision_per_fused_group
@@ -86,10 +87,6 @@ class TensorPlan:
 
 
 EMPTY_TENSOR = "empty tensor"  # the exclusion reason of a weight with a 0-size dimension
-# transformers' Conv1D (GPT-2 and kin) stores its weight [in, out]; every recipe's blocks run along
-# a Linear's input dimension, and vLLM's GPT-2 transposes the weight as it loads it, so a
-# quantized one would be read across the wrong axis.
-TRANSPOSED_LINEAR = "stored transposed, [in, out] (transformers' Conv1D): no engine reads it quantized"
 
 
 @dataclass(frozen=True)
@@ -313,8 +310,8 @@ def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout,
         return
     module = module_of(name)
     found.candidates.append(module)
-    reason = "output head" if module in found.heads else TRANSPOSED_LINEAR if found.transposed(module) else \
-        _exclusion_reason(module, info, is_experts, opts, layout, source.config)
+    reason = ("output head" if module in found.heads else consumer_names.TRANSPOSED_LINEAR
+              if found.transposed(module) else _exclusion_reason(module, info, is_experts, opts, layout, source.config))
     transpose = bool(is_experts and TRANSPOSED_EXPERTS.search(name))
     shape = (*info.shape[:-2], info.shape[-1], info.shape[-2]) if transpose else info.shape
     recipe = recipes[_choose_recipe(module, opts)] if reason is None else None
@@ -331,7 +328,7 @@ def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout,
         if is_experts:  # named by its experts module, as engines look up the fused MoE layer
             if experts_module(name) not in {e.module for e in found.exclusions}:
                 found.exclusions.append(Exclusion(experts_module(name), reason))
-        elif is_linear and (is_dense_linear(module) or module in found.heads or reason == TRANSPOSED_LINEAR):
+        elif is_linear and (is_dense_linear(module) or module in found.heads or found.transposed(module)):
             # GPT-NeoX's head: `embed_out`; a Conv1D, which engines build as a Linear
             found.exclusions.append(Exclusion(module, reason))
         found.tensors.append(plain)
