@@ -118,9 +118,12 @@ def _max_error(a: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, out: torch
         bits.clamp_(lo << 23, hi << 23).sub_(below << 23)
     else:
         h = _WS_or_new("vh", v).fill_(0.5)
-    h.add_(v, alpha=QUOTIENT_SLACK)
-    torch.maximum(h, v.sub_(top), out=h)  # beyond the largest code: what saturation clips
-    return _per_element(torch.mul, h, scale, spec, out)
+    units = h.add_(v, alpha=QUOTIENT_SLACK)
+    h = _per_element(torch.mul, units, scale, spec, out)  # v (in `out`) is no longer needed
+    # beyond the largest code: what saturation clips, a - top x scale (exact, unlike (a / scale - top) x
+    # scale, whose two roundings can put a clipped value's own error a hair above its bound)
+    clipped = _per_element(torch.sub, a, scale * top, spec, units)
+    return torch.maximum(h, clipped, out=h)
 
 
 def _WS_or_new(name: str, like: torch.Tensor) -> torch.Tensor:
@@ -189,8 +192,9 @@ def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yard
     yard = [_yard_error(y, x, f, band, shape) for y in yardsticks]
     scale = _block_scale(band, global_scale, spec, rows)
     if prescale != 1.0:  # exact: a power of two
-        for t in (f, e, scale):
-            t.mul_(prescale)
+        f.mul_(prescale)  # f and e are this band's own buffers
+        e.mul_(prescale)
+        scale = scale * prescale  # out of place: the scale may be a view of the mapped checkpoint, or expanded
     p = _buffer("vp", rows * k, dev).view(rows, k)
     put = dict(zip(ROWS, table))
     put["ee"].copy_(_per_block(torch.mul(e, e, out=p), spec, "sum"))
@@ -234,7 +238,7 @@ def block_stats(x: torch.Tensor, q: QuantResult, spec: QuantSpec, yardsticks: tu
     tall = FP8_BLOCK if BLOCK in (spec.geometry, *(y.spec.geometry for y in yardsticks)) else 1
     if x.device.type != "cpu":
         elements = max(x.numel(), 1)  # a GPU takes each matrix whole
-    mats = x.reshape(-1, n, k)
+    mats = x.reshape(max(x.numel() // max(n * k, 1), 1) if x.numel() else 1, n, k)  # -1 is ambiguous when empty
     work = list(bands(q, spec, shape, elements, tall))
     sizes = [_blocks_in(b, spec, k) for b in work]
     table = torch.empty(len(ROWS), sum(sizes), dtype=torch.float32, device=x.device)

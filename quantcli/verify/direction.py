@@ -7,6 +7,9 @@ amax 6 * max(block scale) * s2 of one module against the magnitudes of the rest 
 (other modules, dense weights). A module is called inverted when reading its global the other way
 round brings it closer to them by more than INVERSION_EVIDENCE (x100): a correct module with
 s2 < 10 (amax < 26880) can never be flagged; an inverted global of any tensor with amax < 270 is.
+Without a reference only: with one, each module's decoded values are judged against the
+reference itself (judge.py), which sees an inverted global as the gain 1/s2^2 and does not flag a
+legitimate tensor far from the rest of the checkpoint (a weight near FP32 max), as this does.
 """
 
 from __future__ import annotations

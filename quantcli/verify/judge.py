@@ -92,7 +92,7 @@ def judge(st: BlockStats, recipe, shape: tuple[int, ...], output: tuple[float, f
         if float(st.ee.double().sum()) > 0:
             v.reasons.append(f"the reference is all zero but the module decodes to values up to {st.max_abs:.4g}")
         return v
-    if not abs(gain - 1) <= gain_allowed:
+    if not abs(se) <= sh:  # the sums themselves: 1 + se / ss - 1 rounds, and a clipped block sits on its bound
         v.reasons.append(f"decodes to {gain:.4g} x its reference overall; rounding to the stored scales allows "
                          f"1 +- {gain_allowed:.3g}: {_gain_cause(gain)}")
     if output is not None:
