@@ -144,9 +144,6 @@ class ConvertBar(_Shown):
             elif self.verbose:
                 self.stderr.print(shard)
             return
-        if self.in_phase and self.progress is not None:  # the shards begin: the bar counts bytes from 0
-            self.in_phase = False
-            self.progress.reset(self.task, total=self.total, layers="")
         if shard != self.shard:
             self.shard, self.left = shard, list(self.order.get(shard, []))
         where = f"shard {self.shards.index(shard) + 1}/{len(self.shards)}" if shard in self.order else shard
@@ -161,7 +158,12 @@ class ConvertBar(_Shown):
                                   f"{human_bytes(t.bytes_in)} -> {human_bytes(t.bytes_out)}")
         if self.progress is not None:
             current = self.left[0].name if self.left else "done"
-            self.progress.update(self.task, advance=n, description=self._describe(where, current))
+            description = self._describe(where, current)
+            if self.in_phase:  # the shards begin: the bar counts bytes from here, its rate and time anew
+                self.in_phase = False
+                self.progress.reset(self.task, total=self.total, completed=n, description=description, layers="")
+            else:
+                self.progress.update(self.task, advance=n, description=description)
 
     def _show_phase(self, text: str) -> None:
         """The phase's label; where it names its layer (`layer 3/32`), the bar fills by layers and the
@@ -169,8 +171,12 @@ class ConvertBar(_Shown):
         m = _PHASE_LAYER.search(text)
         done, total = (int(m.group(1)), int(m.group(2))) if m and int(m.group(2)) > 0 else (0, 1)
         self.in_phase = True  # a phase without a layer count (tokenizing) starts its bar empty: "-"
-        self.progress.update(self.task, description=self._phase(text), completed=self.total * done / total,
-                             layers=f"layer {done}/{total}" if m else "-")
+        fields = dict(description=self._phase(text), completed=self.total * done / total,
+                      layers=f"layer {done}/{total}" if m else "-")
+        if done == 0:  # a phase starts (GPTQ's after calibration's): its time left from its own pace
+            self.progress.reset(self.task, total=self.total, **fields)
+        else:
+            self.progress.update(self.task, **fields)
 
     def _phase(self, text: str) -> str:
         """A phase's line on one row: cut after its last `, ` part that fits beside the bar and
