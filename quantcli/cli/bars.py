@@ -3,8 +3,9 @@ rates are binary units (KiB, MiB, GiB) everywhere, as human_bytes prints them, s
 and the summary's rate are the same number.
 
 - ConvertBar: the `convert` callback (bytes done, shard) as a bar that names shard i/N and the
-  tensor being converted; with `verbose`, one stderr line per tensor written (also without a
-  terminal). The bar is transient: the command's one-line summary replaces it.
+  tensor being converted; before the shards, a phase (calibration, GPTQ's rounding) names itself
+  and the bar fills by its layers; with `verbose`, one stderr line per tensor written (also
+  without a terminal). The bar is transient: the command's one-line summary replaces it.
 - counting_bar: a bar over N items (inspect --stats reads one module at a time).
 - PhaseBar: modules done / total of a job in phases (verify: reading, then comparing), naming
   the module in hand; before the first report it pulses with the elapsed time.
