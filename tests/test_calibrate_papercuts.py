@@ -1,7 +1,8 @@
 """Calibration papercuts: a tokenizer_config.json alone is said to be that (not "lacks"); no
 transformers warning about sequences longer than the model's maximum (quantcli truncates); the
 bar names the calibration phase from the start, never `shard 1/N <tensor> 0 B` while the data is
-tokenized and run; a calibrating line stays on one row at 100 and 80 columns."""
+tokenized and run; a calibrating line stays on one row at 100 and 80 columns; before the shards the bar
+fills by layer (never `0 B` for the whole rounding phase)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,38 @@ def test_bar_names_the_calibration_phase_on_one_row(src, tmp_path, width):
     assert reports[0] == "calibrating: tokenizing the data" and reports[-1].startswith("calibrating: layer 2/2, ")
     bar(0, "calibrating: layer 12/32, 4.1 s/layer, 128 samples, 31.2 samples/s")  # a long one
     assert _rows(con, bar) == 1 and bar.progress.tasks[0].description.startswith("calibrating: layer 12/32")
+
+
+def _row(con: Console, bar) -> str:
+    return "".join(seg.text for line in con.render_lines(bar.progress.make_tasks_table(bar.progress.tasks),
+                                                         con.options) for seg in line)
+
+
+def test_bar_fills_by_layer_before_the_shards_then_counts_bytes_from_zero(src, tmp_path):
+    """A rounding phase (most of a GPTQ run) is no longer `0 B / N` with an empty bar: the bar fills
+    by the layer the phase names and says `layer i/N`; the first shard's bytes start it over."""
+    from quantcli.cli.bars import ConvertBar
+
+    data = tmp_path / "ids.jsonl"
+    data.write_text(json.dumps({"input_ids": list(range(12))}) + "\n")
+    plan = _plan(src, data)
+    con = Console(width=100, file=io.StringIO(), force_terminal=True)
+    bar = ConvertBar(plan, con, show_bar=True, verbose=False)
+    task = bar.progress.tasks[0]
+    assert " 0 B / " not in _row(con, bar)  # reading the data: no byte is due yet
+    bar(0, "rounding (gptq): layer 1/4, 4.1 s/layer, 128 samples, 31.2 samples/s")
+    assert task.completed == pytest.approx(plan.bytes_in / 4)
+    assert "layer 1/4" in _row(con, bar).split("rounding (gptq)")[1] and " 0 B / " not in _row(con, bar)
+    bar(0, "rounding (gptq): tokenizing the data")  # a phase with no layer count starts empty
+    assert task.completed == 0 and " 0 B / " not in _row(con, bar)
+    shard = next(iter(bar.order))
+    first = bar.order[shard][0]
+    bar(first.bytes_in, shard)
+    assert task.completed == first.bytes_in and f" / {_human(plan.bytes_in)}" in _row(con, bar)
+    assert "layer" not in _row(con, bar)
+
+
+def _human(n: int) -> str:
+    from quantcli.cli.render import human_bytes
+
+    return human_bytes(n)

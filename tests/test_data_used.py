@@ -1,8 +1,8 @@
 """How much of the data a run used, of how much there is. convert's default takes the whole
 calibration file up to 512 samples (it once kept the first 128: a 190-sample file lost a third,
 where llm-compressor uses all of it), and its summary, its --json and the manifest say the
-samples and tokens used of those the data holds; eval's report says the samples it used of the
---data's (its --samples keeps the first 32)."""
+samples and tokens used of those the data holds; eval's report says the samples and tokens it used of
+the --data's (its --samples keeps the first 32, --seq-len cuts each)."""
 
 from __future__ import annotations
 
@@ -86,8 +86,10 @@ def test_eval_says_how_many_samples_of_the_data_it_used(src, tmp_path, run_cli):
     args = ("eval", tmp_path / "q", "--reference", src, "--data", tmp_path / "d64.jsonl", "--device", "cpu")
     code, out, err = run_cli(*args)
     assert code == 0, err
-    assert "32 of 64 samples (the first 32: --samples), 192 tokens" in out
+    assert "32 of 64 samples (the first 32: --samples), 192 of 384 tokens" in out
     doc = validate("eval", run_json(run_cli, *args))
-    assert (doc["samples"], doc["samples_in_data"], doc["tokens"]) == (32, 64, 192)
+    assert (doc["samples"], doc["samples_in_data"], doc["tokens"], doc["tokens_in_data"]) == (32, 64, 192, 384)
     doc = validate("eval", run_json(run_cli, *args, "--samples", "100"))
-    assert (doc["samples"], doc["samples_in_data"]) == (64, 64)
+    assert (doc["samples"], doc["samples_in_data"], doc["tokens"], doc["tokens_in_data"]) == (64, 64, 384, 384)
+    code, out, err = run_cli(*args, "--samples", "100", "--seq-len", "4")  # each sample cut: tokens left out
+    assert code == 0 and "64 of 64 samples, 256 of 384 tokens (at most 4 each)" in out, err

@@ -147,8 +147,9 @@ def test_moe_experts_get_their_routed_tokens_and_the_few_token_fallback_is_named
 
 
 def test_the_progress_names_the_rounding_phase_layer_by_layer(run_cli, env, tmp_path):
-    """Bytes advance only as shards are written: before that the bar's label says which phase and
-    layer the walk is in (-v prints each label as a line, as without a terminal)."""
+    """No byte is written before the shards: until then the bar's label says which phase and layer
+    the walk is in, and the bar fills by that layer (-v prints each label as a line, as without a
+    terminal)."""
     code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--recipe", "nvfp4", "--rounding",
                            "gptq", "--calibration", str(env["data"]), "--device", "cpu", "-v")
     assert code == 0, err

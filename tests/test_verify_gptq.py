@@ -85,6 +85,10 @@ def test_exact_with_data_reruns_gptq_and_reproduces_the_bytes(made, run_cli):
     rows = {t["tensor"]: t for t in doc["tensors"]}
     assert all(rows[m]["exact_identical_fraction"] == 1.0 for m in gptq)
     assert any("reran GPTQ" in n and " s: " in n for n in doc["notes"])  # the text output says how long
+    # quantcli's own error (ours) is round to nearest's, GPTQ modules included: the report says so
+    assert all(rows[m]["baseline_rounding"] == "nearest" for m in gptq)
+    code, out, _ = run_cli("verify", made["dst"], "--reference", made["src"], "--exact", "--calibration", made["data"])
+    assert code == 0 and "(nearest)" in out and "ours (nearest): quantcli's own quantization rounded to nearest" in out
 
 
 def _shard_with(folder: Path, name: str) -> Path:

@@ -3,8 +3,9 @@ rates are binary units (KiB, MiB, GiB) everywhere, as human_bytes prints them, s
 and the summary's rate are the same number.
 
 - ConvertBar: the `convert` callback (bytes done, shard) as a bar that names shard i/N and the
-  tensor being converted; with `verbose`, one stderr line per tensor written (also without a
-  terminal). The bar is transient: the command's one-line summary replaces it.
+  tensor being converted; before the shards, a phase (calibration, GPTQ's rounding) names itself
+  and the bar fills by its layers; with `verbose`, one stderr line per tensor written (also
+  without a terminal). The bar is transient: the command's one-line summary replaces it.
 - counting_bar: a bar over N items (inspect --stats reads one module at a time).
 - PhaseBar: modules done / total of a job in phases (verify: reading, then comparing), naming
   the module in hand; before the first report it pulses with the elapsed time.
@@ -32,12 +33,21 @@ from quantcli.cli.render import human_bytes
 
 class _BytesColumn(ProgressColumn):
     def render(self, task) -> Text:
+        if task.fields.get("layers"):  # a phase before the shards: no byte is written yet, layers are
+            return Text(task.fields["layers"])
         return Text(f"{human_bytes(task.completed)} / {human_bytes(task.total or 0)}")
 
 
 class _RateColumn(ProgressColumn):
     def render(self, task) -> Text:
+        if task.fields.get("layers"):  # the bar's fill is layers then, not bytes: no byte rate to show
+            return Text("-")
         return Text("-" if task.speed is None else f"{human_bytes(task.speed)}/s")
+
+
+# `calibrating: layer 3/32, ...`, `rounding (gptq): layer 0/32, ...` (calibrate/run.py's _LayerProgress
+# and the walk's first report): how far a phase before the shards has come
+_PHASE_LAYER = re.compile(r": layer (\d+)/(\d+)\b")
 
 
 def elide(name: str, room: int) -> str:
@@ -119,14 +129,19 @@ class ConvertBar(_Shown):
                                  TimeRemainingColumn(), console=stderr, transient=True) if show_bar else None
         first = next((ts[0].name for ts in self.order.values() if ts), "")
         start = self._describe(f"shard 1/{len(self.shards)}", first)
-        if plan.options.calibration is not None:  # the data is read and run before any shard
+        # the bar's fill counts a phase's layers (calibration, GPTQ), not bytes: the data is read and
+        # run before any shard
+        self.in_phase = plan.options.calibration is not None
+        if self.in_phase:
             start = "calibrating: reading the data"
-        self.task = self.progress.add_task(start, total=plan.bytes_in) if show_bar else None
+        self.total = plan.bytes_in
+        self.task = self.progress.add_task(start, total=self.total, layers="-" if self.in_phase else "") \
+            if show_bar else None
 
     def __call__(self, n: int, shard: str) -> None:
         if not n and shard not in self.order:  # a phase before the shards (calibration) names itself
             if self.progress is not None:
-                self.progress.update(self.task, description=self._phase(shard))
+                self._show_phase(shard)
             elif self.verbose:
                 self.stderr.print(shard)
             return
@@ -144,7 +159,25 @@ class ConvertBar(_Shown):
                                   f"{human_bytes(t.bytes_in)} -> {human_bytes(t.bytes_out)}")
         if self.progress is not None:
             current = self.left[0].name if self.left else "done"
-            self.progress.update(self.task, advance=n, description=self._describe(where, current))
+            description = self._describe(where, current)
+            if self.in_phase:  # the shards begin: the bar counts bytes from here, its rate and time anew
+                self.in_phase = False
+                self.progress.reset(self.task, total=self.total, completed=n, description=description, layers="")
+            else:
+                self.progress.update(self.task, advance=n, description=description)
+
+    def _show_phase(self, text: str) -> None:
+        """The phase's label; where it names its layer (`layer 3/32`), the bar fills by layers and the
+        bytes column says so: a rounding phase takes most of a GPTQ run, and 0 B read as stuck."""
+        m = _PHASE_LAYER.search(text)
+        done, total = (int(m.group(1)), int(m.group(2))) if m and int(m.group(2)) > 0 else (0, 1)
+        self.in_phase = True  # a phase without a layer count (tokenizing) starts its bar empty: "-"
+        fields = dict(description=self._phase(text), completed=self.total * done / total,
+                      layers=f"layer {done}/{total}" if m else "-")
+        if done == 0:  # a phase starts (GPTQ's after calibration's): its time left from its own pace
+            self.progress.reset(self.task, total=self.total, **fields)
+        else:
+            self.progress.update(self.task, **fields)
 
     def _phase(self, text: str) -> str:
         """A phase's line on one row: cut after its last `, ` part that fits beside the bar and

@@ -94,7 +94,7 @@ def render_eval(report, con: Console, top: int) -> None:
         "none declared (weight-only)"
     con.print(f"  activations emulated: {acts}")
     con.print(f"  KV cache: {report.kv_cache}")
-    con.print(f"  {_samples(report)}, {counted(report.tokens, 'token')} (at most {report.seq_len} "
+    con.print(f"  {_samples(report)}, {_tokens(report)} (at most {report.seq_len} "
               f"each) on {report.device}, {report.seconds:.1f} s")
     for note in report.notes:
         con.print(f"  note: {note}")
@@ -111,6 +111,14 @@ def _samples(report) -> str:
     if held is None:
         return f"the first {counted(n, 'sample')} of the dataset"
     return f"{n} of {counted(held, 'sample')}" + (f" (the first {n}: --samples)" if n < held else "")
+
+
+def _tokens(report) -> str:
+    """`192 tokens`, or where --samples or --seq-len left some out, `192 of 384 tokens`."""
+    held = report.tokens_in_data
+    if held is None or held == report.tokens:
+        return counted(report.tokens, "token", spec=",")
+    return f"{report.tokens:,} of {counted(held, 'token', spec=',')}"
 
 
 def render_eval_brief(report, con: Console) -> None:

@@ -36,7 +36,8 @@ def _rows_table(rows, top: int, con: Console) -> Table:
     for r in rows[:top]:
         exact = r.exact_identical_fraction
         ours = "-" if r.baseline_rel_err is OMITTED else ERROR.format(r.baseline_rel_err) + (
-            "" if r.absmax_rel_err is OMITTED else f" (absmax {ERROR.format(r.absmax_rel_err)})")
+            "" if r.absmax_rel_err is OMITTED else f" (absmax {ERROR.format(r.absmax_rel_err)})") + (
+            "" if r.baseline_rounding is OMITTED else f" ({r.baseline_rounding})")  # a GPTQ module: not GPTQ's figure
         output = ["-" if r.output_rel_err is OMITTED else ERROR.format(r.output_rel_err)] if outputs else []
         cells.append([r.recipe, ERROR.format(r.rel_err), *output, ours, _limit_text(r), f"{r.sqnr_db:.2f}",
                       f"{r.cosine:.6f}", ERROR.format(r.max_abs),
@@ -63,6 +64,9 @@ def render_verify(report, con: Console, top: int) -> None:
         con.print(f"  {status} {c.check}")
     if report.tensors:
         con.print(_rows_table(report.tensors, top, con))
+        if any(r.baseline_rounding is not OMITTED for r in report.tensors[:top]):
+            con.print("ours (nearest): quantcli's own quantization rounded to nearest, for GPTQ modules too; their "
+                      "bytes are held to the GPTQ rerun instead (exact, with --calibration)")
         _layer_bars(report.layers, con)
     _verdict(report, con, con)
 

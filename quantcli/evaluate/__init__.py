@@ -130,7 +130,7 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=No
     scales = quant.calibrated()
     steps = activation_steps(quant.layout, quant.config, quant.modules, scales, quant.label) if scales else {}
     kv, kv_said = _kv(opts, stack, quant, scales)
-    ids, in_data, notes = _samples(opts, ref, quant, stack)
+    ids, in_data, tokens_in_data, notes = _samples(opts, ref, quant, stack)
     mismatch = None if opts.emulating else reference_mismatch(ref, quant, stack)
     if mismatch:
         notes.insert(0, mismatch)
@@ -164,7 +164,7 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=No
         checkpoint=quant.label, reference=ref.source.label, model_kind=stack.kind,
         layout=quant.layout.name if quant.layout else None, recipes=rep.recipes(quant.modules),
         activations=rep.emulated(steps), kv_cache=kv_said, samples=len(ids), samples_in_data=in_data,
-        tokens=sum(len(s) for s in ids),
+        tokens=sum(len(s) for s in ids), tokens_in_data=tokens_in_data,
         seq_len=opts.seq_len, device=str(device), layers=rep.layer_rows(walked, opts.top),
         worst_modules=rep.overall_worst(walked, max(opts.top, 10)), sensitivity=ranked, notes=notes,
         **metrics)
@@ -220,10 +220,11 @@ def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
     return kv, f"FP8 E4M3, the checkpoint's k/v scales ({scales.kv_cache}; {len(kv)} attention layers)"
 
 
-def _samples(opts: EvalOptions, ref, quant, stack) -> tuple[list[list[int]], int | None, list[str]]:
-    """The token ids run, how many samples the data holds (None: a Hub dataset read only as far as
-    --samples) and the notes about them."""
+def _samples(opts: EvalOptions, ref, quant, stack) -> tuple[list[list[int]], int | None, int | None, list[str]]:
+    """The token ids run, how many samples and tokens (uncut) the data holds (None: a Hub dataset
+    read only as far as --samples) and the notes about them."""
     from quantcli.formats.facts import Calibration
+    from quantcli.model.data_used import tokens_held
     from quantcli.model.samples import check_token_ids, data_digest, read_samples, samples_held, token_ids
     from quantcli.model.stack import ENCODER, encoder_positions, text_config
 
@@ -243,4 +244,5 @@ def _samples(opts: EvalOptions, ref, quant, stack) -> tuple[list[list[int]], int
     if recorded.get("data_sha256") and recorded["data_sha256"] == data_digest(cal):
         notes.append(f"--data {opts.data} is the data {quant.label} was calibrated on (its manifest's "
                      f"data_sha256): evaluating on calibration data flatters the result")
-    return ids, samples_held(cal), notes
+    held = samples_held(cal)
+    return ids, held, tokens_held(cal, ref.source.root, held), notes

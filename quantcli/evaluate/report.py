@@ -50,6 +50,7 @@ class EvalReport:
     samples: int
     samples_in_data: int | None  # the data's samples, of which --samples keeps the first; None: a Hub dataset
     tokens: int
+    tokens_in_data: int | None  # those of every sample in the data, uncut (--samples and --seq-len drop the rest)
     seq_len: int
     device: str
     layers: list[LayerError]

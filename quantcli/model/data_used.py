@@ -24,6 +24,10 @@ class DataUsed:
 def data_used(cal: Calibration, source_root: Path) -> DataUsed:
     held = samples_held(cal)
     tokens = sum(map(len, token_ids(cal, source_root)))
+    return DataUsed(held, tokens, tokens_held(cal, source_root, held))
+
+
+def tokens_held(cal: Calibration, source_root: Path, held: int | None) -> int | None:
+    """The tokens of all `held` samples of the data, uncut (None: a Hub dataset, not read to its end)."""
     # tokenized again, uncut, only to count: one more tokenizer pass over the data
-    every = None if held is None else sum(map(len, token_ids(replace(cal, samples=held, seq_len=UNCUT), source_root)))
-    return DataUsed(held, tokens, every)
+    return None if held is None else sum(map(len, token_ids(replace(cal, samples=held, seq_len=UNCUT), source_root)))

@@ -60,6 +60,9 @@ class TensorRow:
     # quantcli's own quantization of the reference (0 where identity is required); computed only where
     # asked for (--exact, --threshold margin=) or needed (a re-quantized module's bound)
     baseline_rel_err: float = OMITTED
+    # "nearest" on a module GPTQ rounded: baseline_rel_err is then round to nearest's error, not GPTQ's
+    # (the GPTQ rerun, --exact --calibration, is compared by bytes: exact_identical_fraction)
+    baseline_rounding: str = OMITTED
     # the module was re-quantized from a quantized source: that recipe, its estimated error, convert's record
     source_recipe: str = OMITTED
     source_baseline_rel_err: float = OMITTED

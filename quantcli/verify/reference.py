@@ -229,6 +229,8 @@ class _Comparison:
         if nonfinite:
             self.found.fault(FINITE, module, nonfinite_fault(nonfinite))
             return None
+        if is_gptq(entry) and row.baseline_rel_err is not OMITTED:
+            row.baseline_rounding = "nearest"  # quantize_like rounds to nearest; the report must not pass it as GPTQ's
         if self.exact and is_gptq(entry):
             reasons += self._rerun_bytes(module, row)
         elif self.exact:
