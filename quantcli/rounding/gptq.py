@@ -106,18 +106,35 @@ def upper_inverse_factor(h: torch.Tensor, dampening: float) -> tuple[torch.Tenso
         d = min(d * 10, MAX_DAMPENING)
 
 
-def gptq_quantize(name: str, w: torch.Tensor, h: torch.Tensor, recipe: Recipe, facts: ModuleFacts,
-                  settings: GptqSettings, backend: str = "auto") -> Outcome:
-    """GPTQ of weight `w` [N, K] (source dtype) with H = X^T X `h` [K, K] (FP64), in `recipe`."""
-    nearest = recipe.quantize(name, w, backend=backend, facts=facts)
+@dataclass(frozen=True)
+class Factor:
+    """H's share of the solve: the loop order, Hinv in it (FP32; None: H did not factorize) and
+    the dampening used. Modules that read one input (q/k/v, gate/up) share one H, hence one Factor."""
+    perm: torch.Tensor | None
+    hinv: torch.Tensor | None
+    dampening: float
+
+
+def factorize(h: torch.Tensor, settings: GptqSettings) -> Factor:
+    """The Factor of H = X^T X `h` [K, K] (FP64) under `settings` (act order, dampening)."""
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if settings.act_order == "static" else None
     hinv, used = upper_inverse_factor(h if perm is None else h[perm][:, perm], settings.dampening)
-    if hinv is None:
+    return Factor(perm, None if hinv is None else hinv.float(), used)
+
+
+def gptq_quantize(name: str, w: torch.Tensor, h: torch.Tensor, recipe: Recipe, facts: ModuleFacts,
+                  settings: GptqSettings, backend: str = "auto", factor: Factor | None = None) -> Outcome:
+    """GPTQ of weight `w` [N, K] (source dtype) with H = X^T X `h` [K, K] (FP64), in `recipe`;
+    `factor`: factorize(h, settings) when the caller already has it (another module's of one H)."""
+    nearest = recipe.quantize(name, w, backend=backend, facts=facts)
+    factor = factorize(h, settings) if factor is None else factor
+    if factor.hinv is None:
         (rtn_error,) = relative_output_errors(w, [recipe.dequantize(nearest, backend=backend)], h)
         return Outcome(nearest, "nearest", rtn_error, rtn_error, None,
-                       f"H is not positive definite even with dampening {used:g}")
-    q = _rounded(w, hinv.float(), perm, recipe, facts, settings, backend)
+                       f"H is not positive definite even with dampening {factor.dampening:g}")
+    q = _rounded(w, factor.hinv, factor.perm, recipe, facts, settings, backend)
     rtn_error, error = relative_output_errors(w, [recipe.dequantize(x, backend=backend) for x in (nearest, q)], h)
+    used = factor.dampening
     if error >= rtn_error and rtn_error > 0:
         return Outcome(nearest, "nearest", rtn_error, rtn_error, used,
                        f"GPTQ's output error {error:.4g} was not below round to nearest's {rtn_error:.4g}")
