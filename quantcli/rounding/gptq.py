@@ -166,7 +166,7 @@ def _columns(W: torch.Tensor, hinv: torch.Tensor, order: torch.Tensor, spans: Sp
     in place: returns, in the weight's own column order, the values each column was rounded
     from and their scales' divisors [N, K], and the stored scales. `fixed`: the scales and
     divisors chosen before the loop, or None to choose each span's when the loop first reaches
-    one of its columns, from its values as updated so far (`_span_scales`)."""
+    one of its columns, from its values as updated so far (`_span_values`)."""
     n, k = W.shape
     at = torch.empty_like(order)
     at[order] = torch.arange(k, device=order.device)  # loop position of each column of the weight
