@@ -10,17 +10,19 @@ For W [N, K] and H = X^T X [K, K] (summed over every calibration token that reac
 2. dampening: H + d * mean(diag H) * I (d = 0.01 as in the GPTQ paper and llm-compressor's
    `dampening_frac`); where the Cholesky factorization fails, d x 10 and again, up to 1.0; if it
    still fails the module is rounded to nearest and the reason recorded;
-3. U = the upper Cholesky factor of H^-1 (FP64, then FP32 as the loop runs);
-4. columns in blocks of 128 (lazy batch updates): column j rounds with the recipe's own quantizer
-   given its scales (rounding/spans.py), err = (w_j - q_j) / U_jj updates the block's remaining
-   columns at once and, at the block's end, every later column (err_block @ U[block, later]);
+3. Hinv = the upper Cholesky factor of H^-1 (the paper's H^-1; FP64, then FP32 as the loop runs);
+4. columns in blocks of 128 (the paper's lazy batch updates): column j rounds to q with the
+   recipe's own quantizer given its scales (rounding/spans.py), err = (w_j - q) / Hinv_jj updates
+   the block's remaining columns at once and, at the block's end, every later column
+   (W[:, later] -= Err @ Hinv[block, later]);
 5. scales: `updated` (the default) chooses a span's scales (a 1 x 16 NVFP4 block, 1 x 32 MX
    block, 1 x 128 INT4 group, 128 x 128 FP8 tile) when the loop first reaches one of its
-   columns, from the span's weights as updated so far (with a pending lazy update applied to
-   those in later blocks), the usual GPTQ practice; `original` chooses every scale from
-   the original weights before the loop (then GPTQ changes only codes: scales equal round to
-   nearest's). Per-tensor and per-row scales are chosen before the loop either way. The NVFP4
-   global scale is always the original weights' (the fused group's, shared as engines require);
+   columns, from the span's weights as updated so far (those in later blocks with the current
+   block's lazy update added, as an eager loop would see them), the usual GPTQ practice;
+   `original` chooses every scale from the original weights before the loop (then GPTQ changes
+   only codes: scales equal round to nearest's). Per-tensor and per-row scales are chosen
+   before the loop either way. The NVFP4 global scale is always the original weights' (the
+   fused group's, shared as engines require);
 6. `act_order = static` (the default, as llm-compressor's): columns in decreasing H_jj order; a
    span's columns stay together on disk whatever the order (no g_idx, which no layout here
    stores). `none` keeps the natural order.
@@ -104,82 +106,96 @@ def upper_inverse_factor(h: torch.Tensor, dampening: float) -> tuple[torch.Tenso
         d = min(d * 10, MAX_DAMPENING)
 
 
-def gptq_quantize(name: str, w: torch.Tensor, h: torch.Tensor, recipe: Recipe, facts: ModuleFacts,
-                  settings: GptqSettings, backend: str = "auto") -> Outcome:
-    """GPTQ of weight `w` [N, K] (source dtype) with H = X^T X `h` [K, K] (FP64), in `recipe`."""
-    nearest = recipe.quantize(name, w, backend=backend, facts=facts)
+@dataclass(frozen=True)
+class Factor:
+    """H's share of the solve: the loop order, Hinv in it (FP32; None: H did not factorize) and
+    the dampening used. Modules that read one input (q/k/v, gate/up) share one H, hence one Factor."""
+    perm: torch.Tensor | None
+    hinv: torch.Tensor | None
+    dampening: float
+
+
+def factorize(h: torch.Tensor, settings: GptqSettings) -> Factor:
+    """The Factor of H = X^T X `h` [K, K] (FP64) under `settings` (act order, dampening)."""
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if settings.act_order == "static" else None
-    up, used = upper_inverse_factor(h if perm is None else h[perm][:, perm], settings.dampening)
-    if up is None:
+    hinv, used = upper_inverse_factor(h if perm is None else h[perm][:, perm], settings.dampening)
+    return Factor(perm, None if hinv is None else hinv.float(), used)
+
+
+def gptq_quantize(name: str, w: torch.Tensor, h: torch.Tensor, recipe: Recipe, facts: ModuleFacts,
+                  settings: GptqSettings, backend: str = "auto", factor: Factor | None = None) -> Outcome:
+    """GPTQ of weight `w` [N, K] (source dtype) with H = X^T X `h` [K, K] (FP64), in `recipe`;
+    `factor`: factorize(h, settings) when the caller already has it (another module's of one H)."""
+    nearest = recipe.quantize(name, w, backend=backend, facts=facts)
+    factor = factorize(h, settings) if factor is None else factor
+    if factor.hinv is None:
         (rtn_error,) = relative_output_errors(w, [recipe.dequantize(nearest, backend=backend)], h)
         return Outcome(nearest, "nearest", rtn_error, rtn_error, None,
-                       f"H is not positive definite even with dampening {used:g}")
-    q = _rounded(w, up.float(), perm, recipe, facts, settings, backend)
+                       f"H is not positive definite even with dampening {factor.dampening:g}")
+    q = _rounded(w, factor.hinv, factor.perm, recipe, facts, settings, backend)
     rtn_error, error = relative_output_errors(w, [recipe.dequantize(x, backend=backend) for x in (nearest, q)], h)
+    used = factor.dampening
     if error >= rtn_error and rtn_error > 0:
         return Outcome(nearest, "nearest", rtn_error, rtn_error, used,
                        f"GPTQ's output error {error:.4g} was not below round to nearest's {rtn_error:.4g}")
     return Outcome(q, "gptq", error, rtn_error, used)
 
 
-def _rounded(w: torch.Tensor, up: torch.Tensor, perm: torch.Tensor | None, recipe: Recipe, facts: ModuleFacts,
+def _rounded(w: torch.Tensor, hinv: torch.Tensor, perm: torch.Tensor | None, recipe: Recipe, facts: ModuleFacts,
              settings: GptqSettings, backend: str) -> QuantizedTensor:
-    """The codes and scales GPTQ writes for `w`, `up` being the factor in loop order (`perm`)."""
+    """The codes and scales GPTQ writes for `w`, `hinv` being the paper's H^-1 (the upper
+    Cholesky factor of the damped inverse) with its columns in loop order (`perm`)."""
     spec = recipe.spec
     n, k = w.shape
     amax = facts.group_amax if facts.group_amax is not None else tensor_amax(w)
     weight = facts.input_channel_ms if spec.scale_search.active else None
     spans = Spans(spec, n, k, w.dtype, amax.to(w.device) if recipe.has_global_scale else None,
                   None if weight is None else weight.to(w.device), backend)
-    wf = w.float()
     order = torch.arange(k, device=w.device) if perm is None else perm
-    divisor = None if spans.chosen_per_span and settings.scales == "updated" else spans.choose_all(wf)
-    src, divisor = _loop(wf[:, order].T.contiguous(), up, order, spans, divisor, settings.block_columns)
-    codes = spans.encode(src, divisor)
-    return QuantizedTensor(recipe.name, (n, k), codes, spans.scale_tensor(), spans.s2, spec.scale_rule)
+    fixed = None if spans.chosen_per_span and settings.scales == "updated" else spans.choose_all(w.float())
+    # columns contiguous in memory (W stored as W^T): a column's update is one row, 10x faster on the CPU
+    cols = w.float()[:, order].T.contiguous().T
+    source, divisor, scales = _columns(cols, hinv, order, spans, fixed, settings.block_columns)
+    codes = spans.encode(source, divisor)
+    return QuantizedTensor(recipe.name, (n, k), codes, scales, spans.global_scale, spec.scale_rule)
 
 
-def _loop(wt: torch.Tensor, up: torch.Tensor, order: torch.Tensor, spans: Spans, divisor: torch.Tensor | None,
-          block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The column loop on `wt` = W^T [K, N] in loop order (`order[c]`: the column of W at loop
-    position c), in place; returns, in W's own order, the value each column was rounded from and
-    the divisors [N, K]. `divisor`: the scales' divisors, or None to choose each span's scales
-    when the loop first reaches one of its columns, from the span's values as updated so far
-    (`_current`). On W^T a column is a contiguous row (10x faster on the CPU than strided)."""
-    k, n = wt.shape
-    src = torch.empty_like(wt)
+def _columns(W: torch.Tensor, hinv: torch.Tensor, order: torch.Tensor, spans: Spans,  # noqa: N803 (the paper's W)
+             fixed: tuple[torch.Tensor, torch.Tensor] | None, block: int):
+    """The paper's Algorithm 1 on W [N, K], whose column j is the weight's column `order[j]`,
+    in place: returns, in the weight's own column order, the values each column was rounded
+    from and their scales' divisors [N, K], and the stored scales. `fixed`: the scales and
+    divisors chosen before the loop, or None to choose each span's when the loop first reaches
+    one of its columns, from its values as updated so far (`_span_values`)."""
+    n, k = W.shape
     at = torch.empty_like(order)
-    at[order] = torch.arange(k, device=order.device)  # loop position of each column of W
-    dt = torch.empty_like(wt) if divisor is None else divisor.T[order].contiguous()  # in loop order
-    chosen: set[int] = set()
-    for b0 in range(0, k, block):
-        b1 = min(b0 + block, k)
-        u = up[b0:b1, b0:b1]
-        errors = torch.empty(b1 - b0, n, dtype=wt.dtype, device=wt.device)
-        for i in range(b1 - b0):
-            c = b0 + i
-            first = int(order[c]) // spans.width * spans.width
-            if divisor is None and first not in chosen:
-                chosen.add(first)
-                where = at[first:first + spans.width]
-                values = _current(wt, where, up, errors[:i], b0, b1)
-                dt[where] = spans.choose(values.T.contiguous(), first).T
-            col = wt[c]
-            src[c] = col
-            e = errors[i]
-            torch.sub(col, spans.round(col, dt[c]), out=e).div_(u[i, i])
-            wt[c:b1].addmm_(u[i, i:, None], e[None], alpha=-1)  # a BLAS call: addr_ is 15x slower
-        wt[b1:].addmm_(up[b0:b1, b1:].T, errors, alpha=-1)
-    return src[at].T, dt[at].T
+    at[order] = torch.arange(k, device=order.device)  # loop position of each column of the weight
+    source = torch.empty_like(W)
+    scales: dict[int, torch.Tensor] = {}  # by the span's first column, as the loop chooses them
+    D = torch.empty_like(W) if fixed is None else fixed[1][:, order].T.contiguous().T  # noqa: N806
+    for i0 in range(0, k, block):
+        i1 = min(i0 + block, k)
+        E = torch.empty(i1 - i0, n, dtype=W.dtype, device=W.device).T  # noqa: N806 (columns contiguous, as W's)
+        for j in range(i0, i1):
+            first = int(order[j]) // spans.width * spans.width
+            if fixed is None and first not in scales:
+                span = at[first:first + spans.width]
+                scales[first], D[:, span] = spans.choose(_span_values(W, span, hinv, E, i0, j, i1), first)
+            source[:, j] = W[:, j]
+            q = spans.round(W[:, j], D[:, j])
+            E[:, j - i0] = (W[:, j] - q) / hinv[j, j]
+            W[:, j:i1].addmm_(E[:, j - i0, None], hinv[None, j, j:i1], alpha=-1)  # a BLAS call: addr_ is 15x slower
+        W[:, i1:].addmm_(E, hinv[i0:i1, i1:], alpha=-1)  # the lazy block update
+    stored = fixed[0] if fixed is not None else Spans.scale_tensor([scales[s] for s in sorted(scales)])
+    return source[:, at], D[:, at], stored
 
 
-def _current(wt: torch.Tensor, where: torch.Tensor, up: torch.Tensor, errors: torch.Tensor, b0: int,
-             b1: int) -> torch.Tensor:
-    """Rows `where` of W^T as updated so far: rows in the current block have every update; rows
-    after it still lack the block's pending one (errors so far @ up[block rows, row])."""
-    values = wt[where]
-    later = where >= b1
-    if bool(later.any()) and errors.shape[0]:
-        rows = where[later]
-        values[later] -= (up[b0:b0 + errors.shape[0], rows].T @ errors)
+def _span_values(W: torch.Tensor, span: torch.Tensor, hinv: torch.Tensor, E: torch.Tensor,  # noqa: N803
+                 i0: int, j: int, i1: int) -> torch.Tensor:
+    """The values [N, width] of the span at loop positions `span` as updated so far by columns
+    before j: those past the current block [i0, i1) still lack its lazy update, added here."""
+    values = W[:, span].contiguous()
+    later = span >= i1
+    if j > i0 and bool(later.any()):
+        values[:, later] -= E[:, :j - i0] @ hinv[i0:j, span[later]]
     return values

@@ -31,40 +31,41 @@ def scales_per_span(spec: QuantSpec) -> bool:
 
 
 class Spans:
-    """The scales of one weight `[N, K]` (source dtype `dtype`), chosen span by span."""
+    """How the scales of one weight `[N, K]` (source dtype `dtype`) are chosen, span by span:
+    configuration only, so that `choose` is a pure function of the values it is given."""
 
     def __init__(self, spec: QuantSpec, n: int, k: int, dtype: torch.dtype, global_amax: torch.Tensor | None,
                  channel_weight: torch.Tensor | None, backend: str):
         self.spec, self.n, self.k, self.dtype = spec, n, k, dtype
         self.global_amax, self.channel_weight, self.backend = global_amax, channel_weight, backend
         self.width = {GROUP: spec.group, BLOCK: FP8_BLOCK}.get(spec.geometry, k)
-        self.stored: dict[int, torch.Tensor] = {}  # per span, by its first column
-        self.s2: torch.Tensor | None = None
+        # the NVFP4 global scale is the original weights' (the fused group's), whatever GPTQ updates
+        self.global_scale = None if global_amax is None else spec.scale.global_scale(global_amax)
 
     @property
     def chosen_per_span(self) -> bool:
         """Whether scales can be chosen as the loop reaches each span (else once, up front)."""
         return scales_per_span(self.spec)
 
-    def choose(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Scales for the span at column `start` from its current values `x` [N, width] (FP32);
-        returns their FP32 divisors, broadcastable to `x`."""
+    def choose(self, block: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored scales of the span at column `start`, chosen from its values `block`
+        [N, width] (FP32), and their FP32 divisors [N, width]."""
         if self.spec.scale.dtype is None:  # scales of the weight's dtype (INT4): as its quantizer sees it
-            x = x.to(self.dtype)
-        weight = None if self.channel_weight is None else self.channel_weight[start:start + x.shape[-1]]
-        r = kernel_quantize(x, self.spec, global_amax=self.global_amax, backend=self.backend, channel_weight=weight)
-        self.stored[start] = r.scale
-        self.s2 = r.global_scale
-        return self.divisor(r.scale, x.shape[-1])
+            block = block.to(self.dtype)
+        weight = None if self.channel_weight is None else self.channel_weight[start:start + block.shape[-1]]
+        r = kernel_quantize(block, self.spec, global_amax=self.global_amax, backend=self.backend,
+                            channel_weight=weight)
+        return r.scale, self.divisor(r.scale, block.shape[-1])
 
-    def choose_all(self, w: torch.Tensor) -> torch.Tensor:
-        """Every span's scales from `w` [N, K] at once (scales from the original weights);
-        returns the divisors [N, K]."""
-        return torch.cat([self.choose(w[:, s:s + self.width], s) for s in range(0, self.k, self.width)], dim=1)
+    def choose_all(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every span's scales chosen from `w` [N, K] (the original weights), as one stored-scale
+        tensor and the divisors [N, K]."""
+        chosen = [self.choose(w[:, s:s + self.width], s) for s in range(0, self.k, self.width)]
+        return self.scale_tensor([s for s, _ in chosen]), torch.cat([d for _, d in chosen], dim=1)
 
     def divisor(self, stored: torch.Tensor, width: int) -> torch.Tensor:
         """[N, width] FP32 divisors of a span's stored scales."""
-        d = self.spec.scale.decode(stored, self.s2)
+        d = self.spec.scale.decode(stored, self.global_scale)
         if self.spec.geometry == BLOCK:  # [N / 128 bands, 1] -> a row each
             d = d.repeat_interleave(FP8_BLOCK, 0)[: self.n]
         elif d.dim() == 1:  # per row
@@ -73,9 +74,10 @@ class Spans:
             d = d.reshape(1, 1)
         return d.expand(self.n, width)
 
-    def scale_tensor(self) -> torch.Tensor:
-        """The stored scales of the whole weight, as the recipe's quantizer returns them."""
-        parts = [self.stored[s] for s in sorted(self.stored)]
+    @staticmethod
+    def scale_tensor(parts: list[torch.Tensor]) -> torch.Tensor:
+        """The stored scales of the whole weight from each span's, in column order, as the
+        recipe's quantizer returns them."""
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def round(self, x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:

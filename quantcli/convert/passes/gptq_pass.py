@@ -13,6 +13,7 @@ of them GPTQ would fit those tokens rather than the module. Non-finite activatio
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import torch
@@ -23,11 +24,16 @@ from quantcli.planning.plan import Plan, TensorPlan
 from quantcli.planning.rounding import GPTQ
 from quantcli.planning.rounding_plan import gptq_reaches
 from quantcli.recipes import QuantizedTensor
-from quantcli.rounding.gptq import gptq_quantize
+from quantcli.rounding.gptq import Factor, GptqSettings, factorize, gptq_quantize
 
 
 class GptqPass:
     name = "gptq"
+
+    def __init__(self):
+        # the last H's Factor: q/k/v (and gate/up) come one after the other with one H object;
+        # H held by a weak reference whose end drops the Factor, so that it goes with the sums
+        self._last: tuple[weakref.ref, GptqSettings, Factor] | None = None
 
     def takes(self, plan: Plan, t: TensorPlan) -> bool:
         return plan.options.rounding.method_for(t.module) == GPTQ and gptq_reaches(plan, t)
@@ -53,13 +59,28 @@ class GptqPass:
             raise QuantcliError(f"{module}: the calibration activations reaching it are not finite (Inf/NaN in "
                                 f"X^T X): the source overflows on this data; check the data or the source's dtype")
         o = gptq_quantize(work.tensor.name, work.weight, work.statistic, work.recipe, work.facts, rounding.gptq,
-                          work.backend)
+                          work.backend, self._factor(work.statistic, rounding.gptq))
         record = {"method": o.method, "tokens": work.tokens, "output_error": o.error,
                   "nearest_output_error": o.nearest_error, "dampening": o.dampening}
         if o.reason is None:
             return Rounded(o.q, record)
         return Rounded(o.q, {**record, "reason": o.reason}, note=f"{module}: rounded to nearest, not GPTQ: {o.reason}")
 
+
+    def _factor(self, h: torch.Tensor, settings: GptqSettings) -> Factor:
+        """H's Factor, computed once for the modules that share `h` (the same bits: the same call)."""
+        last = self._last
+        if last is not None and last[0]() is h and last[1] == settings:
+            return last[2]
+        self._last = None  # the previous Factor goes before the next one is computed (peak memory)
+        factor = factorize(h, settings)
+        self._last = (weakref.ref(h, self._forget), settings, factor)
+        return factor
+
+    def _forget(self, ref: weakref.ref) -> None:
+        """H is gone (the layer's sums with it): its Factor goes too."""
+        if self._last is not None and self._last[0] is ref:
+            self._last = None
 
     def _stack(self, work: ModuleWork) -> Rounded:
         """A 3-D expert stack [E, N, K] (gpt-oss's): each expert rounded as a Linear of its own,
