@@ -18,7 +18,7 @@ import torch
 
 from quantcli.atomic import write_atomic
 from quantcli.calibrate.engine import Stats, collect
-from quantcli.calibrate.scales import scale_facts
+from quantcli.calibrate.scales import needs_walk, scale_facts
 from quantcli.convert.passes.kinds import combined_max
 from quantcli.model.layers import LayerPass, Weights, walk_layers
 from quantcli.model.samples import token_ids
@@ -30,8 +30,9 @@ Facts = dict[str, dict[str, object]]
 
 def calibrate(plan: Plan, tensors, device: torch.device, cache: Path | None = None,
               progress: Callable[[int, str], None] | None = None) -> Facts:
-    """{module: {ModuleFacts field: value}} from running the source over the calibration data."""
-    if plan.options.calibration is None:
+    """{module: {ModuleFacts field: value}} from running the source over the calibration data;
+    {} without running it when the plan writes nothing it learns (needs_walk)."""
+    if not needs_walk(plan):
         return {}
     if cache is not None and cache.is_file():
         return load_facts(cache)

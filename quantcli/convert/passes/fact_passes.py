@@ -66,10 +66,11 @@ def calibrated_scales(reader: ModuleReader, world: World) -> Facts:
     (The walk and its observer, model/layers.py and model/inputs.py, are the ones weight passes
     run on.)"""
     plan, cache = reader.plan, _cache(reader)
-    if plan.options.calibration is None:
-        return {}
     from quantcli.calibrate.run import calibrate, collect_stats, load_facts, merged_stats, save_facts, splits_exactly
-    from quantcli.calibrate.scales import scale_facts
+    from quantcli.calibrate.scales import needs_walk, scale_facts
+
+    if not needs_walk(plan):  # --rounding gptq alone: its weight pass walks the layers itself
+        return {}
 
     if world.size == 1:
         return calibrate(plan, reader.tensors, reader.device, cache, reader.progress)
