@@ -11,7 +11,7 @@ from faults import tree_state
 
 import quantcli.calibrate.engine
 import quantcli.calibrate.run
-import quantcli.calibrate.scales
+import quantcli.convert.passes.fact_passes
 from quantcli.testing import make_llama
 
 pytest.importorskip("transformers")
@@ -63,7 +63,7 @@ def test_skipping_the_calibration_walk_writes_the_same_bytes(run_cli, env, tmp_p
     def every_time(plan):
         return plan.options.calibration is not None
 
-    for module in (quantcli.calibrate.scales, quantcli.calibrate.run):
+    for module in (quantcli.convert.passes.fact_passes, quantcli.calibrate.run):
         monkeypatch.setattr(module, "needs_walk", every_time)
     _convert(run_cli, env, tmp_path / "two")
     assert walks == ["WeightWalk", walks[1], "WeightWalk"] and walks[1] != "WeightWalk"

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
 
 from quantcli.atomic import write_atomic
 from quantcli.calibrate.engine import Stats, collect
@@ -93,8 +95,6 @@ def merged_stats(stats: Stats, share: Callable[[object], list],
 
 def save_facts(path: Path, facts: Facts) -> None:
     """Atomically: a run killed while writing leaves no cache, so --resume calibrates again."""
-    from safetensors.torch import save
-
     tensors = {f"{m}:{k}": v.detach().cpu().contiguous() for m, found in facts.items() for k, v in found.items()
                if isinstance(v, torch.Tensor)}
     notes = {m: found["note"] for m, found in facts.items() if isinstance(found.get("note"), str)}
@@ -102,9 +102,6 @@ def save_facts(path: Path, facts: Facts) -> None:
 
 
 def load_facts(path: Path) -> Facts:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     facts: Facts = {}
     for key, value in load_file(str(path)).items():
         module, _, field = key.rpartition(":")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,8 +41,6 @@ TRANSFORMERS_BYTES = 240 * 2**20
 
 def process_bytes() -> int:
     """PROCESS_BYTES, plus TRANSFORMERS_BYTES where transformers is installed (it is then imported)."""
-    from importlib.util import find_spec
-
     return PROCESS_BYTES + (TRANSFORMERS_BYTES if find_spec("transformers") else 0)
 
 

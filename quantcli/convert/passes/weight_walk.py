@@ -35,6 +35,10 @@ from quantcli.formats.decode import decode_module
 from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.model.inputs import input_hooks
 from quantcli.model.layers import LayerPass, batches, layer_sources, load_layer
+from quantcli.model.samples import token_ids
+
+# calibrate/run.py imports convert/passes/kinds.py: walk_source is imported where the pass runs,
+# which breaks the import cycle (the only import inside a function here).
 
 
 def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, ModuleFacts], world: World) -> StagedWeights:
@@ -46,7 +50,6 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
     if reader.stage is None:
         raise RuntimeError("internal: a weight pass stages its products in the staging folder")
     from quantcli.calibrate.run import walk_source
-    from quantcli.model.samples import token_ids
 
     staged = StagedWeights(reader.stage, wp.name)
     layers = plan.walk.layers
