@@ -117,11 +117,8 @@ class Recipe:
     @property
     def searches(self) -> bool:
         """Whether `mse` scale search applies: block scales with a code to choose (NVFP4, MX).
-        FP8/INT8 F32 scales do not search (the refusal of --scale-search mse with only them): a
-        shrink grid scale * (1 - i/100), i = 0..20, lowered the weight error by only 0-0.15 % (per
-        tensor), 2-3 % (per channel) and 0.7-0.8 % (128 blocks) on Laplace, Student-t and
-        all-MiniLM-L6-v2 weights (scripts/measure_fp8_shrink.py, docs/formats.md). INT4's
-        weight-dtype scales do not search either: they are compressed-tensors' absmax arithmetic."""
+        FP8/INT8 F32 scales do not: a search gained too little to offer (measured in
+        docs/formats.md, "FP8 / INT8 recipes do not search"); INT4's are compressed-tensors' absmax."""
         return self.spec.searchable
 
     def with_scale_search(self, search: str | None) -> "Recipe":

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
 
 from quantcli.atomic import write_atomic
 from quantcli.calibrate.engine import Stats, collect
-from quantcli.calibrate.scales import scale_facts
+from quantcli.calibrate.scales import needs_walk, scale_facts
 from quantcli.convert.passes.kinds import combined_max
 from quantcli.model.layers import LayerPass, Weights, walk_layers
 from quantcli.model.samples import token_ids
@@ -30,8 +32,9 @@ Facts = dict[str, dict[str, object]]
 
 def calibrate(plan: Plan, tensors, device: torch.device, cache: Path | None = None,
               progress: Callable[[int, str], None] | None = None) -> Facts:
-    """{module: {ModuleFacts field: value}} from running the source over the calibration data."""
-    if plan.options.calibration is None:
+    """{module: {ModuleFacts field: value}} from running the source over the calibration data;
+    {} without running it when the plan writes nothing it learns (needs_walk)."""
+    if not needs_walk(plan):
         return {}
     if cache is not None and cache.is_file():
         return load_facts(cache)
@@ -92,8 +95,6 @@ def merged_stats(stats: Stats, share: Callable[[object], list],
 
 def save_facts(path: Path, facts: Facts) -> None:
     """Atomically: a run killed while writing leaves no cache, so --resume calibrates again."""
-    from safetensors.torch import save
-
     tensors = {f"{m}:{k}": v.detach().cpu().contiguous() for m, found in facts.items() for k, v in found.items()
                if isinstance(v, torch.Tensor)}
     notes = {m: found["note"] for m, found in facts.items() if isinstance(found.get("note"), str)}
@@ -101,9 +102,6 @@ def save_facts(path: Path, facts: Facts) -> None:
 
 
 def load_facts(path: Path) -> Facts:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     facts: Facts = {}
     for key, value in load_file(str(path)).items():
         module, _, field = key.rpartition(":")

@@ -18,8 +18,18 @@ def scale_for(amax: float, divisor: float) -> torch.Tensor:
     return torch.tensor((amax if amax > 0 else 1.0) / divisor, dtype=torch.float64).to(torch.float32)
 
 
+def needs_walk(plan: Plan) -> bool:
+    """Whether the plan writes anything the calibration walk learns (scale_facts below: static
+    activation scales, KV-cache scales, an activation-weighted scale search). --rounding gptq alone
+    does not: its weight pass walks the layers itself (convert/passes/weight_walk.py)."""
+    opts = plan.options
+    return opts.calibration is not None and (opts.activations == "static" or opts.kv_cache == "fp8"
+                                             or opts.scale_search == "mse")
+
+
 def scale_facts(plan: Plan, stats: Stats) -> dict[str, dict[str, object]]:
-    """{module: {ModuleFacts field: value}} for the calibrated tensors the plan writes."""
+    """{module: {ModuleFacts field: value}} for the calibrated tensors the plan writes (none
+    unless needs_walk)."""
     out: dict[str, dict[str, object]] = {}
     if plan.options.activations == "static":
         _input_scales(plan, stats, out)

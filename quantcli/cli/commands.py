@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,40 +30,17 @@ from quantcli.reports import envelope, excluded_entries, to_json
 
 # ---------------------------------------------------------------- convert
 
-# The dry run's peak memory: PROCESS_BYTES (Python, torch, quantcli, the plan) plus the largest
-# quantized tensor's working set: its source and output bytes, the FP32 decode of a quantized
-# source, and CHUNK_BYTES_PER_ELEMENT for each chunk (kernels/chunks.py, 1M elements) the CPU
-# threads quantize at once: min(torch threads, the tensor's chunks), one for a single chunk.
-# Measured: peak RSS of `quantcli convert SRC DST --recipe R --device cpu -q` (getrusage of the
-# child; scripts/measure_convert_memory.py; torch 2.13.0+cpu, 2 threads), the most over fp8,
-# fp8-channel, fp8-block, mxfp8, mxfp4, nvfp4, int8-channel and int4, in two sessions whose
-# base differed by ~45 MiB for every checkpoint alike, and this estimate (MiB):
-#   SRC                                    session A  session B  estimate
-#   make_llama hidden 64, 2 shards             326.0      281.6  340.2
-#   make_llama hidden 128, 2 shards            326.5      282.6  340.8
-#   make_llama hidden 256, 2 shards            327.0      283.4  343.3-343.4
-#   make_checkpoint.py --hidden 512            323.8      289.4  353.3-353.5
-#   make_checkpoint.py --hidden 1024           376.4      342.0  393.0-394.1  (A: 512 and 1024
-#   make_checkpoint.py --hidden 2048           390.9      348.6  408.1-412.2  fp8, mx/nvfp4, int4)
-# (the old 256 MiB read 257 where 313 was measured). Each chunk thread past the first added
-# 17-35 MiB on nvfp4 and 4-12 MiB on fp8 (hidden 2048, nvfp4: 341, 361, 397, 463 MiB at 1, 2,
-# 4, 8 threads); 24 bytes an element covers the 2-thread runs and overshoots at 8.
+# The dry run's peak memory: PROCESS_BYTES plus the largest quantized tensor's working set, with
+# CHUNK_BYTES_PER_ELEMENT for each chunk the CPU threads quantize at once; the constants are
+# measured (docs/cli.md, "The dry run's memory estimate").
 PROCESS_BYTES = 340 * 2**20
 CHUNK_BYTES_PER_ELEMENT = 24
-# With transformers installed, planning builds the source's model class on the meta device to
-# learn the names transformers gives its modules (planning/consumer_names.py), which imports
-# transformers.modeling_utils: +176 MiB RSS (measured: 257 -> 451 MiB for the import alone), and
-# peak RSS 494.6-499.5 MiB for make_llama hidden 64 and 256, 515.8-558.8 for --hidden 1024
-# (scripts/measure_convert_memory.py --recipes nvfp4 fp8 int4, same session as above); a later CI
-# run measured more than 340 + 175 MiB for hidden 64 (433.6 MiB here with transformers 5.25), so the
-# allowance covers the spread of the import's cost between runs and versions.
+# Where transformers is installed planning imports it (planning/consumer_names.py): its measured cost.
 TRANSFORMERS_BYTES = 240 * 2**20
 
 
 def process_bytes() -> int:
     """PROCESS_BYTES, plus TRANSFORMERS_BYTES where transformers is installed (it is then imported)."""
-    from importlib.util import find_spec
-
     return PROCESS_BYTES + (TRANSFORMERS_BYTES if find_spec("transformers") else 0)
 
 

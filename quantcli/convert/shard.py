@@ -122,10 +122,10 @@ def _outputs(reader: ModuleReader, t: TensorPlan, facts: ModuleFacts,
              staged: StagedWeights | None) -> tuple[dict, Learned]:
     """What a weight pass staged for `t`, byte for byte (checked against the plan), or else the
     outputs produced here."""
-    made = staged.product(t, reader.plan.layout) if staged is not None else None
-    if made is None:
+    staged_product = staged.product(t, reader.plan.layout) if staged is not None else None
+    if staged_product is None:
         return produce(reader, t, facts)
-    outputs, learned = made
+    outputs, learned = staged_product
     return outputs, Learned(**learned)
 
 

@@ -110,7 +110,7 @@ def share(input_batches: list[torch.Tensor], rank: int, size: int) -> list[torch
     return [b for i, b in enumerate(input_batches) if owner[i] == rank]
 
 
-def _together(world, work: Callable[[], object], to_json: Callable, from_json: Callable, merge: Callable):
+def _merged_over_ranks(world, work: Callable[[], object], to_json: Callable, from_json: Callable, merge: Callable):
     """`work()` on this rank, merged with every other rank's (sent as JSON: nothing unpickled)."""
     if world is None or world.size == 1:
         return work()
@@ -153,7 +153,7 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=No
         return walk(stack, ref, quant, input_batches, device, Emulation(steps, kv, quant.transforms()), finish,
                     progress)
 
-    walked = _together(world, walk_mine, Walked.to_json, lambda doc: Walked.from_json(doc, sums), Walked.merge)
+    walked = _merged_over_ranks(world, walk_mine, Walked.to_json, lambda doc: Walked.from_json(doc, sums), Walked.merge)
     ranked = _sensitivity(opts, stack, (ref, quant), input_batches, device, steps, walked,
                           None if stack.kind == CAUSAL else finish, progress, world)
     if not quant.quantized:
@@ -195,7 +195,7 @@ def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, de
     def merge(parts: list[dict]) -> dict:
         return {m: ScoreSums.merge([p[m] for p in parts]) for m in candidates}
 
-    sums = _together(world, mine, lambda d: {m: [s.error, s.agree, s.count] for m, s in d.items()},
+    sums = _merged_over_ranks(world, mine, lambda d: {m: [s.error, s.agree, s.count] for m, s in d.items()},
                      lambda doc: {m: ScoreSums(*v) for m, v in doc.items()}, merge)
     return rep.sensitivity_rows(candidates, {m: s.score() for m, s in sums.items()})
 

@@ -37,9 +37,9 @@ def learn_facts(reader: ModuleReader, passes: tuple[FactPass, ...] = PASSES,
     world = world or World()
     fields: dict[str, dict[str, object]] = {}
     for run_pass in passes:
-        for module, found in run_pass(reader, world).items():
-            fields.setdefault(module, {}).update(found)
-    return {module: ModuleFacts(**found) for module, found in fields.items()}
+        for module, learned in run_pass(reader, world).items():
+            fields.setdefault(module, {}).update(learned)
+    return {module: ModuleFacts(**values) for module, values in fields.items()}
 
 
 def learn_weights(reader: ModuleReader, facts: dict[str, ModuleFacts], world: World | None = None,
@@ -59,8 +59,8 @@ def learn_weights(reader: ModuleReader, facts: dict[str, ModuleFacts], world: Wo
 
 
 def _check_staged_by(reader: ModuleReader, name: str | None) -> None:
-    found = staged_by(reader.stage)
-    if found is not None and found != name:
+    staged_pass = staged_by(reader.stage)
+    if staged_pass is not None and staged_pass != name:
         now = f"weight pass {name!r}" if name else "no weight pass"
-        raise CheckpointError(f"{reader.stage}: holds layers rounded by weight pass {found!r}, but this run uses "
+        raise CheckpointError(f"{reader.stage}: holds layers rounded by weight pass {staged_pass!r}, but this run uses "
                               f"{now}; rerun with --overwrite to start over")

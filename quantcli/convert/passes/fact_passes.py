@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import torch
 
+from quantcli.calibrate.scales import needs_walk, scale_facts
 from quantcli.convert.passes.kinds import Facts, combined_max
 from quantcli.convert.reading import ModuleReader
 from quantcli.convert.world import World
+from quantcli.kernels import tensor_amax
 from quantcli.planning.plan import TensorPlan
+
+# calibrate/run.py imports convert/passes/kinds.py: it is imported where the calibration pass runs,
+# which breaks the import cycle (the only import inside a function here).
 
 
 def fused_group_amax(reader: ModuleReader, world: World) -> Facts:
@@ -32,8 +37,6 @@ def fused_group_amax(reader: ModuleReader, world: World) -> Facts:
 
 def _partial_group_amax(reader: ModuleReader, groups: dict[str, list[TensorPlan]],
                         shards: set[str]) -> dict[str, float]:
-    from quantcli.kernels import tensor_amax
-
     out: dict[str, float] = {}
     for g, members in groups.items():
         amaxes = []
@@ -66,10 +69,10 @@ def calibrated_scales(reader: ModuleReader, world: World) -> Facts:
     (The walk and its observer, model/layers.py and model/inputs.py, are the ones weight passes
     run on.)"""
     plan, cache = reader.plan, _cache(reader)
-    if plan.options.calibration is None:
+    if not needs_walk(plan):  # --rounding gptq alone: its weight pass walks the layers itself
         return {}
     from quantcli.calibrate.run import calibrate, collect_stats, load_facts, merged_stats, save_facts, splits_exactly
-    from quantcli.calibrate.scales import scale_facts
+
 
     if world.size == 1:
         return calibrate(plan, reader.tensors, reader.device, cache, reader.progress)

@@ -35,6 +35,10 @@ from quantcli.formats.decode import decode_module
 from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.model.inputs import input_hooks
 from quantcli.model.layers import LayerPass, batches, layer_sources, load_layer
+from quantcli.model.samples import token_ids
+
+# calibrate/run.py imports convert/passes/kinds.py: walk_source is imported where the pass runs,
+# which breaks the import cycle (the only import inside a function here).
 
 
 def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, ModuleFacts], world: World) -> StagedWeights:
@@ -46,7 +50,6 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
     if reader.stage is None:
         raise RuntimeError("internal: a weight pass stages its products in the staging folder")
     from quantcli.calibrate.run import walk_source
-    from quantcli.model.samples import token_ids
 
     staged = StagedWeights(reader.stage, wp.name)
     layers = plan.walk.layers
@@ -79,11 +82,11 @@ class WeightWalk(LayerPass):
         self.finished, self.batches = finished, batches
         self.index: dict[str, int] = {}  # layer prefix -> layer index, from the model the walk runs
         plan = reader.plan
-        self.taken = {t.name: t for t in plan.tensors if t.action == "quantize" and wp.takes(plan, t)}
+        self.rounded = {t.name: t for t in plan.tensors if t.action == "quantize" and wp.takes(plan, t)}
         self.sequential = wp.feeds_quantized(plan)
         # Modules of a fused group (q/k/v, gate/up, w1/w3) read the same input: one statistic each
         # group, recorded once per batch (the same tensor reaches every member's hook).
-        self.key = {t.module: t.fused_group or t.module for t in self.taken.values()}
+        self.key = {t.module: t.fused_group or t.module for t in self.rounded.values()}
         self.layer_tensors: list = []
         self.sums: OrderedSum | None = None
         self.statistics: tuple[dict[str, torch.Tensor], dict[str, int]] = ({}, {})
@@ -95,10 +98,10 @@ class WeightWalk(LayerPass):
         i = self.index[prefix]
         if i >= self.finished:
             return None
-        return self._written(i) if self.sequential else self.reader.source_tensor
+        return self._staged_weights(i) if self.sequential else self.reader.source_tensor
 
     def observe(self, layer, prefix: str, names) -> list:
-        self.layer_tensors = [self.taken[n] for n in layer_sources(layer, prefix, names) if n in self.taken]
+        self.layer_tensors = [self.rounded[n] for n in layer_sources(layer, prefix, names) if n in self.rounded]
         modules = {t.module for t in self.layer_tensors}
         stacks = {t.module for t in self.layer_tensors if len(t.logical_shape) == 3}
         sums = self.sums = OrderedSum(self.world, self.batches, keep=self.world.lead)
@@ -132,7 +135,7 @@ class WeightWalk(LayerPass):
         self.world.settle(lambda: self._stage(i) if self.world.lead else None)
         self.statistics = ({}, {})
         if self.sequential:  # else the layer keeps the source's weights: the next inputs are the source's
-            load_layer(layer, prefix, self._written(i), names, self.reader.device)
+            load_layer(layer, prefix, self._staged_weights(i), names, self.reader.device)
 
     def _stage(self, i: int) -> None:
         """The lead: round every module of layer `i` the pass takes, stage the layer's file."""
@@ -149,11 +152,11 @@ class WeightWalk(LayerPass):
                     experts = tuple((sums.get(expert_key(key, e)), rows.get(expert_key(key, e), 0))
                                     for e in range(t.logical_shape[0]))
                     experts = tuple((None if h is None else h.to(reader.device), n) for h, n in experts)
-                q = self.wp.quantize(ModuleWork(t, recipe, reader.weight(t), None if stat is None else
-                                                stat.to(reader.device), rows.get(key, 0), facts, reader.backend,
-                                                plan.options, experts))
-                account = q if isinstance(q, Rounded) else None
-                q = q.q if isinstance(q, Rounded) else q
+                result = self.wp.quantize(ModuleWork(t, recipe, reader.weight(t), None if stat is None else
+                                                     stat.to(reader.device), rows.get(key, 0), facts,
+                                                     reader.backend, plan.options, experts))
+                rounding = result if isinstance(result, Rounded) else None  # how it rounded: record, note
+                q = result.q if rounding is not None else result
                 if q.recipe != t.recipe or tuple(q.shape) != t.logical_shape:
                     raise RuntimeError(f"internal: weight pass {self.wp.name} returned {q.recipe} {list(q.shape)} "
                                        f"for {t.name}, planned as {t.recipe} {list(t.logical_shape)}")
@@ -162,16 +165,16 @@ class WeightWalk(LayerPass):
                               plan.layout, f"weight pass {self.wp.name}")
                 tensors.update(out)
                 products[t.name] = sorted(out)
-                found = learned_of(recipe, q, facts)
-                if account is not None:
-                    found = replace(found, rounding=account.record, note=account.note)
-                learned[t.module] = asdict(found)
+                module_learned = learned_of(recipe, q, facts)
+                if rounding is not None:
+                    module_learned = replace(module_learned, rounding=rounding.record, note=rounding.note)
+                learned[t.module] = asdict(module_learned)
         self.staged.write_layer(i, tensors, products, learned)
 
-    def _written(self, i: int):
+    def _staged_weights(self, i: int):
         """get(name) for loading layer `i`: its staged products decoded, the rest from the source."""
         plan, reader = self.reader.plan, self.reader
-        files, products = self.staged.layer_products(i, self.taken, plan.layout)
+        files, products = self.staged.layer_products(i, self.rounded, plan.layout)
 
         def get(name: str) -> torch.Tensor:
             t = products.get(name)
