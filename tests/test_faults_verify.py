@@ -238,7 +238,22 @@ CORRUPTIONS = {
                             lambda t: _set(t, f"{DOWN}.weight_scale", t[f"{DOWN}.weight_scale"] * 2)),
     "bf16 channel scales shifted": ("ct-fp8-channel", GATE, lambda t: _set(t, f"{GATE}.weight_scale",
                                                                         t[f"{GATE}.weight_scale"].roll(1, 0))),
+    "nvfp4 scales one code high": ("ct-nvfp4", DOWN, lambda t: _scale_codes_up(t, f"{DOWN}.weight_scale")),
+    "16 nvfp4 scales set to 448": ("ct-nvfp4", UP, lambda t: _scales_to_448(t, f"{UP}.weight_scale", 16)),
 }
+
+
+def _scale_codes_up(t, name):
+    """Every E4M3 block scale one code higher (448 stays): each block decodes ~1.07-1.125 x."""
+    codes = t[name].view(torch.uint8)
+    t[name] = torch.where(codes < 0x7E, codes + 1, codes).to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def _scales_to_448(t, name, count):
+    """`count` block scales, spread over the module, set to 448 (a valid E4M3 value)."""
+    s = t[name].float().flatten()
+    s[torch.linspace(0, s.numel() - 1, count).long()] = 448.0
+    t[name] = s.reshape(t[name].shape).to(torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))

@@ -59,6 +59,7 @@ class BlockStats:
     across: torch.Tensor
     clip: torch.Tensor
     hh: float = 0.0  # sum h^2 over the tensor
+    fh2: float = 0.0  # sum (|s| h)^2 over the tensor: the spread of se under unbiased nearest rounding
     max_abs: float = 0.0  # max |decode - source| (not prescaled)
     nonfinite: int = 0  # decoded values that are NaN or Inf
     yard: list[float] = field(default_factory=list)  # sum of squared errors per yardstick (not prescaled)
@@ -205,8 +206,16 @@ def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yard
     h = _max_error(a, scale, spec, _buffer("vd", rows * k, dev).view(rows, k))  # e is no longer needed
     hh = float(torch.dot(h.view(-1), h.view(-1)))
     put["sh"].copy_(_per_block(a.mul_(h), spec, "sum"))
+    fh2 = _sum_squares(a)
     _derived(put, scale, amax, spec.element.max)
-    return {"yard": yard, "max_abs": max_abs, "nonfinite": nonfinite, "hh": hh}
+    return {"yard": yard, "max_abs": max_abs, "nonfinite": nonfinite, "hh": hh, "fh2": fh2}
+
+
+def _sum_squares(t: torch.Tensor) -> float:
+    """sum t^2, in FP64 where FP32 overflows ((|s| h)^2 of prescaled values can pass 2^128)."""
+    flat = t.view(-1)
+    total = float(torch.dot(flat, flat))
+    return total if math.isfinite(total) else float(torch.dot(flat.double(), flat.double()))
 
 
 def _prescale(q: QuantResult, spec: QuantSpec) -> float:
@@ -253,7 +262,7 @@ def block_stats(x: torch.Tensor, q: QuantResult, spec: QuantSpec, yardsticks: tu
                            table[:, starts[i]:starts[i + 1]], prescale)
 
     parts = list(_map(one, list(range(len(work)))))
-    return BlockStats(*table.cpu(), hh=sum(p["hh"] for p in parts),
+    return BlockStats(*table.cpu(), hh=sum(p["hh"] for p in parts), fh2=sum(p["fh2"] for p in parts),
                       max_abs=max((p["max_abs"] for p in parts), default=0.0),
                       nonfinite=sum(p["nonfinite"] for p in parts),
                       yard=[sum(p["yard"][i] for p in parts) for i in range(len(yardsticks))], prescale=prescale)
