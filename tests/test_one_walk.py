@@ -68,3 +68,27 @@ def test_skipping_the_calibration_walk_writes_the_same_bytes(run_cli, env, tmp_p
     _convert(run_cli, env, tmp_path / "two")
     assert walks == ["WeightWalk", walks[1], "WeightWalk"] and walks[1] != "WeightWalk"
     assert tree_state(tmp_path / "one") == tree_state(tmp_path / "two")
+
+
+def _estimate(run_cli, env, tmp_path, *extra) -> dict:
+    code, out, err = run_cli("convert", str(env["llama"]), str(tmp_path / "dry"), "--recipe", "nvfp4",
+                             "--calibration", str(env["data"]), "--device", "cpu", "--dry-run", "--json", *extra)
+    assert code == 0, err
+    return json.loads(out)["calibration_estimate"]
+
+
+def test_the_dry_run_counts_the_forwards_each_walk_runs(run_cli, env, tmp_path):
+    # one forward per layer for the calibration walk, two for GPTQ's (observed, then quantized)
+    calibration = _estimate(run_cli, env, tmp_path, "--activations", "static")
+    gptq = _estimate(run_cli, env, tmp_path, "--rounding", "gptq")
+    both = _estimate(run_cli, env, tmp_path, "--rounding", "gptq", "--activations", "static")
+    solve = gptq["flops"] - 2 * calibration["flops"]
+    assert solve > 0 and both["flops"] == pytest.approx(3 * calibration["flops"] + solve)
+
+
+def test_the_data_is_tokenized_once_per_conversion(run_cli, env, tmp_path, monkeypatch):
+    import quantcli.model.samples as samples
+
+    samples._token_ids.cache_clear()
+    _convert(run_cli, env, tmp_path / "out")
+    assert samples._token_ids.cache_info().misses == 2  # as cut by --calibration-seq-len, and uncut to count

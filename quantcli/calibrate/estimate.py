@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from quantcli.calibrate.scales import needs_walk
 from quantcli.model.buffer import budget_bytes
 from quantcli.model.samples import token_ids
 from quantcli.model.stack import text_config
@@ -62,11 +63,11 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
     # The layer's FP32 weights, plus the source tensor being converted (at most one layer's worth).
     peak = CONSTANT + 2 * 4 * largest + (0 if spilled else activations) + working
     flops = 2.0 * tokens * _active_params(per_layer, config) * layers / max(1, len(per_layer))
-    rounding_bytes = 0
+    forward, flops, rounding_bytes = flops, flops if needs_walk(plan) else 0.0, 0  # the calibration walk
     if plan.options.rounding.data_aware:
         rounding_bytes, rounding_flops = _gptq_cost(plan, tokens)
         peak += rounding_bytes
-        flops = 2 * flops + rounding_flops  # the layer runs twice: observed, then quantized
+        flops += 2 * forward + rounding_flops  # GPTQ's walk runs each layer twice: observed, then quantized
     rate = _matmul_rate(device)
     return CalibrationEstimate(len(ids), tokens, layers, 4 * largest, activations, spilled, peak, flops, rate,
                                START_SECONDS + flops / (rate * EFFICIENCY), rounding_bytes)

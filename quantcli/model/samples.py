@@ -243,7 +243,15 @@ def _hub_samples(cal: Calibration, where: str) -> list:
 
 
 def token_ids(cal: Calibration, source_root: Path) -> list[list[int]]:
-    """Every sample as token ids, at most `cal.seq_len` long."""
+    """Every sample as token ids, at most `cal.seq_len` long. Tokenized once per process and version
+    of the data and of the tokenizer's files: the summary's count, the dry-run estimate and the
+    layer walk each ask for them."""
+    tokenizer_version = tuple(_version(str(Path(source_root) / name)) for name in TOKENIZER_FILES + TOKENIZER_SETTINGS)
+    return [list(s) for s in _token_ids(cal, Path(source_root), _version(cal.data), tokenizer_version)]
+
+
+@functools.lru_cache(maxsize=8)
+def _token_ids(cal: Calibration, source_root: Path, version, tokenizer_version) -> tuple[tuple[int, ...], ...]:
     samples = read_samples(cal)
     tokenizer = None
     out = []
@@ -257,8 +265,8 @@ def token_ids(cal: Calibration, source_root: Path) -> list[list[int]]:
             s = tokenizer(s, add_special_tokens=True, truncation=True, max_length=cal.seq_len,
                           verbose=False)["input_ids"]
         if s:
-            out.append(list(s[: cal.seq_len]))
-    return out
+            out.append(tuple(s[: cal.seq_len]))
+    return tuple(out)
 
 
 def check_tokenizer(samples: list, cal: Calibration, source_root: Path) -> None:
@@ -275,6 +283,7 @@ def check_tokenizer(samples: list, cal: Calibration, source_root: Path) -> None:
 # The files a tokenizer is built from (a fast tokenizer's own file, or a slow one's vocabulary);
 # tokenizer_config.json alone only configures one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt")
+TOKENIZER_SETTINGS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")  # change the ids too
 
 
 def _tokenizer(source_root: Path, cal: Calibration):
