@@ -18,8 +18,32 @@ from typing import Callable, Iterator
 
 import torch
 
+from quantcli.checkpoint.source import open_source
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.convert.device import resolve_device
 from quantcli.convert.world import assign_largest_first
 from quantcli.errors import QuantcliError
+from quantcli.evaluate import report as rep
+from quantcli.evaluate.declared import activation_steps, kv_steps
+from quantcli.evaluate.engine import Emulation, Walked, side_map, walk
+from quantcli.evaluate.metrics import Causal, CausalSums, Encoder, EncoderSums, pooling_config
+from quantcli.evaluate.sensitivity import ScoreSums, walk_sensitivity
+from quantcli.evaluate.sides import RecipeSide, Side, check_same_model, reference_mismatch
+from quantcli.formats.facts import Calibration
+from quantcli.model.data_used import tokens_held
+from quantcli.model.layers import batches
+from quantcli.model.samples import check_token_ids, data_digest, read_samples, samples_held, token_ids
+from quantcli.model.stack import (
+    CAUSAL,
+    ENCODER,
+    attention_path,
+    build_stack,
+    cache_kwarg,
+    encoder_positions,
+    text_config,
+)
+from quantcli.planning.conversion import plan_conversion
+from quantcli.planning.options_file import conversion_options
 
 
 @dataclass
@@ -66,10 +90,6 @@ def evaluate(opts: EvalOptions, progress: Callable[..., None] | None = None, wor
     """The EvalReport of `opts.checkpoint` against `opts.reference` on `opts.data`. `world`: the
     ranks of a split run (quantcli.convert.world.World; None: this process alone), each of which
     walks its share of the batches; every rank returns the whole report."""
-    from quantcli.checkpoint.source import open_source
-    from quantcli.checkpoint.tensors import CheckpointTensors
-    from quantcli.convert.device import resolve_device
-    from quantcli.evaluate.sides import Side, check_same_model
 
     start = time.monotonic()
     with _as_eval():
@@ -90,9 +110,6 @@ def evaluate(opts: EvalOptions, progress: Callable[..., None] | None = None, wor
 
 def _recipe_side(opts: EvalOptions, source, tensors, device: torch.device):
     """`source` with `opts.recipe` applied in memory, planned exactly as convert plans it."""
-    from quantcli.evaluate.sides import RecipeSide
-    from quantcli.planning.conversion import plan_conversion
-    from quantcli.planning.options_file import conversion_options
 
     options = conversion_options(recipe=opts.recipe, layout=opts.layout, ignore=opts.ignore, config=opts.config,
                                  scale_rule=opts.scale_rule, scale_search=opts.scale_search)
@@ -118,13 +135,6 @@ def _merged_over_ranks(world, work: Callable[[], object], to_json: Callable, fro
 
 
 def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=None):
-    from quantcli.evaluate import report as rep
-    from quantcli.evaluate.declared import activation_steps
-    from quantcli.evaluate.engine import Emulation, Walked, walk
-    from quantcli.evaluate.metrics import Causal, CausalSums, Encoder, EncoderSums, pooling_config
-    from quantcli.evaluate.sides import reference_mismatch
-    from quantcli.model.layers import batches
-    from quantcli.model.stack import CAUSAL, build_stack
 
     stack = build_stack(ref.source.config, ref.names, ref.shape, ref.label)
     scales = quant.calibrated()
@@ -174,8 +184,6 @@ def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, de
                  walked, pooled, progress, world=None) -> list:
     """The chosen modules ranked by the model output error with each alone quantized (sensitivity.py);
     every rank chooses the same ones (from the merged walk) and measures them on its batches."""
-    from quantcli.evaluate import report as rep
-    from quantcli.evaluate.sensitivity import ScoreSums, walk_sensitivity
 
     if not opts.sensitivity:
         return []
@@ -201,9 +209,6 @@ def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, de
 
 
 def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
-    from quantcli.evaluate.declared import kv_steps
-    from quantcli.evaluate.engine import side_map
-    from quantcli.model.stack import CAUSAL, attention_path, cache_kwarg
 
     if stack.kind != CAUSAL and opts.kv_cache == "scale-one":
         raise QuantcliError("--kv-cache scale-one: an encoder keeps no KV cache; drop the option")
@@ -223,10 +228,6 @@ def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
 def _samples(opts: EvalOptions, ref, quant, stack) -> tuple[list[list[int]], int | None, int | None, list[str]]:
     """The token ids run, how many samples and tokens (uncut) the data holds (None: a Hub dataset
     read only as far as --samples) and the notes about them."""
-    from quantcli.formats.facts import Calibration
-    from quantcli.model.data_used import tokens_held
-    from quantcli.model.samples import check_token_ids, data_digest, read_samples, samples_held, token_ids
-    from quantcli.model.stack import ENCODER, encoder_positions, text_config
 
     notes, seq_len = [], opts.seq_len
     limit = encoder_positions(text_config(ref.source.config)) if stack.kind == ENCODER else None
