@@ -4,6 +4,7 @@ into the parts of docs/gptq.md's "Where the time goes" table.
 
     python scripts/profile_gptq.py                              # hidden 512, 2 layers, 16 x 128 tokens
     python scripts/profile_gptq.py --hidden 1024 --layers 4 --samples 32
+    python scripts/profile_gptq.py --minilm --samples 190      # all-MiniLM-L6-v2, calibration_sentences.txt
 
 Each part is the cumulative time of the functions named in PARTS, less the parts nested in it,
 so the rows add up to the wall time (cProfile's own overhead is spread over them; the wall time
@@ -26,6 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_calibrate import MAKE  # noqa: E402
+from minilm import model_dir  # noqa: E402
+
+SENTENCES = Path(__file__).parent / "data" / "calibration_sentences.txt"
 
 # (file suffix, function name) -> cumulative seconds, from pstats
 CALLS = {
@@ -69,6 +73,15 @@ def parts(c: dict[str, float], wall: float) -> list[tuple[str, float]]:
     return rows
 
 
+def synthetic(src: Path, data: Path, args) -> None:
+    if not (src / "config.json").exists():
+        subprocess.run([sys.executable, "-c", MAKE, str(src), str(args.hidden), str(args.layers),
+                        str(args.intermediate), str(args.vocab)], check=True)
+    rng = random.Random(0)
+    data.write_text("".join(json.dumps({"input_ids": [rng.randrange(args.vocab) for _ in range(args.seq_len)]})
+                            + "\n" for _ in range(args.samples)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -79,17 +92,16 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--recipe", default="nvfp4")
     ap.add_argument("--keep", help="work folder to keep (default: a temporary one, removed)")
+    ap.add_argument("--minilm", action="store_true", help="all-MiniLM-L6-v2 on calibration_sentences.txt instead")
     args = ap.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="profile_gptq_"))
     root.mkdir(parents=True, exist_ok=True)
     src, dst, data = root / "src", root / "dst", root / "ids.jsonl"
     try:
-        if not (src / "config.json").exists():
-            subprocess.run([sys.executable, "-c", MAKE, str(src), str(args.hidden), str(args.layers),
-                            str(args.intermediate), str(args.vocab)], check=True)
-        rng = random.Random(0)
-        data.write_text("".join(json.dumps({"input_ids": [rng.randrange(args.vocab) for _ in range(args.seq_len)]})
-                                + "\n" for _ in range(args.samples)))
+        if args.minilm:
+            src, data = model_dir(None), SENTENCES
+        else:
+            synthetic(src, data, args)
         argv = ["convert", str(src), str(dst), "--recipe", args.recipe, "--device", "cpu", "--quiet", "--rounding",
                 "gptq", "--calibration", str(data), "--calibration-samples", str(args.samples),
                 "--calibration-seq-len", str(args.seq_len)]
@@ -108,8 +120,9 @@ def main() -> None:
             if e.code:
                 raise
         wall = time.perf_counter() - t
-        print(f"model: Llama hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, vocab "
-              f"{args.vocab}, recipe {args.recipe}; data: {args.samples} samples x {args.seq_len} tokens; CPU")
+        model = ("all-MiniLM-L6-v2" if args.minilm else f"Llama hidden {args.hidden}, intermediate "
+                 f"{args.intermediate}, {args.layers} layers, vocab {args.vocab}")
+        print(f"model: {model}, recipe {args.recipe}; data: {args.samples} samples x {args.seq_len} tokens; CPU")
         print(f"wall: {plain_wall:.1f} s unprofiled, {wall:.1f} s under cProfile\n")
         print("| part | seconds | share |\n|---|---|---|")
         for label, secs in parts(cumulative(pstats.Stats(prof)), wall):

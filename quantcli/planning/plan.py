@@ -22,7 +22,7 @@ from quantcli.formats import patterns
 from quantcli.formats.experts import every_layers_experts, experts_module
 from quantcli.formats.facts import Calibration
 from quantcli.formats.fused import fused_group_of
-from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, module_of
+from quantcli.formats.layouts import DEFAULT_LAYOUT, Layout, get_layout, layouts_for, layouts_holding, module_of
 from quantcli.formats.module_kinds import default_exclusion, is_dense_linear
 from quantcli.formats.transformers_view import TransformersView
 from quantcli.planning import consumer_names
@@ -264,8 +264,7 @@ class _Planned:
 
 
 def _layout_and_recipes(opts: Options) -> tuple[Layout, dict[str, Recipe]]:
-    """The target layout and every recipe the options use (the default and the overrides'),
-    each checked against the layout; option mistakes are refused here, before any tensor."""
+    """The layout and every recipe the options use, checked against it (and their mix): before any tensor."""
     if opts.recipe not in RECIPES:
         get_recipe(opts.recipe)  # raises the registry's error listing the names
     for p in opts.ignore:
@@ -281,6 +280,7 @@ def _layout_and_recipes(opts: Options) -> tuple[Layout, dict[str, Recipe]]:
         layout.require_static(name, opts.activations == "static", layouts_for(name))
         recipes[name] = layout.recipe_for(name, opts.scale_rule if get_recipe(name).scale_rules else None
                                           ).with_scale_search(opts.scale_search)
+    layout.require_mix(used, layouts_holding(used))  # not at finalize, after every shard
     if opts.scale_rule and not any(r.scale_rules for r in recipes.values()):
         raise QuantcliError(f"--scale-rule {opts.scale_rule}: only MX recipes (mxfp8, mxfp4) take a scale rule")
     if opts.scale_search != "none" and not any(r.searches for r in recipes.values()):

@@ -18,7 +18,8 @@ LAYOUTS: dict[str, Layout] = {
 # "Layouts: how it is named on disk").
 DEFAULT_LAYOUT = {name: recipe.default_layout for name, recipe in RECIPES.items()}
 
-__all__ = ["DEFAULT_LAYOUT", "DiskTensor", "LAYOUTS", "Layout", "get_layout", "layouts_for", "module_of"]
+__all__ = ["DEFAULT_LAYOUT", "DiskTensor", "LAYOUTS", "Layout", "get_layout", "layouts_for", "layouts_holding",
+           "module_of"]
 
 
 def get_layout(name: str) -> Layout:
@@ -30,6 +31,12 @@ def get_layout(name: str) -> Layout:
 
 def layouts_for(recipe: str) -> list[str]:
     return [name for name, layout in LAYOUTS.items() if layout.supports(recipe)]
+
+
+def layouts_holding(recipes: set[str]) -> list[str]:
+    """The layouts that hold every recipe of `recipes` and the mix of them in one checkpoint."""
+    return [name for name, layout in LAYOUTS.items()
+            if all(layout.supports(r) for r in recipes) and layout.mix_problem(recipes) is None]
 
 
 def layout_for(recipe: str, requested: str | None) -> Layout:

@@ -135,6 +135,18 @@ class Layout:
                 f"--layout {self.name} cannot hold recipe {recipe} (no engine loads that pair); "
                 f"layouts that do: {', '.join(layouts_that_do) or 'none'}")
 
+    def mix_problem(self, recipes: set[str]) -> str | None:
+        """Why this layout cannot hold a checkpoint whose modules use all of `recipes` (several:
+        `[[override]]` mixes), or None. One recipe per checkpoint unless the layout says more."""
+        return None if len(recipes) <= 1 else "one recipe per checkpoint"
+
+    def require_mix(self, recipes: set[str], layouts_that_can: list[str]) -> None:
+        problem = self.mix_problem(recipes)
+        if problem is not None:
+            raise LayoutError(
+                f"--layout {self.name} cannot hold the mix {', '.join(sorted(recipes))} ({problem}); layouts that "
+                f"can: {', '.join(layouts_that_can) or 'none'}")
+
     def require_static(self, recipe: str, static: bool, layouts_that_do: list[str]) -> None:
         if recipe in self.needs_static and not static:
             others = [n for n in layouts_that_do if n != self.name]

@@ -97,6 +97,9 @@ class CompressedTensorsLayout(Layout):
     default_scale_rule = "even"
     exclusion_key = "ignore"
 
+    def mix_problem(self, recipes: set[str]) -> str | None:
+        return None  # one config group per recipe (format mixed-precision when the formats differ)
+
     def config_problems(self, config: Mapping, extra_files: Mapping[str, Mapping]) -> list[str]:
         qc = config.get("quantization_config") or {}
         return [f"compressed-tensors quantization_config lacks {key!r}" for key in ("config_groups", "format")
