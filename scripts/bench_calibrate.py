@@ -49,6 +49,17 @@ print(rc, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).
 """
 
 
+def make_synthetic(src: Path, data: Path, args, layers: int | None = None) -> None:
+    """A random Llama (args.hidden, args.intermediate, args.vocab; `layers` or args.layers) at `src`,
+    unless one is there, and args.samples random samples of args.seq_len token ids at `data`."""
+    if not (src / "config.json").exists():
+        subprocess.run([sys.executable, "-c", MAKE, str(src), str(args.hidden), str(layers or args.layers),
+                        str(args.intermediate), str(args.vocab)], check=True)
+    rng = random.Random(0)
+    data.write_text("".join(json.dumps({"input_ids": [rng.randrange(args.vocab) for _ in range(args.seq_len)]})
+                            + "\n" for _ in range(args.samples)))
+
+
 def measured(cmd: list[str]) -> tuple[float, int]:
     """(seconds, peak RSS bytes) of `cmd` run alone in a fresh process."""
     out = subprocess.run([sys.executable, "-c", MEASURE, *cmd], check=True, capture_output=True, text=True).stdout
@@ -77,12 +88,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     src, dst, data = root / "src", root / "dst", root / "ids.jsonl"
     try:
-        if not (src / "config.json").exists():
-            subprocess.run([sys.executable, "-c", MAKE, str(src), str(args.hidden), str(args.layers),
-                            str(args.intermediate), str(args.vocab)], check=True)
-        rng = random.Random(0)
-        data.write_text("".join(json.dumps({"input_ids": [rng.randrange(args.vocab) for _ in range(args.seq_len)]})
-                                + "\n" for _ in range(args.samples)))
+        make_synthetic(src, data, args)
         size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         shutil.rmtree(dst, ignore_errors=True)
         cal_s, cal_rss = measured([sys.executable, "-m", "quantcli", "convert", str(src), str(dst), "--recipe",

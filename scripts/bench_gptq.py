@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_calibrate import MAKE, gib, measured  # noqa: E402
+from bench_calibrate import gib, make_synthetic, measured  # noqa: E402
 
 # Llama-3 shapes (hidden, intermediate, layers, attention heads, KV heads) for the projection.
 PROJECTED = {"Llama-3-8B": (4096, 14336, 32, 32, 8), "Llama-3-70B": (8192, 28672, 80, 64, 8)}
@@ -35,12 +34,7 @@ def convert(src: Path, dst: Path, data: Path, args, *extra: str) -> list[str]:
 
 def depth(root: Path, layers: int, args) -> dict:
     src, dst, data = root / f"src-{layers}", root / "dst", root / "ids.jsonl"
-    if not (src / "config.json").exists():
-        subprocess.run([sys.executable, "-c", MAKE, str(src), str(args.hidden), str(layers), str(args.intermediate),
-                        str(args.vocab)], check=True)
-    rng = random.Random(0)
-    data.write_text("".join(json.dumps({"input_ids": [rng.randrange(args.vocab) for _ in range(args.seq_len)]}) + "\n"
-                            for _ in range(args.samples)))
+    make_synthetic(src, data, args, layers)
     out = {}
     for job, extra in (("plain", ()), ("calibration", ("--activations", "static")),
                        ("gptq", ("--rounding", "gptq"))):

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
-import random
 import shutil
 import subprocess
 import sys
@@ -26,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_calibrate import MAKE  # noqa: E402
+from bench_calibrate import make_synthetic  # noqa: E402
 from minilm import model_dir  # noqa: E402
 
 SENTENCES = Path(__file__).parent / "data" / "calibration_sentences.txt"
@@ -73,15 +71,6 @@ def parts(c: dict[str, float], wall: float) -> list[tuple[str, float]]:
     return rows
 
 
-def synthetic(src: Path, data: Path, args) -> None:
-    if not (src / "config.json").exists():
-        subprocess.run([sys.executable, "-c", MAKE, str(src), str(args.hidden), str(args.layers),
-                        str(args.intermediate), str(args.vocab)], check=True)
-    rng = random.Random(0)
-    data.write_text("".join(json.dumps({"input_ids": [rng.randrange(args.vocab) for _ in range(args.seq_len)]})
-                            + "\n" for _ in range(args.samples)))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -101,7 +90,7 @@ def main() -> None:
         if args.minilm:
             src, data = model_dir(None), SENTENCES
         else:
-            synthetic(src, data, args)
+            make_synthetic(src, data, args)
         argv = ["convert", str(src), str(dst), "--recipe", args.recipe, "--device", "cpu", "--quiet", "--rounding",
                 "gptq", "--calibration", str(data), "--calibration-samples", str(args.samples),
                 "--calibration-seq-len", str(args.seq_len)]

@@ -86,7 +86,7 @@ def test_the_dry_run_counts_the_forwards_each_walk_runs(run_cli, env, tmp_path):
     assert solve > 0 and both["flops"] == pytest.approx(3 * calibration["flops"] + solve)
 
 
-def test_the_data_is_tokenized_once_per_conversion(run_cli, env, tmp_path, monkeypatch):
+def test_the_data_is_tokenized_once_per_conversion(run_cli, env, tmp_path):
     import quantcli.model.samples as samples
 
     samples._token_ids.cache_clear()

@@ -63,7 +63,9 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
     # The layer's FP32 weights, plus the source tensor being converted (at most one layer's worth).
     peak = CONSTANT + 2 * 4 * largest + (0 if spilled else activations) + working
     flops = 2.0 * tokens * _active_params(per_layer, config) * layers / max(1, len(per_layer))
-    forward, flops, rounding_bytes = flops, flops if needs_walk(plan) else 0.0, 0  # the calibration walk
+    forward = flops
+    flops = forward if needs_walk(plan) else 0.0  # the calibration walk, when it runs
+    rounding_bytes = 0
     if plan.options.rounding.data_aware:
         rounding_bytes, rounding_flops = _gptq_cost(plan, tokens)
         peak += rounding_bytes

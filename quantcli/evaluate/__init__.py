@@ -90,7 +90,6 @@ def evaluate(opts: EvalOptions, progress: Callable[..., None] | None = None, wor
     """The EvalReport of `opts.checkpoint` against `opts.reference` on `opts.data`. `world`: the
     ranks of a split run (quantcli.convert.world.World; None: this process alone), each of which
     walks its share of the batches; every rank returns the whole report."""
-
     start = time.monotonic()
     with _as_eval():
         device = resolve_device(opts.device)
@@ -110,7 +109,6 @@ def evaluate(opts: EvalOptions, progress: Callable[..., None] | None = None, wor
 
 def _recipe_side(opts: EvalOptions, source, tensors, device: torch.device):
     """`source` with `opts.recipe` applied in memory, planned exactly as convert plans it."""
-
     options = conversion_options(recipe=opts.recipe, layout=opts.layout, ignore=opts.ignore, config=opts.config,
                                  scale_rule=opts.scale_rule, scale_search=opts.scale_search)
     plan = plan_conversion(source, options)
@@ -135,7 +133,6 @@ def _merged_over_ranks(world, work: Callable[[], object], to_json: Callable, fro
 
 
 def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=None):
-
     stack = build_stack(ref.source.config, ref.names, ref.shape, ref.label)
     scales = quant.calibrated()
     steps = activation_steps(quant.layout, quant.config, quant.modules, scales, quant.label) if scales else {}
@@ -184,7 +181,6 @@ def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, de
                  walked, pooled, progress, world=None) -> list:
     """The chosen modules ranked by the model output error with each alone quantized (sensitivity.py);
     every rank chooses the same ones (from the merged walk) and measures them on its batches."""
-
     if not opts.sensitivity:
         return []
     candidates = rep.sensitivity_candidates(walked, opts.sensitivity)
@@ -209,7 +205,6 @@ def _sensitivity(opts: EvalOptions, stack, sides: tuple, input_batches: list, de
 
 
 def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
-
     if stack.kind != CAUSAL and opts.kv_cache == "scale-one":
         raise QuantcliError("--kv-cache scale-one: an encoder keeps no KV cache; drop the option")
     names = side_map(stack, quant)
@@ -228,7 +223,6 @@ def _kv(opts: EvalOptions, stack, quant, scales) -> tuple[dict, str]:
 def _samples(opts: EvalOptions, ref, quant, stack) -> tuple[list[list[int]], int | None, int | None, list[str]]:
     """The token ids run, how many samples and tokens (uncut) the data holds (None: a Hub dataset
     read only as far as --samples) and the notes about them."""
-
     notes, seq_len = [], opts.seq_len
     limit = encoder_positions(text_config(ref.source.config)) if stack.kind == ENCODER else None
     if limit is not None and seq_len > limit:
