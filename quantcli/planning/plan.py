@@ -227,6 +227,8 @@ def make_plan(source: Source, opts: Options) -> Plan:
     one_precision_per_fused_group(found.tensors, lambda m, why: found.exclusions.append(Exclusion(m, why)),
                                   found.warnings, {e.module: e.reason for e in found.exclusions})
     tensors = drop_single_member_groups(found.tensors)
+    mix = {t.recipe for t in tensors if t.quantized}  # what modules get: an override matching nothing adds nothing
+    layout.require_mix(mix, layouts_holding(mix))  # from headers alone, not at finalize after every shard
     errors: list[str] = []
     _check_collisions(tensors, errors)
     _check_whole_expert_layers(tensors, found.exclusions, errors)
@@ -280,7 +282,6 @@ def _layout_and_recipes(opts: Options) -> tuple[Layout, dict[str, Recipe]]:
         layout.require_static(name, opts.activations == "static", layouts_for(name))
         recipes[name] = layout.recipe_for(name, opts.scale_rule if get_recipe(name).scale_rules else None
                                           ).with_scale_search(opts.scale_search)
-    layout.require_mix(used, layouts_holding(used))  # not at finalize, after every shard
     if opts.scale_rule and not any(r.scale_rules for r in recipes.values()):
         raise QuantcliError(f"--scale-rule {opts.scale_rule}: only MX recipes (mxfp8, mxfp4) take a scale rule")
     if opts.scale_search != "none" and not any(r.searches for r in recipes.values()):
