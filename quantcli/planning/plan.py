@@ -196,10 +196,6 @@ def matches(pattern: str, module: str) -> bool:
     return patterns.matches(pattern, module) or patterns.matches(pattern, module + ".weight")
 
 
-def _validate_pattern(pattern: str, option: str) -> None:
-    patterns.validate(pattern, option)
-
-
 def output_specs(layout: Layout, module: str, recipe: Recipe, shape: tuple[int, ...],
                  weight_dtype: torch.dtype) -> tuple[OutSpec, ...]:
     """Names, dtypes and shapes the layout will write for a `shape` weight quantized in
@@ -270,9 +266,9 @@ def _layout_and_recipes(opts: Options) -> tuple[Layout, dict[str, Recipe]]:
     if opts.recipe not in RECIPES:
         get_recipe(opts.recipe)  # raises the registry's error listing the names
     for p in opts.ignore:
-        _validate_pattern(p, "--ignore")
+        patterns.validate(p, "--ignore")
     for p in opts.targets:
-        _validate_pattern(p, "targets")
+        patterns.validate(p, "targets")
     layout = get_layout(opts.layout or DEFAULT_LAYOUT[opts.recipe])
     used = {opts.recipe} | {r for _, r in opts.overrides}
     recipes: dict[str, Recipe] = {}
