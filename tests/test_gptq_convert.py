@@ -270,8 +270,9 @@ def test_gptq_scales_is_refused_where_every_rounded_module_has_per_tensor_or_per
     assert code == 2 and 'gptq_scales = "original" in --config: changes nothing for' in err, err
     code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--recipe", recipe, *gptq)
     assert code == 0, err
+    # the MLPs' 128 x 128 blocks: the choice matters there
     cfg.write_text(f'recipe = "{recipe}"\nlayout = "compressed-tensors"\ngptq_scales = "original"\n'
-                   f'[[override]]\npattern = "*mlp*"\nrecipe = "fp8-block"\n')  # the MLPs' 128 x 128 blocks: the choice matters there
+                   f'[[override]]\npattern = "*mlp*"\nrecipe = "fp8-block"\n')
     code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "out"), "--config", str(cfg), *gptq)
     assert code == 0, err
     assert not (tmp_path / "out").exists()

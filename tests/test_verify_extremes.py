@@ -13,6 +13,7 @@ run verify as a separate process: a crash fails the test, not the run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -134,3 +135,23 @@ SLOW_CASES = [(r, torch.float32, "max") for r in ("fp8-block", "mxfp8", "mxfp4",
 @pytest.mark.parametrize("recipe, dtype, kind", SLOW_CASES, ids=lambda v: str(v).removeprefix("torch."))
 def test_verify_of_extreme_sources_exits_cleanly(tmp_path, recipe, dtype, kind):
     _convert_and_verify(tmp_path, dtype, kind, recipe)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-channel", "fp8-block", "mxfp8", "mxfp4"])
+def test_a_wrong_small_block_beside_fp32_max_is_caught(recipe):
+    """A value near FP32 max once put the whole tensor's sums through a 2^-80 prescale, which
+    flushed every ordinary block's squares to zero: those blocks went unjudged and a scale doubled
+    there passed. Such a tensor's sums are now taken in FP64."""
+    r = get_recipe(recipe)
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    w[0, 0] = torch.finfo(torch.float32).max
+    q = quantize(w, r.spec)
+    st = block_stats(w, q, r.spec)
+    assert int((st.ss == 0).sum()) == 0 and not judge(st, r, tuple(w.shape)).reasons
+    scale = q.scale.clone()
+    if scale.dtype == torch.uint8:  # E8M0: one exponent up doubles the block
+        scale.view(-1)[-1] += 1
+    else:
+        scale.view(-1)[-1] *= 2
+    verdict = judge(block_stats(w, dataclasses.replace(q, scale=scale), r.spec), r, tuple(w.shape))
+    assert any("1 of" in reason and "their scales are wrong" in reason for reason in verdict.reasons), verdict.reasons

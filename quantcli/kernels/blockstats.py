@@ -45,8 +45,8 @@ class Yardstick:
 
 @dataclass
 class BlockStats:
-    """Per judging block, in the scale tensor's order (FP32; sum them in FP64), of the source and
-    the error both times `prescale` (a power of two that keeps squares of huge values finite)."""
+    """Per judging block, in the scale tensor's order (FP32, or FP64 for values past 2^PRESCALE_TOP;
+    sum them in FP64), of the source and the error."""
 
     ss: torch.Tensor
     se: torch.Tensor
@@ -60,10 +60,9 @@ class BlockStats:
     clip: torch.Tensor
     hh: float = 0.0  # sum h^2 over the tensor
     fh2: float = 0.0  # sum (|s| h)^2 over the tensor: the spread of se under unbiased nearest rounding
-    max_abs: float = 0.0  # max |decode - source| (not prescaled)
+    max_abs: float = 0.0  # max |decode - source|
     nonfinite: int = 0  # decoded values that are NaN or Inf
-    yard: list[float] = field(default_factory=list)  # sum of squared errors per yardstick (not prescaled)
-    prescale: float = 1.0
+    yard: list[float] = field(default_factory=list)  # sum of squared errors per yardstick
 
     @property
     def blocks(self) -> int:
@@ -84,10 +83,10 @@ def _per_block(t: torch.Tensor, spec: QuantSpec, reduce: str) -> torch.Tensor:
     rows, k = t.shape
     if spec.geometry == GROUP:
         if reduce == "sum":
-            return torch.mv(t.view(-1, spec.group), _ones(spec.group, t.device))
+            return torch.mv(t.view(-1, spec.group), _ones(spec.group, t.device, t.dtype))
         return F.max_pool1d(t.unsqueeze(1), spec.group).reshape(-1)
     if spec.geometry != BLOCK:
-        return torch.mv(t, _ones(k, t.device)) if reduce == "sum" else t.amax(-1)
+        return torch.mv(t, _ones(k, t.device, t.dtype)) if reduce == "sum" else t.amax(-1)
     nb, kb = -(-rows // FP8_BLOCK), -(-k // FP8_BLOCK)
     if rows % FP8_BLOCK or k % FP8_BLOCK:  # a ragged edge: zeros pad it (neither sum nor |max| moves)
         t = F.pad(t, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - rows))
@@ -96,8 +95,8 @@ def _per_block(t: torch.Tensor, spec: QuantSpec, reduce: str) -> torch.Tensor:
 
 
 @functools.cache
-def _ones(n: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(n, dtype=torch.float32, device=device)
+def _ones(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.ones(n, dtype=dtype, device=device)
 
 
 # element -> (smallest, largest) FP32 exponent field whose binade sets the grid step, and how many
@@ -165,7 +164,7 @@ def _yard_error(y: Yardstick, x: torch.Tensor, f: torch.Tensor, band: Band, shap
 
 
 ROWS = ("ss", "se", "ee", "sh", "along", "across", "clip")  # the table's rows
-# Values are prescaled below 2^48: their squares summed over a band (2^20 elements) stay finite in FP32.
+# Values below 2^48 have their squares summed over a band (2^20 elements) finite in FP32.
 PRESCALE_TOP = 48
 
 
@@ -177,12 +176,13 @@ def _derived(put: dict, scale: torch.Tensor, amax: torch.Tensor, top: float) -> 
     torch.mul(gain.abs().sub_(put["sh"] * inv).clamp_min_(0), ss.sqrt(), out=put["along"])
     torch.sub(put["ee"], se * gain, out=put["across"]).clamp_min_(0).sqrt_()
     limit = scale * top
-    torch.where(limit > 0, amax / limit, torch.zeros_like(limit), out=put["clip"])
+    put["clip"].copy_(torch.where(limit > 0, amax / limit, torch.zeros_like(limit)))
 
 
 def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yardsticks, shape,
-                table: torch.Tensor, prescale: float) -> dict:
-    """Fill `table` [len(ROWS), this band's blocks]; returns the band's scalars."""
+                table: torch.Tensor) -> dict:
+    """Fill `table` [len(ROWS), this band's blocks]; returns the band's scalars. The products and
+    sums are in the table's dtype: FP64 for a tensor whose values reach past 2^PRESCALE_TOP."""
     rows, k = x.shape
     dev = x.device
     f = _buffer("vf", rows * k, dev).view(rows, k).copy_(x)
@@ -192,18 +192,17 @@ def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yard
     nonfinite = 0 if math.isfinite(max_abs) else int((~torch.isfinite(e)).sum())
     yard = [_yard_error(y, x, f, band, shape) for y in yardsticks]
     scale = _block_scale(band, global_scale, spec, rows)
-    if prescale != 1.0:  # exact: a power of two
-        f.mul_(prescale)  # f and e are this band's own buffers
-        e.mul_(prescale)
-        scale = scale * prescale  # out of place: the scale may be a view of the mapped checkpoint, or expanded
-    p = _buffer("vp", rows * k, dev).view(rows, k)
     put = dict(zip(ROWS, table))
-    put["ee"].copy_(_per_block(torch.mul(e, e, out=p), spec, "sum"))
-    put["se"].copy_(_per_block(torch.mul(f, e, out=p), spec, "sum"))
-    put["ss"].copy_(_per_block(torch.mul(f, f, out=p), spec, "sum"))
-    a = torch.abs(f, out=p)
+    wide = table.dtype == torch.float64  # squares of values near FP32 max stay finite, those of small ones nonzero
+    f32 = f
+    f, e, p = (f.double(), e.double(), None) if wide else (f, e, _buffer("vp", rows * k, dev).view(rows, k))
+    put["ee"].copy_(_per_block(torch.mul(e, e, out=p) if p is not None else e * e, spec, "sum"))
+    put["se"].copy_(_per_block(torch.mul(f, e, out=p) if p is not None else f * e, spec, "sum"))
+    put["ss"].copy_(_per_block(torch.mul(f, f, out=p) if p is not None else f * f, spec, "sum"))
+    a = torch.abs(f32, out=p) if p is not None else f32.abs()
     amax = _per_block(a, spec, "amax")
     h = _max_error(a, scale, spec, _buffer("vd", rows * k, dev).view(rows, k))  # e is no longer needed
+    h, a = (h.double(), a.double()) if wide else (h, a)
     hh = float(torch.dot(h.view(-1), h.view(-1)))
     put["sh"].copy_(_per_block(a.mul_(h), spec, "sum"))
     fh2 = _sum_squares(a)
@@ -212,20 +211,20 @@ def _band_stats(x: torch.Tensor, band: Band, global_scale, spec: QuantSpec, yard
 
 
 def _sum_squares(t: torch.Tensor) -> float:
-    """sum t^2, in FP64 where FP32 overflows ((|s| h)^2 of prescaled values can pass 2^128)."""
+    """sum t^2, in FP64 where FP32 overflows ((|s| h)^2 of large values can pass 2^128)."""
     flat = t.view(-1)
     total = float(torch.dot(flat, flat))
     return total if math.isfinite(total) else float(torch.dot(flat.double(), flat.double()))
 
 
-def _prescale(q: QuantResult, spec: QuantSpec) -> float:
-    """2^-k with the largest value the scales can decode brought under 2^PRESCALE_TOP (1 for any
-    ordinary weight; non-finite scales are the finiteness check's)."""
+def _wide(q: QuantResult, spec: QuantSpec) -> bool:
+    """Whether the largest value the scales can decode passes 2^PRESCALE_TOP, where FP32 sums of
+    squares over a band could overflow: such a tensor's sums are taken in FP64 (a power-of-two
+    prescale into FP32 range would flush its small blocks' squares to zero and leave them
+    unjudged). Non-finite scales are the finiteness check's."""
     scales = scale_values(q.scale, q.global_scale, spec)
     top = float(scales.abs().max()) * spec.element.max if scales.numel() else 0.0
-    if not math.isfinite(top) or top < 2.0**PRESCALE_TOP:
-        return 1.0
-    return 2.0 ** -(math.frexp(top)[1] - PRESCALE_TOP)
+    return math.isfinite(top) and top >= 2.0**PRESCALE_TOP
 
 
 def _blocks_in(band: Band, spec: QuantSpec, k: int) -> int:
@@ -250,19 +249,19 @@ def block_stats(x: torch.Tensor, q: QuantResult, spec: QuantSpec, yardsticks: tu
     mats = x.reshape(max(x.numel() // max(n * k, 1), 1) if x.numel() else 1, n, k)  # -1 is ambiguous when empty
     work = list(bands(q, spec, shape, elements, tall))
     sizes = [_blocks_in(b, spec, k) for b in work]
-    table = torch.empty(len(ROWS), sum(sizes), dtype=torch.float32, device=x.device)
+    table = torch.empty(len(ROWS), sum(sizes), dtype=torch.float64 if _wide(q, spec) else torch.float32,
+                        device=x.device)
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + size)
-    prescale = _prescale(q, spec)
 
     def one(i: int) -> dict:
         b = work[i]
         return _band_stats(mats[b.matrix, b.start:b.stop], b, q.global_scale, spec, yardsticks, shape,
-                           table[:, starts[i]:starts[i + 1]], prescale)
+                           table[:, starts[i]:starts[i + 1]])
 
     parts = list(_map(one, list(range(len(work)))))
     return BlockStats(*table.cpu(), hh=sum(p["hh"] for p in parts), fh2=sum(p["fh2"] for p in parts),
                       max_abs=max((p["max_abs"] for p in parts), default=0.0),
                       nonfinite=sum(p["nonfinite"] for p in parts),
-                      yard=[sum(p["yard"][i] for p in parts) for i in range(len(yardsticks))], prescale=prescale)
+                      yard=[sum(p["yard"][i] for p in parts) for i in range(len(yardsticks))])
