@@ -12,8 +12,10 @@ says json=False (e.g. the config inspect read) is for the command layer only.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import fields, is_dataclass
+from importlib.resources import files
 
 from quantcli import __version__
 
@@ -87,9 +89,6 @@ def excluded_entries(exclusions) -> list[dict]:
 def json_schema(name: str) -> dict:
     """The JSON Schema of one command's document (quantcli/schemas/NAME.json, shipped with the
     package): convert, convert-dry-run, inspect, verify, push; common holds the shared parts."""
-    import json
-    from importlib.resources import files
-
     return json.loads(files("quantcli").joinpath("schemas", f"{name}.json").read_text(encoding="utf-8"))
 
 

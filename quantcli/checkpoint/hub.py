@@ -11,6 +11,9 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+
+# huggingface_hub is imported inside the functions: `quantcli --help` imports this module.
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,6 @@ def download_kwargs() -> dict[str, str]:
 def cache_folder() -> str:
     """The Hub cache folder the downloads read and fill: --cache-dir, else huggingface_hub's
     HF_HUB_CACHE (read at call time, as hf_hub_download does), absolute as it resolves it."""
-    from pathlib import Path
-
     from huggingface_hub import constants
 
     return str(Path(_current.cache_dir or constants.HF_HUB_CACHE).expanduser().resolve())

@@ -19,7 +19,9 @@ from quantcli.checkpoint.config_files import _load_json, load_config  # noqa: F4
 from quantcli.checkpoint.hub import cache_folder, current, download_kwargs, quiet_retries
 from quantcli.checkpoint.manifest import unfinished_conversion
 from quantcli.checkpoint.safetensors_io import Header, parse_header, read_header
-from quantcli.errors import CheckpointError
+from quantcli.errors import CheckpointError, did_you_mean
+
+# huggingface_hub is imported inside the Hub functions: a local checkpoint never loads it.
 
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -131,9 +133,9 @@ def _shards_from_folder(root: Path, label: str) -> tuple[list[str], dict[str, st
         index = _load_json(index_path)
         wm = index.get("weight_map")
         if not isinstance(wm, dict) or not wm:
-            found = ("is missing" if wm is None else "is empty" if isinstance(wm, dict)
-                     else f"is a JSON {type(wm).__name__}")
-            raise CheckpointError(f"{index_path}: 'weight_map' {found}; it must map tensor names to shard "
+            problem = ("is missing" if wm is None else "is empty" if isinstance(wm, dict)
+                       else f"is a JSON {type(wm).__name__}")
+            raise CheckpointError(f"{index_path}: 'weight_map' {problem}; it must map tensor names to shard "
                                   f"files. The index is malformed")
         weight_map = {k: safe_member(v, str(index_path)) for k, v in wm.items()}
         shards = sorted(set(weight_map.values()))
@@ -315,8 +317,6 @@ def open_source(src: str, revision: str | None = None) -> Source:
 
 def _local_near_miss(path: Path) -> str | None:
     """'; did you mean ...' when `path`'s folder exists here and holds a close name, else None."""
-    from quantcli.errors import did_you_mean
-
     parent = path.parent
     if str(parent) in ("", ".") or not parent.is_dir():
         return None

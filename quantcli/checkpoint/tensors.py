@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
+
+import torch
+
 from quantcli.checkpoint.safetensors_io import TensorInfo, TensorReader
 from quantcli.checkpoint.source import Source
 
@@ -9,10 +13,6 @@ from quantcli.checkpoint.source import Source
 def same_bytes(a: memoryview, b: memoryview) -> bool:
     """Byte identity of two buffers (CheckpointTensors.raw), compared by torch (which releases the
     GIL: a memoryview comparison holds it, 3 s per GB, and freezes the progress bar meanwhile)."""
-    import warnings
-
-    import torch
-
     if a.nbytes != b.nbytes:
         return False
     if a.nbytes == 0:

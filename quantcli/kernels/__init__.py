@@ -4,7 +4,8 @@
 place) and `kernels.triton_quant` share one signature. `auto` picks Triton for CUDA tensors when
 Triton imports; otherwise the torch backend runs, as `kernels.cpu` for CPU tensors and as the
 reference on a GPU. This package is the only place that imports triton, and only when the
-Triton backend is actually used, so the CLI and the CPU path never pay for it.
+Triton backend is actually used, so the CLI and the CPU path never pay for it. `search` imports
+this package (its reference), so it is imported when a scale search runs.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from quantcli.kernels import quantize  # the dispatcher (a band is one chunk: it runs inline)
 from quantcli.kernels.chunks import _map
 from quantcli.kernels.cpu import _WS
 from quantcli.kernels.decode import Band, band_of, bands, decode_band, scale_values
@@ -150,8 +151,6 @@ def _block_scale(band: Band, global_scale, spec: QuantSpec, rows: int) -> torch.
 
 def _yard_error(y: Yardstick, x: torch.Tensor, f: torch.Tensor, band: Band, shape) -> float:
     """Sum of squared errors of the yardstick on this band's rows."""
-    from quantcli.kernels import quantize  # the dispatcher (a band is one chunk: it runs inline)
-
     if y.result is not None:
         yb = band_of(y.result, y.spec, shape, band.matrix, band.start, band.stop)
         g = y.result.global_scale

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 # The compile options of every launch. Bytes must equal the torch reference's, which rounds
 # every FP32 product and sum on its own and keeps subnormals, so (kernels/ptx_rules.py):
@@ -67,8 +71,6 @@ def recording() -> Iterator[list[Launch]]:
 def _specialize(launch: Launch, backend) -> tuple:
     """(options, signature, constexprs, attrs) as JITFunction.run derives them from these
     arguments (triton.runtime.jit: the binder, then _pack_args)."""
-    from triton.runtime.jit import create_function_from_signature
-
     kernel = launch.kernel
     kwargs = {**launch.constexprs, **launch.options}
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -79,9 +81,6 @@ def _specialize(launch: Launch, backend) -> tuple:
 def compile_key(launch: Launch, arch: int) -> str:
     """What distinguishes two compiled variants: the kernel and its specialized signature,
     constexprs, attributes and options for one target."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-
     options, signature, constexprs, attrs = _specialize(launch, make_backend(GPUTarget("cuda", arch, 32)))
     return repr((launch.name, arch, signature, sorted(constexprs.items()), sorted(attrs.items()),
                  sorted(launch.options.items())))
@@ -91,10 +90,6 @@ def compile_launch(launch: Launch, arch: int):
     """triton.compile of this launch for CUDA compute capability `arch` (90, 100, ...): a
     CompiledKernel whose `.asm` holds "ptx" and "cubin" (ptxas ships with triton's nvidia
     backend). Raises what the compiler raises (CompilationError, PTXASError)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-
     target = GPUTarget("cuda", arch, 32)
     options, signature, constexprs, attrs = _specialize(launch, make_backend(target))
     return triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
