@@ -8,8 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from quantcli.checkpoint.manifest import MANIFEST_NAME, Manifest
-from quantcli.checkpoint.safetensors_io import dtype_name
+from quantcli.checkpoint.safetensors_io import DTYPES, dtype_name
 from quantcli.checkpoint.source import Source, load_config
 from quantcli.formats.layouts import LAYOUTS, Layout
 from quantcli.formats.layouts.base import BLOCKS16, Role
@@ -102,10 +104,6 @@ def stored_weight_dtype(layout: Layout, module: str, recipe, tensors):
     """The weight dtype a stored module was quantized in, as far as its scales say: the block
     scale's own float dtype for scales of the weight's dtype (int4: BF16, F16 or F32 alike are
     what a producer writes for such a model), else F32 (the other codecs do not depend on it)."""
-    import torch
-
-    from quantcli.checkpoint.safetensors_io import DTYPES
-
     if recipe.scale_codec.dtype is None:
         for d in layout.describe(module, recipe):
             if d.role == Role.BLOCK_SCALE and d.name in tensors and tensors.info(d.name).dtype in FLOAT_SCALE_DTYPES:
@@ -193,10 +191,10 @@ def _rows_of(role: str) -> list:
 def _only_f32_recipe_named(scale_suffix: str) -> str | None:
     """The one FP32-scaled recipe any layout stores under `scale_suffix` (fp8 `weight_scale_inv`
     is fp8-block's alone), or None when several share the name."""
-    found = {r for layout in LAYOUTS.values() for r, table in layout.tables.items()
-             if any(row.suffix == scale_suffix and row.role == Role.BLOCK_SCALE for row in table)
-             and RECIPES[r].scale_encoding == "f32"}
-    return found.pop() if len(found) == 1 else None
+    recipes = {r for layout in LAYOUTS.values() for r, table in layout.tables.items()
+               if any(row.suffix == scale_suffix and row.role == Role.BLOCK_SCALE for row in table)
+               and RECIPES[r].scale_encoding == "f32"}
+    return recipes.pop() if len(recipes) == 1 else None
 
 
 def tensors_look_like(module: str, recipe: str, tensors) -> str | None:
@@ -228,8 +226,6 @@ def global_scale_fault(value: float) -> str | None:
 
 def _first(bad, values, what: str, rule: str) -> str | None:
     """The first flagged element of a scale tensor, said with its index and the rule, or None."""
-    import torch
-
     if not bool(bad.any()):
         return None
     index = [int(i) for i in torch.nonzero(bad)[0]]
@@ -238,8 +234,6 @@ def _first(bad, values, what: str, rule: str) -> str | None:
 
 
 def block_scale_fault(encoding: str, stored) -> str | None:
-    import torch
-
     if encoding == "e8m0_bias127":
         b = stored.view(torch.uint8)
         return _first(b == 255, b, "E8M0 block scale byte", "255 is NaN; must be 0..254")
@@ -257,8 +251,6 @@ def scale_faults(layout: Layout, module: str, recipe, tensors) -> list[tuple[str
     """(tensor name, what is wrong) for each scale tensor of `module` that holds a value no correct
     producer writes. Tensors that are missing or of a dtype the layout cannot read are skipped:
     `disk_problems` reports those."""
-    import torch
-
     faults = []
     for d in layout.describe(module, recipe):
         if d.role == Role.CODES or d.name not in tensors:

@@ -9,8 +9,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from quantcli.formats.analysis import exclusion_list
 from quantcli.formats.engines import CHECK_CONDITIONS, ENGINES, LOADS, NO, UNCHECKED, Verdict, verdicts
 from quantcli.formats.fused import FUSED_SETS, fused_group_of
+from quantcli.formats.patterns import match_rule
 from quantcli.formats.transformers_view import TransformersView
 
 # SGLang 0.5.23 classes that load through LlamaForCausalLM's loader, which renames every
@@ -53,11 +55,11 @@ class EngineLoad:
 
 
 def _shape_offenders(shapes: Mapping[str, tuple[int, ...]], bad: Callable[[tuple[int, ...]], bool]) -> str | None:
-    found = sorted(m for m, s in shapes.items() if bad(s))
-    if not found:
+    failing = sorted(m for m, s in shapes.items() if bad(s))
+    if not failing:
         return None
-    m = found[0]
-    return f"{len(found)} of {len(shapes)} weights checked fail, e.g. {m} ({'x'.join(map(str, shapes[m][-2:]))})"
+    m = failing[0]
+    return f"{len(failing)} of {len(shapes)} weights checked fail, e.g. {m} ({'x'.join(map(str, shapes[m][-2:]))})"
 
 
 def _fused(shapes: Mapping[str, tuple[int, ...]], but_last: bool) -> str | None:
@@ -141,9 +143,6 @@ def _names_transformers_misses(f: Facts, recipe: str) -> str | None:
     one no explicit `targets` entry meets."""
     if f.transformers is None:
         return None  # transformers could not build the model here: nothing to compare with
-    from quantcli.formats.analysis import exclusion_list
-    from quantcli.formats.patterns import match_rule
-
     def named(patterns: list[str], name: str) -> bool:  # compressed-tensors: the exact name or re: (utils/match.py)
         return any(match_rule(p, name) in ("exact", "regex") for p in patterns)
 
@@ -200,11 +199,11 @@ def _needs(v: Verdict, failed: Mapping[str, str]) -> str:
 
 def judge(recipe: str, layout: str, facts: Facts) -> list[EngineLoad]:
     """Each engine's verdict on the modules of `recipe` in a `layout` checkpoint."""
-    found = verdicts(recipe, layout, inputs=declares_inputs(facts.config))
-    if not found:  # a pair quantcli reads but never writes (ModelOpt's own MXFP4 export)
+    by_engine = verdicts(recipe, layout, inputs=declares_inputs(facts.config))
+    if not by_engine:  # a pair quantcli reads but never writes (ModelOpt's own MXFP4 export)
         return [EngineLoad(e, NO, f"no engine loads {recipe} in the {layout} layout", "") for e in ENGINES]
     out = []
-    for engine, v in ((e, found[e]) for e in ENGINES):
+    for engine, v in ((e, by_engine[e]) for e in ENGINES):
         if v.status == LOADS:
             out.append(EngineLoad(engine, YES, v.note, v.cites()))
         elif v.status in (NO, UNCHECKED):
@@ -233,12 +232,12 @@ def judge_checkpoint(layout: str, facts: Facts) -> list[EngineLoad]:
     per_recipe = {r: judge(r, layout, facts) for r in recipes}
     out = []
     for i, engine in enumerate(ENGINES):
-        found = [(r, per_recipe[r][i]) for r in recipes]
-        worst = min((j.loads for _, j in found), key=_ORDER.__getitem__, default=NO)
-        said = [(r, j) for r, j in found if j.loads == worst and j.reason]
+        judged = [(r, per_recipe[r][i]) for r in recipes]
+        worst = min((j.loads for _, j in judged), key=_ORDER.__getitem__, default=NO)
+        said = [(r, j) for r, j in judged if j.loads == worst and j.reason]
         reason = "; ".join(dict.fromkeys(f"{r}: {j.reason}" if len(recipes) > 1 else j.reason for r, j in said))
-        rules = "; ".join(dict.fromkeys(j.rules for _, j in found))
-        out.append(EngineLoad(engine, worst, reason, rules, any(j.ruled_out for _, j in found)))
+        rules = "; ".join(dict.fromkeys(j.rules for _, j in judged))
+        out.append(EngineLoad(engine, worst, reason, rules, any(j.ruled_out for _, j in judged)))
     return out
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quantcli.recipes import RECIPES
+
 LAYOUT = "compressed-tensors"  # what llm-compressor writes
 STATIC = "--activations static --calibration DATA"
 _F32 = "F32 scales (llm-compressor: the model dtype)"
@@ -58,8 +60,6 @@ class SchemeInfo:
 
 
 def scheme_infos() -> list[SchemeInfo]:
-    from quantcli.recipes import RECIPES
-
     out = []
     for s in SCHEMES:
         available = s.recipe in RECIPES

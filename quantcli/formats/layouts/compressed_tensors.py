@@ -24,6 +24,8 @@ from typing import Mapping
 import torch
 
 from quantcli.formats.layouts.base import COLUMN, ONE, Direction, Layout, Role, TensorRow
+from quantcli.formats.patterns import matches_target, validate
+from quantcli.recipes import get_recipe
 
 _SCALE = TensorRow(".weight_scale", Role.BLOCK_SCALE, direction=Direction.MULTIPLY)
 _CODES = TensorRow(".weight", Role.CODES)
@@ -137,8 +139,6 @@ class CompressedTensorsLayout(Layout):
 
     @staticmethod
     def scheme_of(module: str, config: Mapping) -> dict | None:
-        from quantcli.formats.patterns import matches_target
-
         groups = (config.get("quantization_config") or {}).get("config_groups") or {}
         for group in groups.values():
             for target in group.get("targets", []):
@@ -191,14 +191,12 @@ STATIC_INPUTS = {"fp8": _STATIC_FP8, "fp8-channel": _STATIC_FP8,
                            "group_size": 16, "dynamic": "local", "scale_dtype": "torch.float8_e4m3fn"}}
 
 
-def _same_weights(found: Mapping, ours: Mapping) -> bool:
-    return all(found.get(key) == ours.get(key) for key in ("num_bits", "type", "strategy", "group_size"))
+def _same_weights(theirs: Mapping, ours: Mapping) -> bool:
+    return all(theirs.get(key) == ours.get(key) for key in ("num_bits", "type", "strategy", "group_size"))
 
 
 def _check_targets(qc: Mapping) -> None:
     """Every `config_groups.*.targets` pattern compiles; one line naming config.json and the key."""
-    from quantcli.formats.patterns import validate
-
     for name, group in (qc.get("config_groups") or {}).items():
         for target in (group.get("targets") or []) if isinstance(group, dict) else []:
             validate(target, f"config.json: quantization_config.config_groups.{name}.targets")
@@ -207,8 +205,6 @@ def _check_targets(qc: Mapping) -> None:
 def _group_size_problems(qc: Mapping) -> list[str]:
     """Config groups whose weights.group_size is not the block of the recipe their format names
     (nvfp4 16, mxfp4 and mxfp8 32): loaders would read the scales with the wrong block."""
-    from quantcli.recipes import get_recipe
-
     # Only formats that fix the group (pack-quantized holds int groups of any size).
     by_format = {s.format: r for r, s in SCHEMES.items()
                  if s.weights.get("group_size") and s.weights["type"] == "float"}
