@@ -18,6 +18,7 @@ import torch
 from quantcli.errors import QuantcliError
 from quantcli.model.samples import EXTRA
 
+# transformers (optional: the calibrate extra) is imported by transformers_module, Ctrl-C held.
 
 @contextmanager
 def interrupts_deferred() -> Iterator[None]:

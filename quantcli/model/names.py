@@ -22,6 +22,7 @@ import torch
 
 from quantcli.errors import QuantcliError
 
+# transformers (optional: the calibrate extra) is imported inside the functions that call it.
 Get = Callable[[str], torch.Tensor]
 _ROW_ID = 2.0 ** 32  # marker value of row r of source i: i * _ROW_ID + r (exact in FP64)
 
@@ -41,8 +42,9 @@ def _transforms(model) -> tuple[list, list]:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-    found = get_model_conversion_mapping(model)
-    return ([t for t in found if isinstance(t, WeightRenaming)], [t for t in found if isinstance(t, WeightConverter)])
+    conversions = get_model_conversion_mapping(model)
+    return ([c for c in conversions if isinstance(c, WeightRenaming)],
+            [c for c in conversions if isinstance(c, WeightConverter)])
 
 
 class CheckpointMap:
@@ -66,8 +68,8 @@ class CheckpointMap:
             if target in meta:
                 collected.setdefault(target, []).append((key, pattern))
         self.built: dict[str, Built] = {}
-        for group, found in collected.items():
-            keys, patterns = tuple(k for k, _ in found), tuple(p for _, p in found)
+        for group, sources in collected.items():
+            keys, patterns = tuple(k for k, _ in sources), tuple(p for _, p in sources)
             converter = self._converters.get(patterns[0]) if patterns[0] is not None else None
             built = Built(group, keys, patterns, converter)
             for param in self._targets(built):

@@ -12,11 +12,16 @@ import hashlib
 import json
 import os
 import re
+import shlex
+from importlib.metadata import PackageNotFoundError, requires
 from pathlib import Path
 
 from quantcli.checkpoint import hub
 from quantcli.errors import QuantcliError
 from quantcli.formats.facts import Calibration
+
+# huggingface_hub, datasets and transformers are imported where they are used: datasets and
+# transformers are optional (the calibrate extra), and a local .txt or .jsonl needs none of them.
 
 # The name `quantcli` on PyPI is another project, so the hint names the extra's own packages,
 # which install alike under an editable and a regular install.
@@ -25,9 +30,6 @@ CALIBRATE_PACKAGES = ("transformers>=4.56", "tokenizers", "datasets>=2.16")  # p
 
 def extra_hint(extra: str = "calibrate") -> str:
     """How to install an extra's packages, read from the installed quantcli's metadata."""
-    import shlex
-    from importlib.metadata import PackageNotFoundError, requires
-
     try:
         reqs = [r.split(";")[0].strip() for r in requires("quantcli") or [] if f'extra == "{extra}"' in r]
     except PackageNotFoundError:  # run from a source tree that was never installed

@@ -14,6 +14,8 @@ from quantcli.errors import QuantcliError
 from quantcli.formats.transformers_view import TransformersView
 from quantcli.model.build import meta_model
 
+# transformers (optional: the calibrate extra) is imported after meta_model has found it installed.
+
 _CACHE: dict[tuple[str, frozenset[str]], TransformersView | None] = {}
 
 
