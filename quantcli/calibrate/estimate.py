@@ -14,6 +14,8 @@ from quantcli.model.buffer import budget_bytes
 from quantcli.model.samples import token_ids
 from quantcli.model.stack import text_config
 from quantcli.planning.plan import Plan
+from quantcli.planning.rounding import GPTQ
+from quantcli.planning.rounding_plan import gptq_reaches
 
 CONSTANT = 512 * 2**20  # interpreter, torch, transformers: measured ~0.4-0.5 GiB before any tensor
 # A forward runs at a fraction of the bare matmul rate (attention, norms, activations, hooks)
@@ -80,23 +82,20 @@ def _gptq_cost(plan: Plan, tokens: int) -> tuple[int, float]:
     shares one), and per module a Cholesky factorization and inversion (~K^3) and the column
     loop's updates (~2 N K^2); the bytes are the largest layer's sums plus one solve (three K x K
     FP64 matrices) and the weight's FP32 copies."""
-    from quantcli.planning.rounding import GPTQ
-    from quantcli.planning.rounding_plan import gptq_reaches
-
     rounding = plan.options.rounding
-    taken = [t for t in plan.tensors if t.action == "quantize" and gptq_reaches(plan, t)
-             and rounding.method_for(t.module) == GPTQ]
+    solved = [t for t in plan.tensors if t.action == "quantize" and gptq_reaches(plan, t)
+              and rounding.method_for(t.module) == GPTQ]
     inputs: dict[int, dict[str, int]] = {}
     flops = 0.0
-    for t in taken:
+    for t in solved:
         n, k = t.logical_shape
         layer = plan.walk.layer_of(t.name) if plan.walk is not None else -1
         inputs.setdefault(layer, {})[t.fused_group or t.module] = k
         flops += 2.0 * n * k * k + float(k) ** 3
     sums = max((sum(8 * k * k for k in keys.values()) for keys in inputs.values()), default=0)
     flops += sum(2.0 * tokens * k * k for keys in inputs.values() for k in keys.values())
-    k_max = max((t.logical_shape[-1] for t in taken), default=0)
-    nk_max = max((t.numel for t in taken), default=0)
+    k_max = max((t.logical_shape[-1] for t in solved), default=0)
+    nk_max = max((t.numel for t in solved), default=0)
     return sums + 3 * 8 * k_max * k_max + 3 * 4 * nk_max, flops
 
 

@@ -6,6 +6,7 @@ import torch
 
 from quantcli.convert.records import RunOptions
 from quantcli.errors import QuantcliError
+from quantcli.kernels import resolve_backend
 
 
 def resolve_device(device: str) -> torch.device:
@@ -24,8 +25,6 @@ def resolve_device(device: str) -> torch.device:
 
 def check_run_options(run: RunOptions) -> None:
     """The device and the kernel backend can run here: found before anything is written."""
-    from quantcli.kernels import resolve_backend
-
     device = resolve_device(run.device)
     try:
         resolve_backend(run.backend, device)

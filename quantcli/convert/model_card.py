@@ -17,7 +17,9 @@ from quantcli.checkpoint.manifest import MANIFEST_NAME
 from quantcli.checkpoint.source import REPO_ID, Source
 from quantcli.formats.engine_checks import IF, YES, EngineLoad, Facts, judge_checkpoint, loads_in_line
 from quantcli.formats.engines import VLLM_KV_FLAGS, sglang_flag
+from quantcli.formats.layouts import LAYOUTS
 from quantcli.planning.plan import Plan
+from quantcli.recipes import DENSE_RECIPES
 
 CARD_HEADING = "## Quantization (quantcli)"
 TITLE_MARK = "with quantcli)"  # quantcli's title ends so; a later conversion replaces that line
@@ -88,9 +90,6 @@ def _update_metadata(data: ModelCardData, plan: Plan) -> None:
 
 
 def _quantcli_tags() -> set[str]:
-    from quantcli.formats.layouts import LAYOUTS
-    from quantcli.recipes import DENSE_RECIPES
-
     return {"quantcli", "quantized", *RECIPE_TAGS.values(), *LAYOUTS, *DENSE_RECIPES}
 
 

@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from quantcli.convert.destination import FilesystemError
 from quantcli.errors import QuantcliError
@@ -242,8 +243,6 @@ def open_world(device: str, store: Any = None, env: Mapping[str, str] | None = N
     if size <= 1:
         yield World()
         return
-    import torch.distributed as dist
-
     rank, local = int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"]))
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     created = not dist.is_initialized()

@@ -11,6 +11,7 @@ Encoders: each sample's pooled embedding on each side as the model's pooling con
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from quantcli.errors import QuantcliError
 from quantcli.evaluate.emulate import ErrorSum
+from quantcli.model.stack import Tail
 
 # sentence-transformers' Pooling modes, in the order its forward concatenates them.
 POOLING_MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
@@ -105,10 +107,6 @@ class _Tails:
     quantized one on a copy of the model, its head's input quantized by `head_step`."""
 
     def __init__(self, stack, sides, maps, device, head_step=None):
-        import copy
-
-        from quantcli.model.stack import Tail
-
         self.sides = sides
         self.tails = [Tail(stack, maps[0], sides[0].get, device),
                       Tail(stack, maps[1], sides[1].get, device, model=copy.deepcopy(stack.model))]

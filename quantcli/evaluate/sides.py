@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.checkpoint.tensors import CheckpointTensors, same_bytes
 from quantcli.errors import CheckpointError, QuantcliError
 from quantcli.formats.activation_scales import CalibratedScales, calibrated_scales
 from quantcli.formats.decode import decode_module
 from quantcli.formats.detect import config_with_extras, detect
+from quantcli.formats.facts import NO_FACTS, ModuleFacts
+from quantcli.kernels import tensor_amax
+from quantcli.planning.transforms import ops_of
 
 # Config keys two checkpoints of one model share (the architecture and its shapes).
 SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
@@ -26,8 +29,8 @@ class Side:
 
     def __init__(self, label: str, source, tensors: CheckpointTensors, device: torch.device):
         self.label, self.source, self.tensors, self.device = label, source, tensors, device
-        found = detect(source)
-        self.detected = found if found is not None and found.modules else None
+        detected = detect(source)
+        self.detected = detected if detected is not None and detected.modules else None
         self.layout = self.detected.layout if self.detected else None
         self.modules: dict[str, str] = dict(self.detected.modules) if self.detected else {}
         manifest = self.detected.manifest if self.detected else None
@@ -94,8 +97,6 @@ class Side:
 
     def transforms(self) -> dict:
         """The exact transforms its manifest records ({source tensor: op}; empty: none)."""
-        from quantcli.planning.transforms import ops_of
-
         manifest = self.detected.manifest if self.detected else None
         return ops_of(manifest.transforms if manifest is not None else None)
 
@@ -124,8 +125,6 @@ def reference_mismatch(ref: Side, quant: Side, stack) -> str | None:
     shape (the embedding, the final norm) differs in its bytes: the shapes agree, but DST was
     likely not made from SRC (another seed or fine-tune); the metrics then measure two models,
     not a quantization."""
-    from quantcli.checkpoint.tensors import same_bytes
-
     outer = {src for n in stack.model.state_dict() if not n.startswith(stack.layer_path + ".")
              for src in stack.names.sources(n)}
     embedding = next((p for p, m in stack.model.named_modules() if m is stack.model.get_input_embeddings()), "")
@@ -163,16 +162,12 @@ class RecipeSide(Side):
         self._amax: dict[str, torch.Tensor] = {}
 
     def _group_amax(self, group: str) -> torch.Tensor:
-        from quantcli.kernels import tensor_amax
-
         if group not in self._amax:
             self._amax[group] = torch.stack([tensor_amax(self.tensors.get(t.name), name=t.name).cpu()
                                              for t in self.groups[group]]).amax()
         return self._amax[group]
 
     def get(self, name: str) -> torch.Tensor:
-        from quantcli.formats.facts import NO_FACTS, ModuleFacts
-
         t = self.planned.get(name)
         if t is None:
             return self.tensors.get(name).to(self.device, torch.float32)

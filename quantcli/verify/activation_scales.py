@@ -21,6 +21,7 @@ from quantcli.formats.activation_scales import (
 from quantcli.formats.detect import all_names
 from quantcli.formats.layouts.base import Direction
 from quantcli.verify.findings import CALIBRATED, Findings
+from quantcli.verify.recalibrate import RECALIBRATED, calibration_of, recalibrated_faults, rerun
 
 Finding = tuple[str, str]
 
@@ -51,27 +52,25 @@ def _kv_faults(scales: CalibratedScales) -> Iterator[Finding]:
                     yield name, fault
 
 
-def calibrated_check(source, det, config: dict, modules: dict, qt, found: Findings) -> CalibratedScales | None:
+def calibrated_check(source, det, config: dict, modules: dict, qt, findings: Findings) -> CalibratedScales | None:
     """File faults in the static input scales and the KV-cache scales under CALIBRATED; returns
     the scales found (None for a weight-only checkpoint)."""
     selected = {m: det.modules[m] for m in modules}
     scales = calibrated_scales(det.layout, config, selected, all_names(source), qt)
     if scales.activation_scheme != "static" and not scales.kv_cache and not scales.inputs and not scales.kv:
         return None  # a weight-only checkpoint: nothing calibrated to check
-    found.record(CALIBRATED, [*_input_faults(scales), *_kv_faults(scales)])
+    findings.record(CALIBRATED, [*_input_faults(scales), *_kv_faults(scales)])
     return scales
 
 
 def recalibrated_check(source, scales: CalibratedScales | None, reference: str, revision: str | None, data: str,
-                       device, found: Findings, weighted: bool = False, layout=None, targets: dict | None = None,
+                       device, findings: Findings, weighted: bool = False, layout=None, targets: dict | None = None,
                        gptq_rerun: bool = False):
     """--calibration DATA: file under RECALIBRATED every stored scale a rerun disagrees with.
     Returns the rerun's statistics (their per-channel mean squared inputs let --exact reproduce
     an activation-weighted scale search, `weighted`) and the layer-output errors of `targets`
     (outputs.py: checkpoint module -> (recipe, q), judged by them). `gptq_rerun`: --exact reran GPTQ
     with the data, which is then use enough for it."""
-    from quantcli.verify.recalibrate import RECALIBRATED, calibration_of, recalibrated_faults, rerun
-
     has_scales = scales is not None and bool(scales.inputs or any(r.k_scale is not None for r in scales.kv))
     if not has_scales and not weighted and not targets:
         if gptq_rerun:  # the data served --exact's GPTQ rerun (gpt-oss's expert stacks): nothing more to check
@@ -80,5 +79,5 @@ def recalibrated_check(source, scales: CalibratedScales | None, reference: str, 
                             f"activation-weighted scale search and no Linear whose outputs it could check")
     stats, outputs = rerun(reference, revision, calibration_of(source, data), device, layout, targets)
     if has_scales:
-        found.record(RECALIBRATED, recalibrated_faults(scales, stats))
+        findings.record(RECALIBRATED, recalibrated_faults(scales, stats))
     return stats, outputs

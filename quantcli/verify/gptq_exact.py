@@ -36,6 +36,7 @@ from quantcli.planning.conversion import plan_conversion
 from quantcli.planning.from_manifest import CANNOT, recorded_options
 from quantcli.planning.plan import Plan, matches
 from quantcli.verify.findings import Findings, GptqRerun
+from quantcli.verify.recalibrate import calibration_of
 from quantcli.verify.structure import Progress, no_progress
 
 GPTQ = "gptq"
@@ -58,24 +59,22 @@ def gptq_modules(manifest: Manifest | None, modules, pattern: str | None) -> lis
             if m.module in modules and is_gptq(m) and (pattern is None or matches(pattern, m.module))]
 
 
-def gptq_notes(manifest: Manifest | None, rerun: GptqRerun | None, found: Findings) -> list[str]:
+def gptq_notes(manifest: Manifest | None, rerun: GptqRerun | None, findings: Findings) -> list[str]:
     """What --exact did about the GPTQ modules: the rerun and its time, or why their bytes were
     not checked (and the data that would check them)."""
     if rerun is not None:
         return [f"--exact: reran GPTQ (quantcli's own conversion of the reference with the recorded options and "
                 f"data) in {rerun.seconds:.1f} s: {rerun.identical} of {rerun.modules} GPTQ module(s) byte-identical"]
-    if not found.gptq_unchecked or manifest is None:
+    if not findings.gptq_unchecked or manifest is None:
         return []
     cal = manifest.calibration or {}
-    return [NOT_BYTE_CHECKED_GPTQ.format(n=len(found.gptq_unchecked), data=cal.get("data", "DATA"),
+    return [NOT_BYTE_CHECKED_GPTQ.format(n=len(findings.gptq_unchecked), data=cal.get("data", "DATA"),
                                          sha=str(cal.get("data_sha256", ""))[:12])]
 
 
 def rerun_gptq(source: Source, manifest: Manifest, reference: str, revision: str | None, data: str, device: str,
                modules: list[str], progress: Progress = no_progress) -> GptqRerun:
     """Convert the reference again with the recorded options and `data`; compare `modules`."""
-    from quantcli.verify.recalibrate import calibration_of
-
     cal = calibration_of(source, data)  # other data: refused in one line
     plan = recorded_plan(open_source(reference, revision), manifest, cal, source.label)
     progress("rerunning GPTQ", 0, 1, "(quantcli's own conversion of the reference, recorded options)")

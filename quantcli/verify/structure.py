@@ -27,6 +27,7 @@ from quantcli.formats.engines import NO, SGLANG, VLLM, verdicts
 from quantcli.formats.experts import experts_module
 from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import layouts_for, module_of
+from quantcli.kernels.decode import scale_values
 from quantcli.kernels.spec import SCALE_SEARCHES
 from quantcli.planning.plan import matches
 from quantcli.verify.findings import CONFIG, COVERAGE, FINITE, FUSED, MANIFEST, SCALES, SERVABLE, TENSORS, TP, Findings
@@ -109,18 +110,18 @@ def coverage_faults(source, det, config: dict, qt: CheckpointTensors) -> Iterato
 
 
 def structure_checks(source, det, config: dict, qt: CheckpointTensors, pattern: str | None,
-                     found: Findings) -> dict[str, ModuleDescription]:
+                     findings: Findings) -> dict[str, ModuleDescription]:
     """Manifest, config, servability, tensor dtypes/shapes, fused globals, coverage; returns the
     described modules (those `pattern` selects)."""
     if det.manifest is not None:
-        found.record(MANIFEST, manifest_faults(source, det))
-    found.record(CONFIG, (("config.json", p) for p in det.layout.config_problems(source.config, det.extra_files)))
-    found.record(SERVABLE, servable_faults(det))
+        findings.record(MANIFEST, manifest_faults(source, det))
+    findings.record(CONFIG, (("config.json", p) for p in det.layout.config_problems(source.config, det.extra_files)))
+    findings.record(SERVABLE, servable_faults(det))
     modules = describe_selected(det, qt, pattern)
-    found.record(TENSORS, tensor_faults(modules))
-    found.record(FUSED, fused_faults(modules))
-    found.record(FUSED, fused_precision_faults(source, det, qt))
-    found.record(COVERAGE, coverage_faults(source, det, config, qt))
+    findings.record(TENSORS, tensor_faults(modules))
+    findings.record(FUSED, fused_faults(modules))
+    findings.record(FUSED, fused_precision_faults(source, det, qt))
+    findings.record(COVERAGE, coverage_faults(source, det, config, qt))
     return modules
 
 
@@ -139,8 +140,8 @@ def scale_faults(module: str, recipe, q) -> Iterator[Finding]:
 def tp_engines(recipe: str, layout: str) -> str:
     """`vLLM and SGLang refuse`: the tensor-parallel engines whose verdict on the pair
     (quantcli/formats/engines.py) is not `no` (a pair outside the table: both)."""
-    found = verdicts(recipe, layout)
-    names = [e for e in (VLLM, SGLANG) if e not in found or found[e].status != NO]
+    by_engine = verdicts(recipe, layout)
+    names = [e for e in (VLLM, SGLANG) if e not in by_engine or by_engine[e].status != NO]
     if not names:
         return "a tensor-parallel engine would refuse"
     return f"{' and '.join(names)} refuse{'s' if len(names) == 1 else ''}"
@@ -176,23 +177,21 @@ def surely_finite(recipe, q) -> bool:
         return True
     if recipe.element.name == "e4m3" and bool(((q.codes.view(torch.uint8) & 0x7F) == 0x7F).any()):
         return False
-    from quantcli.kernels.decode import scale_values
-
     scale = scale_values(q.scale, q.global_scale, recipe.spec).abs()
     top = float(scale.max()) if scale.numel() else 0.0
     return math.isfinite(top) and recipe.element_max * top < torch.finfo(torch.float32).max / 2
 
 
-def finite_check(module: str, decoded: torch.Tensor, found: Findings) -> bool:
+def finite_check(module: str, decoded: torch.Tensor, findings: Findings) -> bool:
     """File the module's non-finite values under FINITE; whether it decoded to finite values only."""
     faults = finite_faults(module, decoded)
     for tensor, what in faults:
-        found.fault(FINITE, tensor, what)
+        findings.fault(FINITE, tensor, what)
     return not faults
 
 
 def read_modules(det, modules: dict[str, ModuleDescription], qt: CheckpointTensors, tp: int | None,
-                 found: Findings, *, decode: bool, dev, progress: Progress = no_progress) -> dict:
+                 findings: Findings, *, decode: bool, dev, progress: Progress = no_progress) -> dict:
     """Read each well-formed module back; scale checks, TP split, and (without a reference, which
     decodes them anyway) the finiteness of the decoded weights. Returns module -> (recipe, q)."""
     layout = det.layout
@@ -209,22 +208,22 @@ def read_modules(det, modules: dict[str, ModuleDescription], qt: CheckpointTenso
         try:
             q = layout.from_disk(module, recipe, qt.get, qt.where)
         except QuantcliError as exc:  # a malformed module is a finding; anything else is a bug
-            found.fault(TENSORS, module, f"cannot be read back: {exc}")
+            findings.fault(TENSORS, module, f"cannot be read back: {exc}")
             continue
         for tensor, what in scale_faults(module, recipe, q):
-            found.fault(SCALES, tensor, what)
+            findings.fault(SCALES, tensor, what)
         for tensor, what in (tp_faults(module, recipe, q.shape, tp, layout.name) if tp else ()):
-            found.fault(TP.format(tp=tp), tensor, what)
+            findings.fault(TP.format(tp=tp), tensor, what)
         if decode:
             if not surely_finite(recipe, q):
-                finite_check(module, decode_module(layout, module, recipe, q, device=dev), found)
+                finite_check(module, decode_module(layout, module, recipe, q, device=dev), findings)
             for d in layout.describe(module, recipe):
                 qt.release(d.name)
         out[module] = (recipe, q)
     progress("reading", len(modules), len(modules), "")
-    found.ran(SCALES)
+    findings.ran(SCALES)
     if decode:
-        found.ran(FINITE)
+        findings.ran(FINITE)
     if tp:
-        found.ran(TP.format(tp=tp))
+        findings.ran(TP.format(tp=tp))
     return out
