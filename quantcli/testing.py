@@ -5,14 +5,18 @@ transformers is imported here only (it is a test/demo dependency, not a runtime 
 from __future__ import annotations
 
 import json
+import math
+import tempfile
 from pathlib import Path
+from string import ascii_lowercase
+
+# torch, transformers, safetensors and tokenizers are imported inside the makers: importing this
+# module for its size tables (scripts/architectures_table.py) stays light.
 
 
 def _save(model, out: Path, shards: int) -> None:
     """save_pretrained (which also turns runtime-fused expert weights back into the checkpoint
     names), re-sharded into exactly `shards` safetensors files balanced by bytes, with the index."""
-    import tempfile
-
     from safetensors.torch import load_file
 
     from quantcli.checkpoint.safetensors_io import write_file
@@ -57,8 +61,6 @@ def _balanced_groups(names: list[str], sizes: list[int], n: int) -> list[list[st
 def _kv_heads(hidden: int, head_dim: int) -> int:
     """Half the attention heads, or a divisor of them (transformers needs heads % kv_heads == 0:
     hidden 320 has 5 heads of 64, and 2 KV heads would not run)."""
-    import math
-
     return math.gcd(max(1, hidden // head_dim), max(1, hidden // (2 * head_dim)))
 
 
@@ -122,8 +124,6 @@ BERT_WORDS = ["the", "a", "of", "and", "to", "in", "is", "on", "cat", "sat", "ma
 def bert_tokenizer(out: Path, max_length: int = 64) -> Path:
     """A BERT WordPiece tokenizer.json (lowercasing, [CLS] ... [SEP] around each sample) built offline
     with the tokenizers library, and the tokenizer_config.json that makes transformers load it."""
-    from string import ascii_lowercase
-
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     vocab = [*BERT_SPECIALS, *BERT_WORDS, *ascii_lowercase, *(f"##{c}" for c in ascii_lowercase)]

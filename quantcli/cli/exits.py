@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import difflib
 import errno
+import json
 import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import typer
 
-from quantcli.errors import QuantcliError
+from quantcli import __version__
+from quantcli.errors import QuantcliError, Terminated
+from quantcli.reports import SCHEMA_VERSION
+
+# render (rich, torch) is imported inside the functions that print: a usage error or a Ctrl-C
+# while the commands load ends in one line without loading it.
 
 # Set in the environment of the ranks --workers spawns (cli/launch.py): they say nothing when
 # interrupted (rank 0 says it once for the job). Here, not in launch.py, so that the Ctrl-C path
@@ -123,8 +130,6 @@ def process_started() -> float:
     """When this process started, as time.time(): from /proc on Linux (the interpreter's and the
     imports' start-up included), else now. For the `quantcli` program only: a caller that embeds
     main() started long before the command did."""
-    import time
-
     try:
         with open("/proc/self/stat") as f:  # field 22 (after the parenthesised name): start, in ticks since boot
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
@@ -168,15 +173,10 @@ def _json_command(command, args: list[str]):
 
 
 def _print_error_document(command: str | None, message: str, code: int) -> None:
-    import json
-
     from quantcli.cli.render import json_was_written
-    from quantcli.reports import SCHEMA_VERSION
 
     if json_was_written():  # the command's own document is out already: one document on stdout
         return
-    from quantcli import __version__
-
     doc = {"quantcli_version": __version__, "schema_version": SCHEMA_VERSION, "command": command,
            "error": {"exit_code": code, "kind": ERROR_KINDS.get(code, "bad input or usage"), "message": message}}
     sys.stdout.write(json.dumps(doc, indent=2) + "\n")
@@ -232,14 +232,14 @@ _BOUND_WORDS = ((r"[Ii]nput should be greater than or equal to (\S+)", r"must be
 
 def _given(args: list[str], opts: list[str]) -> str | None:
     """What the command line gave `opts` (`--top abc` or `--top=abc`), the last time, or None."""
-    found = None
+    value = None
     for i, arg in enumerate(args):
         for opt in opts:
             if arg == opt and i + 1 < len(args):
-                found = args[i + 1]
+                value = args[i + 1]
             elif arg.startswith(opt + "="):
-                found = arg[len(opt) + 1:]
-    return found
+                value = arg[len(opt) + 1:]
+    return value
 
 
 # errno -> what to add to the OS's own text, where that text leaves the cause unclear.
@@ -302,8 +302,6 @@ def _installed(ctx) -> bool:
 @contextmanager
 def sigterm_raises_terminated() -> Iterator[None]:
     """SIGTERM raises errors.Terminated (a KeyboardInterrupt) so that it runs the Ctrl-C path."""
-    from quantcli.errors import Terminated
-
     def raise_terminated(signum, frame):
         raise Terminated()
 

@@ -6,9 +6,16 @@ so they take exactly the path of a torchrun rank; the job's store is served from
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
+import signal
+import sys
 from datetime import timedelta
 from typing import Any, Callable, Iterator
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from quantcli.cli.exits import SPAWNED_RANK
 from quantcli.convert.world import World, open_world, rank_timeout
@@ -41,8 +48,6 @@ def spawn_ranks(entry: Callable[[list[str]], Any], argv: list[str],
                 workers: int) -> Iterator[tuple[Any, dict[str, str]]]:
     """Serve the store, start ranks 1..workers-1, yield (store, rank 0's environment); on leaving,
     wait for them (a rank still running after the others' timeout is terminated)."""
-    import torch.distributed as dist
-
     store = dist.TCPStore(ADDR, 0, workers, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=rank_timeout() + 60))
     common = {"WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": ADDR,
@@ -67,10 +72,6 @@ def _start_ranks(entry: Callable[[list[str]], Any], argv: list[str], common: dic
     """Ranks 1..workers-1, started with SIGINT ignored (inherited through exec, and Python keeps
     an ignored SIGINT ignored): the terminal sends Ctrl-C to the whole process group, and a rank
     interrupted while it imports torch would print a traceback; rank 0 stops them instead."""
-    import signal
-
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     try:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -99,11 +100,6 @@ def _rank_main(entry: Callable[[list[str]], Any], argv: list[str], env: dict[str
 def _die_with_parent() -> None:
     """Linux: SIGTERM this rank when rank 0's process dies (even by SIGKILL), so no rank outlives
     the job as an orphan; it then exits as on any SIGTERM, keeping DST.partial for --resume."""
-    import ctypes
-    import ctypes.util
-    import signal
-    import sys
-
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):

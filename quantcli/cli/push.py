@@ -12,8 +12,13 @@ from pathlib import Path
 from quantcli.atomic import write_atomic
 from quantcli.checkpoint.hub import current, network_errors
 from quantcli.checkpoint.manifest import MANIFEST_NAME, STAGING_SUFFIX, finish_hint, unfinished_conversion
-from quantcli.checkpoint.source import REPO_ID
+from quantcli.checkpoint.source import REPO_ID, open_local
 from quantcli.errors import QuantcliError
+from quantcli.formats.detect import detect
+
+# huggingface_hub, verify and the model card (both import huggingface_hub) are imported inside the
+# functions: `convert --push-to-hub` says a bad repo id, HF_HUB_OFFLINE or a missing token in one
+# line before it loads them.
 
 # Above this size the resumable multi-commit upload is used where huggingface_hub has it;
 # below, one commit with a message (a rerun skips files already uploaded either way).
@@ -85,12 +90,10 @@ def check_complete(folder: Path) -> None:
 
 def check_verified(folder: Path) -> None:
     """verify's structural checks (no reference); an output with no quantized modules has none."""
-    from quantcli.checkpoint.source import open_local
-    from quantcli.formats.detect import detect
     from quantcli.verify import verify_checkpoint
 
-    found = detect(open_local(folder, str(folder)))
-    if found is None or not found.modules:
+    detected = detect(open_local(folder, str(folder)))
+    if detected is None or not detected.modules:
         return
     report = verify_checkpoint(str(folder))
     if not report.passed:
@@ -145,9 +148,9 @@ def _name_the_repo_in_card(folder: Path, repo_id: str) -> None:
 def _hub_call(target: str, call, *args, **kwargs):
     """`call` with the Hub's failures turned into one line each (naming `target`, the repo):
     offline, unreachable, refused."""
-    repo_id = target
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
+    repo_id = target
     try:
         return call(*args, **kwargs)
     except OfflineModeIsEnabled:

@@ -8,7 +8,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from quantcli.checkpoint.hub import hub_access
 from quantcli.cli.options import Token
+from quantcli.reports import envelope
+
+# push, render and source (torch) are imported inside the functions: app.py imports this module
+# for `quantcli --help`.
 
 # convert's --push-to-hub options (declared here, with the push command, to keep app.py short)
 PushToHub = Annotated[Optional[str], typer.Option(
@@ -35,10 +40,8 @@ def push_command(
     """Verify and upload a finished output to the Hugging Face Hub.
 
     The structural checks of `quantcli verify` run first; nothing is uploaded if they fail."""
-    from quantcli.checkpoint.hub import hub_access
     from quantcli.cli.push import push
     from quantcli.cli.render import console, emit_json
-    from quantcli.reports import envelope
 
     folder, repo = _in_push_order(folder, repo)
     with hub_access(token):  # huggingface_hub shows its progress

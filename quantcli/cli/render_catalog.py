@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from quantcli.cli.name_tables import Column, fitted_table
+from quantcli.formats.schemes import recipe_label, scheme_infos
+from quantcli.recipes import RECIPES
 
 # ---------------------------------------------------------------- recipes, layouts
 
@@ -29,8 +31,6 @@ def _element_label(r) -> str:
     `int4 x8/I32` (compressed-tensors' `weight_packed` words)."""
     if not r.packed:
         return r.element
-    from quantcli.recipes import RECIPES
-
     element = RECIPES[r.name].element
     word_bytes = element.storage_dtype.itemsize
     word = "byte" if word_bytes == 1 else element.safetensors_dtype
@@ -39,8 +39,6 @@ def _element_label(r) -> str:
 
 def render_schemes(con: Console) -> None:
     """llm-compressor's scheme names and the convert options that write the same config."""
-    from quantcli.formats.schemes import recipe_label, scheme_infos
-
     infos = scheme_infos()
     columns = [Column("quantcli convert options"), Column("note")]
     cells = [[i.options if i.available else recipe_label(i), i.note or "-"] for i in infos]
