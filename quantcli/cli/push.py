@@ -16,9 +16,9 @@ from quantcli.checkpoint.source import REPO_ID, open_local
 from quantcli.errors import QuantcliError
 from quantcli.formats.detect import detect
 
-# huggingface_hub, verify and the model card (both import huggingface_hub) are imported inside the
-# functions: `convert --push-to-hub` says a bad repo id, HF_HUB_OFFLINE or a missing token in one
-# line before it loads them.
+# huggingface_hub, the model card (which imports it) and verify (0.4 s more) are imported inside
+# the functions: `convert --push-to-hub` says a bad repo id, HF_HUB_OFFLINE or a missing token in
+# one line before it loads them.
 
 # Above this size the resumable multi-commit upload is used where huggingface_hub has it;
 # below, one commit with a message (a rerun skips files already uploaded either way).
