@@ -47,7 +47,7 @@ def process_bytes() -> int:
 def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
                 config: Path | None, scale_rule: str | None, revision: str | None, device: str, backend: str,
                 scale_search: str | None = None, rounding: dict | None = None, rotate: str | None = None,
-                dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool,
+                auto: dict | None = None, dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool,
                 calibrate: dict | None = None, per_tensor: bool = False, verbose: bool = False,
                 workers: int = 1, argv: list[str] | None = None, push_to_hub: dict | None = None,
                 entry: Callable[[list[str]], Any] | None = None,  # entry: what --workers ranks run
@@ -59,7 +59,10 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     from quantcli.planning.options_file import conversion_options
 
     opts = conversion_options(recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule,
-                              calibrate=calibrate, scale_search=scale_search, rounding=rounding, rotate=rotate)
+                              calibrate=calibrate, scale_search=scale_search, rounding=rounding, rotate=rotate,
+                              auto=auto)
+    if opts.auto is not None:  # the choice before anything else: every later step plans what it chose
+        opts = _choose_formats(src, revision, opts, device, quiet or json_out)
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
     if push_to_hub and dry_run:
@@ -103,6 +106,14 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
         return 0
     _print_convert_result(plan, result, src, overwrite)
     return 0
+
+
+def _choose_formats(src: str, revision: str | None, opts, device: str, quiet: bool):
+    from quantcli.checkpoint.source import open_source
+    from quantcli.evaluate.auto_scores import choose_formats
+
+    say = None if quiet else (lambda line: _console(stderr=True).print(line, markup=False))
+    return choose_formats(open_source(src, revision), opts, device, say)
 
 
 def _workers_for(plan, workers: int) -> int:
