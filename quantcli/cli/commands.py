@@ -25,6 +25,7 @@ from quantcli.cli.render import (
     render_verify,
     render_verify_brief,
 )
+from quantcli.cli.render_auto import auto_lines
 from quantcli.errors import QuantcliError
 from quantcli.reports import envelope, excluded_entries, to_json
 
@@ -150,6 +151,8 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
            "estimated_peak_memory_bytes": peak, "fingerprint": fingerprint(plan)}
     calibration = _calibration_estimate(plan, device)
     doc["calibration_estimate"] = calibration.to_json() if calibration else None
+    choice = plan.options.auto_choice
+    doc["auto"] = choice.record() if choice is not None else None
     if json_out:  # quantcli/schemas/convert-dry-run.json
         emit_json(envelope("convert", doc, source=plan.source.label, destination=dst, dry_run=True))
         return 0
@@ -160,6 +163,8 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
             con.print(line)
     for w in plan.all_warnings:
         (_console(stderr=True) if quiet else con).print(f"warning: {w}")
+    for line in auto_lines(choice) if choice is not None and not quiet else []:
+        con.print(line, markup=False, highlight=False)
     con.print(f"total {human_bytes(plan.bytes_in)} -> {human_bytes(plan.bytes_out)}, {doc['bits_per_param']:.2f} "
               f"bits/param over {counted(total_params, 'param', spec=',')} ({params_q:,} quantized); estimated peak "
               f"memory "

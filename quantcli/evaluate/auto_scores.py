@@ -49,9 +49,10 @@ def choose_formats(source, opts: Options, device: str = "auto", say: Say | None 
                             f"formats for a dense source")
     layout = auto.auto_layout(request, opts.layout)
     recipes = auto.candidate_recipes(request, layout, opts)
-    base = make_plan(source, replace(opts, recipe=BASE_RECIPE, layout=layout.name if layout.supports(BASE_RECIPE)
-                                     else None, overrides=[], auto=None, rounding=Rounding(), activations=None,
-                                     kv_cache=None, scale_search="none", scale_rule=None))
+    base_layout = layout.name if layout.supports(BASE_RECIPE) and BASE_RECIPE not in layout.needs_static else None
+    base = make_plan(source, replace(opts, recipe=BASE_RECIPE, layout=base_layout, overrides=[], auto=None,
+                                     rounding=Rounding(), activations=None, kv_cache=None, scale_search="none",
+                                     scale_rule=None))
     groups, left_dense = auto.auto_groups(base, request, layout, recipes)
     if not groups:
         raise QuantcliError(f"--auto {','.join(request.candidates)}: no module fits any candidate (see `--dry-run "
