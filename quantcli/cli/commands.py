@@ -59,11 +59,9 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     from quantcli.planning.conversion import plan_conversion
     from quantcli.planning.options_file import conversion_options
 
-    opts = conversion_options(recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule,
-                              calibrate=calibrate, scale_search=scale_search, rounding=rounding, rotate=rotate,
-                              auto=auto)
-    if opts.auto is not None:  # the choice before anything else: every later step plans what it chose
-        opts = _choose_formats(src, revision, opts, device, quiet or json_out)
+    opts = _chosen(src, revision, conversion_options(
+        recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule, calibrate=calibrate,
+        scale_search=scale_search, rounding=rounding, rotate=rotate, auto=auto), device, quiet or json_out)
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
     if push_to_hub and dry_run:
@@ -109,7 +107,10 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     return 0
 
 
-def _choose_formats(src: str, revision: str | None, opts, device: str, quiet: bool):
+def _chosen(src: str, revision: str | None, opts, device: str, quiet: bool):
+    """--auto's choice, before anything else (every later step plans what it chose); else `opts`."""
+    if opts.auto is None:
+        return opts
     from quantcli.checkpoint.source import open_source
     from quantcli.evaluate.auto_scores import choose_formats
 
