@@ -164,6 +164,9 @@ def test_same_inputs_same_choice_and_bytes(run_cli, root, tmp_path):
         assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes()
     a, b = (json.loads((o / "quantcli_manifest.json").read_text()) for o in outs)
     assert a["auto"] == b["auto"] and a["fingerprint"] == b["fingerprint"]
+    # --resume scores again, makes the same choice, so the fingerprint matches: nothing to redo
+    code, out, err = _convert(run_cli, root, outs[0], *AUTO, "--target-bits", "5.5", "--resume")
+    assert code == 0 and "already complete" in out, err
 
 
 def test_parse_size_units():
@@ -176,3 +179,38 @@ def test_parse_size_units():
     for bad in ("3.5GB", "-1KiB", "0", "big"):
         with pytest.raises(UsageError):
             parse_size(bad, "--max-size")
+
+
+def test_group_options_follow_the_planners_shape_checks_and_costs_are_what_the_plan_writes(tmp_path):
+    """hidden 72: K=72 is no multiple of nvfp4's 16, so only down_proj (K=144) may take nvfp4; each
+    option costs the bits the plan of that recipe writes for the group's weights."""
+    from dataclasses import replace
+
+    from quantcli.checkpoint.source import open_source
+    from quantcli.formats.facts import Calibration
+    from quantcli.planning import auto
+    from quantcli.planning.plan import Options, make_plan
+
+    src = open_source(str(make_llama(tmp_path / "odd", hidden=72, layers=1, shards=1)))
+    request = auto.AutoRequest(("nvfp4", "fp8-block", "bf16"), target_bits=6.0)
+    opts = Options(recipe="", calibration=Calibration(str(tmp_path / "x.txt"), 8, 32, 1))
+    layout = auto.auto_layout(request, None)
+    recipes = auto.candidate_recipes(request, layout, opts)
+    base = make_plan(src, replace(opts, recipe="fp8", layout=layout.name))
+    groups, none = auto.auto_groups(base, request, layout, recipes)
+    assert not none
+    options = {g.key: [c for c, _ in g.costs] for g in groups}
+    assert options == {"model.layers.0.mlp.down_proj": ["nvfp4", "fp8-block", "bf16"],
+                       "model.layers.0.mlp.{gate_proj,up_proj}": ["fp8-block", "bf16"],
+                       "model.layers.0.self_attn.o_proj": ["fp8-block", "bf16"],
+                       "model.layers.0.self_attn.{q_proj,k_proj,v_proj}": ["fp8-block", "bf16"]}
+    block = {t.module: t.bytes_out for t in make_plan(src, Options(recipe="fp8-block", layout=layout.name)).tensors
+             if t.quantized}
+    for g in groups:
+        assert dict(g.costs)["fp8-block"] == 8 * sum(block[m] for m in g.modules)
+        assert dict(g.costs)["bf16"] == 16 * g.weights
+    assert auto.budget_bits(request, groups, base, none) == 6 * sum(g.weights for g in groups)
+    with pytest.raises(auto.UsageError, match="least achievable 8.0"):
+        auto.check_feasible(replace(request, candidates=("fp8-block", "bf16"), target_bits=7.9),
+                            [replace(g, costs=tuple(c for c in g.costs if c[0] != "nvfp4")) for g in groups],
+                            math.floor(7.9 * sum(g.weights for g in groups)))
