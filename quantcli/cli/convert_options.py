@@ -39,7 +39,7 @@ Ignore = Annotated[Optional[list[str]], typer.Option(metavar="PATTERN", help=(
     "Leave modules matching PATTERN unquantized: a name, a parent module, a glob or re:REGEX (repeatable)."))]
 ConfigFile = Annotated[Optional[Path], typer.Option("--config", metavar="FILE", help=(
     "TOML recipe file: recipe, layout, scale_rule, scale_search, targets, ignore, [[override]], rounding, gptq_*, "
-    "[[rounding_override]]."))]
+    "[[rounding_override]], auto, target_bits, max_size."))]
 ScaleRule = Annotated[Optional[str], choice(
     "--scale-rule", "MX scale rule", scale_rule_names, SCALE_RULE_NAMES, "RULE",
     f"MX scale exponent rule: {', '.join(SCALE_RULE_NAMES)} (default: the layout's producer).")]
