@@ -214,3 +214,21 @@ def test_group_options_follow_the_planners_shape_checks_and_costs_are_what_the_p
         auto.check_feasible(replace(request, candidates=("fp8-block", "bf16"), target_bits=7.9),
                             [replace(g, costs=tuple(c for c in g.costs if c[0] != "nvfp4")) for g in groups],
                             math.floor(7.9 * sum(g.weights for g in groups)))
+
+
+def test_moe_experts_of_a_layer_are_one_group(run_cli, root, tiny_moe, tmp_path):
+    """Mixtral's per-expert Linears: one format for the experts of one MoE layer (vLLM's fused MoE),
+    scored as the block the model runs them in."""
+    code, out, err = run_cli("convert", tiny_moe, tmp_path / "out", "--auto", "nvfp4,fp8-block", "--target-bits",
+                             "6", "--calibration", root / "cal.jsonl", "--device", "cpu", "--dry-run", "--json")
+    assert code == 0, err
+    doc = validate("convert-dry-run", json.loads(out))
+    groups = {g["group"]: g for g in doc["auto"]["groups"]}
+    experts = [k for k in groups if k.endswith(".experts")]
+    assert len(experts) == 2
+    recipes = {t["name"][: -len(".weight")]: t["recipe"] for t in doc["tensors"]}
+    for key in experts:
+        members = [m for m in recipes if m.startswith(key + ".")]
+        assert sorted(members) == sorted(groups[key]["modules"]) and len(members) >= 8
+        assert {recipes[m] for m in members} == {groups[key]["choice"]}
+        assert all(v > 0 for v in groups[key]["options"].values() for v in [v["error"]])

@@ -85,12 +85,20 @@ def score_modules(source, opts: Options, groups: list, layout: str, device: str 
                 say(f"auto: scoring {len(modules)} modules in {candidate} on {len(ids)} calibration samples")
             found = _score_one(source, opts, stack, ref, input_batches, dev, candidate, layout,
                                [m for m in every if m not in set(modules)])
-            for m in modules:
-                if m not in found:
-                    raise QuantcliError(f"--auto: {m} is outside the model's layers, where the scoring walk runs; "
-                                        f"--ignore it")
-                scores[m][candidate] = found[m]
+            for g in (g for g in groups if candidate in dict(g.costs)):
+                for m in g.modules:
+                    scores[m][candidate] = _score_of(m, g, found)
     return scores
+
+
+def _score_of(module: str, group, found: dict[str, float]) -> float:
+    """A module's own score; an MoE layer's experts run as one block, swapped whole: that block's
+    score split evenly over the group's modules (their sum is the block's)."""
+    if module in found:
+        return found[module]
+    if group.key in found:
+        return found[group.key] / len(group.modules)
+    raise QuantcliError(f"--auto: {module} is outside the model's layers, where the scoring walk runs; --ignore it")
 
 
 def _score_one(source, opts: Options, stack, ref, input_batches: list, device: torch.device, candidate: str,
@@ -108,7 +116,8 @@ def _score_one(source, opts: Options, stack, ref, input_batches: list, device: t
         names = side_map(stack, quant)
         chosen: dict[int, list[str]] = {}
         for i, layer in enumerate(stack.layers):
-            inside = [m for m in module_paths(layer, stack.layer_prefix(i), names) if m in quant.modules]
+            inside = [m for m in module_paths(layer, stack.layer_prefix(i), names)  # a Linear, or an experts block
+                      if m in quant.modules or any(q.startswith(m + ".") for q in quant.modules)]
             if inside:
                 chosen[i] = sorted(inside)
         pooled = None if stack.kind == CAUSAL else Encoder(*pooling_config([source.root]), sides=(ref, quant))
