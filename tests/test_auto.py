@@ -181,39 +181,55 @@ def test_parse_size_units():
             parse_size(bad, "--max-size")
 
 
-def test_group_options_follow_the_planners_shape_checks_and_costs_are_what_the_plan_writes(tmp_path):
-    """hidden 72: K=72 is no multiple of nvfp4's 16, so only down_proj (K=144) may take nvfp4; each
-    option costs the bits the plan of that recipe writes for the group's weights."""
-    from dataclasses import replace
-
+def _groups(src_dir: Path, candidates: tuple[str, ...], tmp_path: Path):
     from quantcli.checkpoint.source import open_source
     from quantcli.formats.facts import Calibration
     from quantcli.planning import auto
     from quantcli.planning.plan import Options, make_plan
 
-    src = open_source(str(make_llama(tmp_path / "odd", hidden=72, layers=1, shards=1)))
-    request = auto.AutoRequest(("nvfp4", "fp8-block", "bf16"), target_bits=6.0)
+    src = open_source(str(src_dir))
+    request = auto.AutoRequest(candidates, target_bits=6.0)
     opts = Options(recipe="", calibration=Calibration(str(tmp_path / "x.txt"), 8, 32, 1))
     layout = auto.auto_layout(request, None)
-    recipes = auto.candidate_recipes(request, layout, opts)
-    base = make_plan(src, replace(opts, recipe="fp8", layout=layout.name))
-    groups, none = auto.auto_groups(base, request, layout, recipes)
+    base = make_plan(src, auto.base_options(opts, layout))
+    groups, none = auto.auto_groups(base, request, layout, auto.candidate_recipes(request, layout, opts))
+    return src, request, layout, base, groups, none
+
+
+def test_group_options_follow_the_planners_and_the_engines_shape_rules(tmp_path, tiny_llama):
+    """hidden 72: K=72 is no multiple of nvfp4's 16 (the planner's check) nor of the 128 transformers
+    needs for fp8-block in compressed-tensors (the engines table): only down_proj (K=144) takes nvfp4.
+    hidden 128: k_proj's N=64 is no multiple of 128, which vLLM needs for each fused part but the last:
+    q/k/v loses fp8-block, the other groups keep it."""
+    src, request, layout, base, groups, none = _groups(make_llama(tmp_path / "odd", hidden=72, layers=1, shards=1),
+                                                       ("nvfp4", "fp8-block", "bf16"), tmp_path)
+    assert {g.key: [c for c, _ in g.costs] for g in groups} == {
+        "model.layers.0.mlp.down_proj": ["nvfp4", "bf16"], "model.layers.0.mlp.{gate_proj,up_proj}": ["bf16"],
+        "model.layers.0.self_attn.o_proj": ["bf16"], "model.layers.0.self_attn.{q_proj,k_proj,v_proj}": ["bf16"]}
+    src, request, layout, base, groups, none = _groups(tiny_llama, ("nvfp4", "fp8-block"), tmp_path)
+    options = {g.key.split(".", 3)[-1]: [c for c, _ in g.costs] for g in groups if g.key.startswith("model.layers.0")}
+    assert options == {"mlp.down_proj": ["nvfp4", "fp8-block"], "mlp.{gate_proj,up_proj}": ["nvfp4", "fp8-block"],
+                       "self_attn.o_proj": ["nvfp4", "fp8-block"], "self_attn.{q_proj,k_proj,v_proj}": ["nvfp4"]}
+
+
+def test_costs_are_what_the_plan_writes_and_the_budget_refusal_says_the_least(tmp_path, tiny_llama):
+    from dataclasses import replace
+
+    from quantcli.planning import auto
+    from quantcli.planning.plan import Options, make_plan
+
+    src, request, layout, base, groups, none = _groups(tiny_llama, ("nvfp4", "bf16"), tmp_path)
     assert not none
-    options = {g.key: [c for c, _ in g.costs] for g in groups}
-    assert options == {"model.layers.0.mlp.down_proj": ["nvfp4", "fp8-block", "bf16"],
-                       "model.layers.0.mlp.{gate_proj,up_proj}": ["fp8-block", "bf16"],
-                       "model.layers.0.self_attn.o_proj": ["fp8-block", "bf16"],
-                       "model.layers.0.self_attn.{q_proj,k_proj,v_proj}": ["fp8-block", "bf16"]}
-    block = {t.module: t.bytes_out for t in make_plan(src, Options(recipe="fp8-block", layout=layout.name)).tensors
-             if t.quantized}
+    written = {t.module: t.bytes_out for t in make_plan(src, Options(recipe="nvfp4", layout=layout.name)).tensors
+               if t.quantized}
     for g in groups:
-        assert dict(g.costs)["fp8-block"] == 8 * sum(block[m] for m in g.modules)
+        assert dict(g.costs)["nvfp4"] == 8 * sum(written[m] for m in g.modules)
         assert dict(g.costs)["bf16"] == 16 * g.weights
-    assert auto.budget_bits(request, groups, base, none) == 6 * sum(g.weights for g in groups)
-    with pytest.raises(auto.UsageError, match="least achievable 8.0"):
-        auto.check_feasible(replace(request, candidates=("fp8-block", "bf16"), target_bits=7.9),
-                            [replace(g, costs=tuple(c for c in g.costs if c[0] != "nvfp4")) for g in groups],
-                            math.floor(7.9 * sum(g.weights for g in groups)))
+    weights = sum(g.weights for g in groups)
+    assert auto.budget_bits(request, groups, base, none) == 6 * weights
+    least = sum(dict(g.costs)["nvfp4"] for g in groups) / weights
+    with pytest.raises(auto.UsageError, match=f"least achievable {least:.4f} bits"):
+        auto.check_feasible(replace(request, target_bits=4.0), groups, 4 * weights)
 
 
 def test_moe_experts_of_a_layer_are_one_group(run_cli, root, tiny_moe, tmp_path):

@@ -32,10 +32,8 @@ from quantcli.model.stack import CAUSAL, ENCODER, build_stack, encoder_positions
 from quantcli.planning import auto
 from quantcli.planning.conversion import plan_conversion
 from quantcli.planning.plan import Options, make_plan
-from quantcli.planning.rounding import Rounding
 from quantcli.recipes import get_recipe
 
-BASE_RECIPE = "fp8"  # per tensor: no shape of its own, so the base plan finds every quantizable module
 Say = Callable[[str], None]
 
 
@@ -49,10 +47,7 @@ def choose_formats(source, opts: Options, device: str = "auto", say: Say | None 
                             f"formats for a dense source")
     layout = auto.auto_layout(request, opts.layout)
     recipes = auto.candidate_recipes(request, layout, opts)
-    base_layout = layout.name if layout.supports(BASE_RECIPE) and BASE_RECIPE not in layout.needs_static else None
-    base = make_plan(source, replace(opts, recipe=BASE_RECIPE, layout=base_layout, overrides=[], auto=None,
-                                     rounding=Rounding(), activations=None, kv_cache=None, scale_search="none",
-                                     scale_rule=None))
+    base = make_plan(source, auto.base_options(opts, layout))
     groups, left_dense = auto.auto_groups(base, request, layout, recipes)
     if not groups:
         raise QuantcliError(f"--auto {','.join(request.candidates)}: no module fits any candidate (see `--dry-run "

@@ -3,12 +3,13 @@ chosen to minimise the predicted model output error under a bit budget, from hea
 
 Groups are what engines run in one precision: a fused group (q/k/v, gate/up, ...), the experts of
 one MoE layer, else one module. A group's options are the candidates that the planner's own shape
-checks (`plan.unfit_reason`) accept for every member; `bf16` keeps the group dense (stored as the
-source stores it). An option's cost is the bits the layout writes for the group's weights in that
-recipe (`plan.output_specs`: codes, block scales, global scales, shapes), its error the sum of the
-members' scores: each module's model output error with it alone quantized in that recipe
-(evaluate/auto_scores.py). Summing assumes the errors add up (an additive model; interactions
-between modules are not scored). The solve is knapsack.solve, exact on those integer costs."""
+checks (`plan.unfit_reason`) accept for every member and that no engine loading the recipe in the
+layout refuses for the group's shapes (the engines table's shape conditions); `bf16` keeps the
+group dense (stored as the source stores it). An option's cost is the bits the layout writes for
+the group's weights in that recipe (`plan.output_specs`: codes, block scales, global scales,
+shapes), its error the sum of the members' scores: each module's model output error with it alone
+quantized in that recipe (evaluate/auto_scores.py). Summing assumes the errors add up (an additive
+model; interactions between modules are not scored). The solve is knapsack.solve, exact on those integer costs."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ from fractions import Fraction
 
 from quantcli.checkpoint.safetensors_io import DTYPES
 from quantcli.errors import QuantcliError, UsageError, pick
+from quantcli.formats.engine_checks import CHECKS, Facts
+from quantcli.formats.engines import WHEN, verdicts
 from quantcli.formats.experts import experts_module
 from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import Layout, get_layout, layouts_for, layouts_holding, module_of
 from quantcli.planning import knapsack
 from quantcli.planning.plan import Options, Plan, output_specs, unfit_reason
+from quantcli.planning.rounding import Rounding
 from quantcli.recipes import RECIPES, Recipe, get_recipe
 
 DENSE = "bf16"  # the candidate that leaves a group dense
@@ -122,6 +126,18 @@ class AutoGroup:
     costs: tuple[tuple[str, int], ...]  # (candidate, bits as written), candidates' order
 
 
+BASE_RECIPE = "fp8"  # per tensor: no shape rule of its own, so its plan finds every quantizable module
+
+
+def base_options(opts: Options, layout: Layout) -> Options:
+    """The options of the plan that lists the quantizable modules (what --ignore, targets, module
+    kinds and the layout leave), before any candidate's shape rules."""
+    fits = layout.supports(BASE_RECIPE) and BASE_RECIPE not in layout.needs_static
+    return replace(opts, recipe=BASE_RECIPE, layout=layout.name if fits else None, overrides=[], auto=None,
+                   auto_choice=None, rounding=Rounding(), activations=None, kv_cache=None, scale_search="none",
+                   scale_rule=None)
+
+
 def group_key(module: str, tensor: str) -> str:
     if ".experts." in tensor:
         return experts_module(tensor)
@@ -142,7 +158,8 @@ def auto_groups(base: Plan, request: AutoRequest, layout: Layout, recipes: dict[
         for c in request.candidates:
             if c == DENSE:
                 costs.append((c, sum(8 * t.bytes_in for t in ts)))
-            elif all(unfit_reason(recipes[c], layout, t.name, t.logical_shape, t.dtype) is None for t in ts):
+            elif (all(unfit_reason(recipes[c], layout, t.name, t.logical_shape, t.dtype) is None for t in ts)
+                  and engine_shape_problem(c, layout.name, {t.module: t.logical_shape for t in ts}) is None):
                 costs.append((c, sum(8 * o.nbytes for t in ts for o in output_specs(
                     layout, t.module, recipes[c], t.logical_shape, DTYPES[t.dtype]))))
         modules = tuple(t.module for t in ts)
@@ -151,6 +168,23 @@ def auto_groups(base: Plan, request: AutoRequest, layout: Layout, recipes: dict[
         else:
             none.extend(modules)
     return groups, none
+
+
+SHAPE_CHECKS = ("nk128", "k128", "fused_n128", "fused_n128_but_last")  # formats/engine_checks.py's shape rules
+
+
+def engine_shape_problem(recipe: str, layout: str, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """Why an engine that loads `recipe` in `layout` would not load these modules in it (the
+    engines table's shape conditions: fp8-block's 128 multiples, per fused part), or None."""
+    facts = Facts(modules={m: (recipe, s) for m, s in shapes.items()})
+    for engine, v in verdicts(recipe, layout).items():
+        if v.status != WHEN:
+            continue
+        for key in (k for k in v.checks if k in SHAPE_CHECKS):
+            why = CHECKS[key](facts, recipe)
+            if why:
+                return f"{engine}: {why}"
+    return None
 
 
 def budget_bits(request: AutoRequest, groups: list[AutoGroup], base: Plan, left_dense: list[str]) -> int:
