@@ -54,14 +54,15 @@ def choose_formats(source, opts: Options, device: str = "auto", say: Say | None 
                             f"--recipe R` for each recipe's reasons)")
     budget = auto.budget_bits(request, groups, base, left_dense)
     auto.check_feasible(request, groups, budget)
-    scores = score_modules(source, opts, groups, layout.name, device, say)
+    scores = score_modules(source, opts, groups, layout.name, device, say, left_dense)
     choice = auto.choose(request, layout.name, groups, scores, budget, left_dense)
     return auto.chosen_options(opts, choice)
 
 
 def score_modules(source, opts: Options, groups: list, layout: str, device: str = "auto",
-                  say: Say | None = None) -> dict[str, dict[str, float]]:
-    """{module: {candidate: output error with it alone quantized}} for every group's options."""
+                  say: Say | None = None, left_dense: list[str] = ()) -> dict[str, dict[str, float]]:
+    """{module: {candidate: output error with it alone quantized}} for every group's options
+    (`left_dense`: the modules of groups with none, kept dense in every walk)."""
     dev = resolve_device(device)
     cal = opts.calibration
     every = [m for g in groups for m in g.modules]
@@ -79,7 +80,7 @@ def score_modules(source, opts: Options, groups: list, layout: str, device: str 
             if say is not None:
                 say(f"auto: scoring {len(modules)} modules in {candidate} on {len(ids)} calibration samples")
             found = _score_one(source, opts, stack, ref, input_batches, dev, candidate, layout,
-                               [m for m in every if m not in set(modules)])
+                               [*(m for m in every if m not in set(modules)), *left_dense])
             for g in (g for g in groups if candidate in dict(g.costs)):
                 for m in g.modules:
                     scores[m][candidate] = _score_of(m, g, found)
