@@ -248,3 +248,18 @@ def test_moe_experts_of_a_layer_are_one_group(run_cli, root, tiny_moe, tmp_path)
         assert sorted(members) == sorted(groups[key]["modules"]) and len(members) >= 8
         assert {recipes[m] for m in members} == {groups[key]["choice"]}
         assert all(v > 0 for v in groups[key]["options"].values() for v in [v["error"]])
+
+
+def test_a_group_no_candidate_fits_stays_dense_and_out_of_the_budget(run_cli, root, tiny_llama, tmp_path):
+    """hidden 128: q/k/v cannot take fp8-block (k_proj's N=64, vLLM's rule), so with fp8-block the
+    only candidate that group stays dense, said, and outside the bits counted."""
+    code, out, err = run_cli("convert", tiny_llama, tmp_path / "out", "--auto", "fp8-block", "--target-bits", "8.1",
+                             "--calibration", root / "cal.jsonl", "--device", "cpu", "--dry-run", "--json")
+    assert code == 0, err
+    doc = validate("convert-dry-run", json.loads(out))
+    record = doc["auto"]
+    dense = {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "k_proj", "v_proj")}
+    assert set(record["left_dense"]) == dense
+    assert not dense & {m for g in record["groups"] for m in g["modules"]}
+    assert {t["name"][: -len(".weight")] for t in doc["tensors"] if t["recipe"] is None} >= dense
+    assert record["achieved_bits"] <= 8.1 and {g["choice"] for g in record["groups"]} == {"fp8-block"}
