@@ -6,7 +6,8 @@ from the written tensors (every tensor each Linear of the layers writes, over th
 weights). The --auto rows also give the choice's predicted error (the sum of one-module-alone
 1 - cosine scores on the calibration data) beside the measured 1 - cosine mean on held-out data.
 
-    .venv/bin/python scripts/measure_auto_minilm.py [--model DIR|ZIP] [--work DIR] [--no-gptq] [--samples N]
+    .venv/bin/python scripts/measure_auto_minilm.py [--model DIR|ZIP] [--work DIR]
+        [--no-gptq | --gptq-only] [--samples N]
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--no-gptq", action="store_true")
+    ap.add_argument("--gptq-only", action="store_true", help="the --rounding gptq rows only")
     ap.add_argument("--samples", type=int, default=192, help="calibration sentences (scores and GPTQ)")
     args = ap.parse_args()
     cal = [str(args.samples) if v == "192" else v for v in CALIBRATION]
@@ -74,7 +76,7 @@ def main() -> None:
     rows = []
     print("| checkpoint | rounding | bits/weight | predicted 1-cos (calibration) | cosine mean | cosine min |\n"
           "|---|---|---|---|---|---|")
-    for rounding in ["nearest"] + ([] if args.no_gptq else ["gptq"]):
+    for rounding in ([] if args.gptq_only else ["nearest"]) + ([] if args.no_gptq else ["gptq"]):
         gptq = ["--rounding", "gptq", *cal] if rounding == "gptq" else []
         runs = {"uniform nvfp4": ["--recipe", "nvfp4", *gptq],
                 "hand mix: attention fp8-block, MLP nvfp4": ["--config", str(work / "hand.toml"), *gptq]}
