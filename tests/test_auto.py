@@ -142,9 +142,11 @@ def test_dense_candidate_and_max_size(run_cli, root, tmp_path):
 
 def test_gptq_rounds_each_module_in_its_chosen_format(run_cli, root, tmp_path):
     dst = tmp_path / "out"
-    code, out, err = _convert(run_cli, root, dst, *AUTO, "--target-bits", "6", "--rounding", "gptq")
+    code, out, err = _convert(run_cli, root, dst, *AUTO, "--target-bits", "6", "--rounding", "gptq", "--json")
     assert code == 0, err
+    summary = validate("convert", json.loads(out))
     manifest = json.loads((dst / "quantcli_manifest.json").read_text())
+    assert summary["auto"] == manifest["auto"]
     chosen = {m: g["choice"] for g in manifest["auto"]["groups"] for m in g["modules"]}
     entries = {e["module"]: e for e in manifest["modules"]}
     assert {m: entries[m]["recipe"] for m in chosen} == chosen
