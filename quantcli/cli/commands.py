@@ -202,8 +202,13 @@ def _working_set(plan) -> int:
 
 
 def _calibration_estimate(plan, device: str):
-    """What the calibration pass will cost (None without --calibration)."""
-    if plan.options.calibration is None:
+    """What the calibration pass will cost (None without --calibration, or when --auto's scores,
+    already taken, are all the data was for)."""
+    from quantcli.calibrate.scales import needs_walk
+
+    opts = plan.options
+    if opts.calibration is None or (opts.auto_choice is not None and not needs_walk(plan)
+                                    and not opts.rounding.data_aware):
         return None
     from quantcli.calibrate.estimate import estimate
     from quantcli.convert import resolve_device
