@@ -130,6 +130,7 @@ def test_dense_candidate_and_max_size(run_cli, root, tmp_path):
     assert set(choices.values()) == {"nvfp4", "bf16"}
     dense = [m for g in manifest["auto"]["groups"] if g["choice"] == "bf16" for m in g["modules"]]
     assert set(dense) <= set(manifest["excluded"])
+    assert "--auto chose bf16 (dense)" in out and "--ignore" not in out
     assert manifest["auto"]["achieved_bits"] <= 8.0
     size = 1_400_000
     code, out, err = _convert(run_cli, root, tmp_path / "sized", *AUTO, "--max-size", f"{size}B")
@@ -264,4 +265,5 @@ def test_a_group_no_candidate_fits_stays_dense_and_out_of_the_budget(run_cli, ro
     assert set(record["left_dense"]) == dense
     assert not dense & {m for g in record["groups"] for m in g["modules"]}
     assert {t["name"][: -len(".weight")] for t in doc["tensors"] if t["recipe"] is None} >= dense
+    assert {e["reason"] for e in doc["excluded"] if e["module"] in dense} == {"--auto: no candidate fits"}
     assert record["achieved_bits"] <= 8.1 and {g["choice"] for g in record["groups"]} == {"fp8-block"}

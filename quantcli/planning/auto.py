@@ -26,7 +26,7 @@ from quantcli.formats.experts import experts_module
 from quantcli.formats.fused import fused_group_of
 from quantcli.formats.layouts import Layout, get_layout, layouts_for, layouts_holding, module_of
 from quantcli.planning import knapsack
-from quantcli.planning.plan import Options, Plan, output_specs, unfit_reason
+from quantcli.planning.plan import Exclusion, Options, Plan, output_specs, unfit_reason
 from quantcli.planning.rounding import Rounding
 from quantcli.recipes import RECIPES, Recipe, get_recipe
 
@@ -320,3 +320,12 @@ def check_choice(plan: Plan, choice: AutoChoice) -> None:
         raise QuantcliError(f"{req.budget_label}: the output's tensors come to {plan.bytes_out:,} bytes with the "
                             f"calibrated scale tensors the options add; lower --max-size by "
                             f"{plan.bytes_out - req.max_size:,} bytes")
+
+
+def explained(plan: Plan, choice: AutoChoice) -> Plan:
+    """The plan with --auto's reasons for what it left dense (its exact-name ignores would read
+    as '--ignore', which the user did not give)."""
+    dense = {m for m, r in choice.recipes().items() if r == DENSE}
+    left = set(choice.left_dense)
+    said = {**dict.fromkeys(dense, "--auto chose bf16 (dense)"), **dict.fromkeys(left, "--auto: no candidate fits")}
+    return replace(plan, exclusions=[Exclusion(e.module, said.get(e.module, e.reason)) for e in plan.exclusions])

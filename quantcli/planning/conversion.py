@@ -14,7 +14,7 @@ from quantcli.errors import CheckpointError, QuantcliError
 from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config, undeclared_codes_in
 from quantcli.formats.detect import Detected, detect
 from quantcli.planning.actions import Action
-from quantcli.planning.auto import check_choice
+from quantcli.planning.auto import check_choice, explained
 from quantcli.planning.calibration import checked_plan
 from quantcli.planning.from_quantized import DENSE_DTYPES, make_reformat_plan
 from quantcli.planning.plan import Options, Plan, TensorPlan, make_plan
@@ -47,6 +47,7 @@ def plan_conversion(source: Source, opts: Options) -> Plan:
     plan = checked_plan(with_transforms(plan) if not plan.transforms else plan)
     if opts.auto_choice is not None:
         check_choice(plan, opts.auto_choice)
+        plan = explained(plan, opts.auto_choice)
     return replace(plan, warnings=[*stale, *plan.warnings]) if stale else plan
 
 
