@@ -122,10 +122,13 @@ class Manifest:
     # Exact transforms applied to the source's weights before rounding (planning/transforms.py):
     # enough to recompute each changed tensor (verify and eval compare against the transformed source).
     transforms: Mapping[str, object] | None = None
+    # convert --auto: the candidates, the budget, each group's options (bits as written, predicted
+    # error from its modules' scores) and the choice (planning/auto.py AutoChoice.record).
+    auto: Mapping[str, object] | None = None
 
     def to_json(self) -> str:
         doc = asdict(self)
-        for key in ("calibration", "rounding", "transforms"):
+        for key in ("calibration", "rounding", "transforms", "auto"):
             if doc[key] is None:
                 del doc[key]
         for m in doc["modules"]:

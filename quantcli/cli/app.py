@@ -22,6 +22,7 @@ from quantcli import __version__
 from quantcli.checkpoint.hub import hub_access
 from quantcli.cli.convert_options import (
     Activations,
+    Auto,
     Backend,
     Calibration,
     CalibrationBatch,
@@ -32,6 +33,7 @@ from quantcli.cli.convert_options import (
     Ignore,
     KvCache,
     Layout,
+    MaxSize,
     Overwrite,
     PerTensor,
     Quiet,
@@ -41,6 +43,7 @@ from quantcli.cli.convert_options import (
     RoundingMethod,
     ScaleRule,
     ScaleSearch,
+    TargetBits,
     Verbose,
     Workers,
 )
@@ -129,6 +132,7 @@ def convert(
     rounding: RoundingMethod = None,
     gptq: dict | None = None,  # the --gptq-* options (planning/rounding.py GPTQ_SETTINGS), added after --rounding
     rotate: Rotate = None,
+    auto: Auto = None, target_bits: TargetBits = None, max_size: MaxSize = None,
     activations: Activations = None,
     kv_cache: KvCache = None,
     calibration: Calibration = None,
@@ -161,7 +165,8 @@ def convert(
         code = run_convert(src, dst, recipe=recipe, layout=layout, ignore=ignore or [], config=config,
                            scale_rule=scale_rule, scale_search=scale_search,
                            rounding=dict(rounding=rounding, **(gptq or {})),
-                           rotate=rotate, calibrate=dict(
+                           rotate=rotate, auto=dict(auto=auto, target_bits=target_bits, max_size=max_size),
+                           calibrate=dict(
                                activations=activations, kv_cache=kv_cache, calibration=calibration,
                                calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
                                calibration_batch=calibration_batch), revision=revision, device=device,

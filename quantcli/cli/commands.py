@@ -25,6 +25,7 @@ from quantcli.cli.render import (
     render_verify,
     render_verify_brief,
 )
+from quantcli.cli.render_auto import auto_lines
 from quantcli.errors import QuantcliError
 from quantcli.reports import envelope, excluded_entries, to_json
 
@@ -47,7 +48,7 @@ def process_bytes() -> int:
 def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, ignore: list[str],
                 config: Path | None, scale_rule: str | None, revision: str | None, device: str, backend: str,
                 scale_search: str | None = None, rounding: dict | None = None, rotate: str | None = None,
-                dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool,
+                auto: dict | None = None, dry_run: bool, resume: bool, overwrite: bool, quiet: bool, json_out: bool,
                 calibrate: dict | None = None, per_tensor: bool = False, verbose: bool = False,
                 workers: int = 1, argv: list[str] | None = None, push_to_hub: dict | None = None,
                 entry: Callable[[list[str]], Any] | None = None,  # entry: what --workers ranks run
@@ -58,8 +59,9 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     from quantcli.planning.conversion import plan_conversion
     from quantcli.planning.options_file import conversion_options
 
-    opts = conversion_options(recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule,
-                              calibrate=calibrate, scale_search=scale_search, rounding=rounding, rotate=rotate)
+    opts = _chosen(src, revision, conversion_options(
+        recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule, calibrate=calibrate,
+        scale_search=scale_search, rounding=rounding, rotate=rotate, auto=auto), device, quiet or json_out)
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
     if push_to_hub and dry_run:
@@ -105,6 +107,17 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     return 0
 
 
+def _chosen(src: str, revision: str | None, opts, device: str, quiet: bool):
+    """--auto's choice, before anything else (every later step plans what it chose); else `opts`."""
+    if opts.auto is None:
+        return opts
+    from quantcli.checkpoint.source import open_source
+    from quantcli.evaluate.auto_scores import choose_formats
+
+    say = None if quiet else (lambda line: _console(stderr=True).print(line, markup=False))
+    return choose_formats(open_source(src, revision), opts, device, say)
+
+
 def _workers_for(plan, workers: int) -> int:
     """A rank per shard at most (a worker converts whole shards): more would only start idle
     processes, so run fewer and say so."""
@@ -139,6 +152,8 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
            "estimated_peak_memory_bytes": peak, "fingerprint": fingerprint(plan)}
     calibration = _calibration_estimate(plan, device)
     doc["calibration_estimate"] = calibration.to_json() if calibration else None
+    choice = plan.options.auto_choice
+    doc["auto"] = choice.record() if choice is not None else None
     if json_out:  # quantcli/schemas/convert-dry-run.json
         emit_json(envelope("convert", doc, source=plan.source.label, destination=dst, dry_run=True))
         return 0
@@ -149,6 +164,8 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
             con.print(line)
     for w in plan.all_warnings:
         (_console(stderr=True) if quiet else con).print(f"warning: {w}")
+    for line in auto_lines(choice) if choice is not None and not quiet else []:
+        con.print(line, markup=False, highlight=False)
     con.print(f"total {human_bytes(plan.bytes_in)} -> {human_bytes(plan.bytes_out)}, {doc['bits_per_param']:.2f} "
               f"bits/param over {counted(total_params, 'param', spec=',')} ({params_q:,} quantized); estimated peak "
               f"memory "
@@ -185,8 +202,13 @@ def _working_set(plan) -> int:
 
 
 def _calibration_estimate(plan, device: str):
-    """What the calibration pass will cost (None without --calibration)."""
-    if plan.options.calibration is None:
+    """What the calibration pass will cost (None without --calibration, or when --auto's scores,
+    already taken, are all the data was for)."""
+    from quantcli.calibrate.scales import needs_walk
+
+    opts = plan.options
+    if opts.calibration is None or (opts.auto_choice is not None and not needs_walk(plan)
+                                    and not opts.rounding.data_aware):
         return None
     from quantcli.calibrate.estimate import estimate
     from quantcli.convert import resolve_device

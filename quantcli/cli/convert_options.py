@@ -39,7 +39,7 @@ Ignore = Annotated[Optional[list[str]], typer.Option(metavar="PATTERN", help=(
     "Leave modules matching PATTERN unquantized: a name, a parent module, a glob or re:REGEX (repeatable)."))]
 ConfigFile = Annotated[Optional[Path], typer.Option("--config", metavar="FILE", help=(
     "TOML recipe file: recipe, layout, scale_rule, scale_search, targets, ignore, [[override]], rounding, gptq_*, "
-    "[[rounding_override]]."))]
+    "[[rounding_override]], auto, target_bits, max_size."))]
 ScaleRule = Annotated[Optional[str], choice(
     "--scale-rule", "MX scale rule", scale_rule_names, SCALE_RULE_NAMES, "RULE",
     f"MX scale exponent rule: {', '.join(SCALE_RULE_NAMES)} (default: the layout's producer).")]
@@ -87,3 +87,10 @@ Workers = Annotated[int, typer.Option(metavar="N", min=1, help=(
     "Convert on N processes on this machine (torch.distributed; under torchrun the ranks come from torchrun)."))]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help=(
     "Per-tensor detail: each tensor as it is written (stderr), the dry run per tensor."))]
+Auto = Annotated[Optional[str], typer.Option("--auto", metavar="R1,R2", help=(
+    "Choose each module group's recipe among these candidates (bf16: stays dense) for the least model output "
+    "error on --calibration DATA, under --target-bits or --max-size."))]
+TargetBits = Annotated[Optional[float], typer.Option(metavar="B", help=(
+    "--auto: average stored bits per quantized weight (codes and scales, as written), at most."))]
+MaxSize = Annotated[Optional[str], typer.Option(metavar="SIZE", help=(
+    "--auto: the whole output's tensors at most SIZE, in binary units (e.g. 3.5GiB)."))]

@@ -8,6 +8,7 @@ from pathlib import Path
 from quantcli.cli.name_tables import ERROR, counted
 from quantcli.cli.render import console as _console
 from quantcli.cli.render import dense_reasons, human_bytes
+from quantcli.cli.render_auto import auto_summary
 from quantcli.cli.render_rounding import rounding_summary
 from quantcli.reports import envelope, excluded_entries
 
@@ -27,6 +28,7 @@ def convert_summary(plan, result) -> dict:
         "requantize_rel_err_vs_decoded_source": result.requantize_errors,
         "already_complete": result.already_complete,
         "calibration": _calibration_record(plan, result.dst),
+        "auto": plan.options.auto_choice.record() if plan.options.auto_choice is not None else None,
     }, source=plan.source.label, destination=result.dst)
 
 
@@ -48,6 +50,8 @@ def print_convert_result(plan, result, src: str, overwrite: bool = False) -> Non
                   f"{ERROR.format(sum(errs.values()) / len(errs))}, worst {ERROR.format(errs[worst])} ({worst})")
     con.print(f"wrote {result.dst}: {_what_was_done(plan, result)}, "
               f"{human_bytes(result.bytes_in)} -> {human_bytes(result.bytes_out)}{_timing(result)}")
+    if plan.options.auto_choice is not None:
+        con.print(auto_summary(plan.options.auto_choice), markup=False, highlight=False)
     if plan.exclusions:
         con.print(f"left dense: {dense_reasons(plan.exclusions)}")
     if plan.layout is not None:  # the card's verdicts (quantcli/formats/engines.py, checked on the output)

@@ -73,7 +73,8 @@ def build_manifest(plan: Plan, fp: str, found: Findings) -> Manifest:
     transforms = transform_record(plan.options.rotate, plan.transforms) if plan.transforms else None
     return Manifest(__version__, plan.target, plan.options.recipe, plan.source.describe(), fp, tuple(modules),
                     excluded, lossless=plan.lossless, notes=tuple(found.note_list()),
-                    calibration=calibration_record(plan), rounding=rounding, transforms=transforms)
+                    calibration=calibration_record(plan), rounding=rounding, transforms=transforms,
+                    auto=plan.options.auto_choice.record() if plan.options.auto_choice is not None else None)
 
 
 def _manifest_module(plan: Plan, t: TensorPlan, found: Findings) -> ModuleEntry:

@@ -45,6 +45,8 @@ def fingerprint(plan: Plan) -> str:
     if plan.transforms:  # likewise: plans without a transform keep their fingerprints
         h.update(f"transforms|{opts.rotate}|{sorted((n, op.part, op.head) for n, op in plan.transforms.items())}"
                  .encode())
+    if opts.auto_choice is not None:  # --auto: candidates, budget and choice (planning/auto.py)
+        h.update(opts.auto_choice.identity().encode())
     for shard in plan.source.shards:
         header = plan.source.headers[shard]
         h.update(json.dumps({n: [i.start, i.end] for n, i in sorted(header.tensors.items())}).encode())

@@ -23,14 +23,15 @@ _SHAPES = {SCALAR: (), ONE: (1,)}
 
 
 def check_options(activations: str | None, kv_cache: str | None, calibration, scale_search: str = "none",
-                  data_aware_rounding: bool = False) -> None:
-    """Flags that need --calibration, refused before the source is opened."""
+                  data_aware_rounding: bool = False, scored: bool = False) -> None:
+    """Flags that need --calibration, refused before the source is opened (`scored`: --auto
+    scores modules on the data, so it is used even when nothing is calibrated)."""
     for flag, value in (("--activations static", activations == "static"), ("--kv-cache fp8", kv_cache == "fp8"),
                         ("--rounding gptq", data_aware_rounding)):
         if value and calibration is None:
             raise QuantcliError(f"{flag} needs --calibration DATA (a .txt or .jsonl of calibration samples)")
     if (calibration is not None and activations != "static" and kv_cache != "fp8" and scale_search != "mse"
-            and not data_aware_rounding):
+            and not data_aware_rounding and not scored):
         raise QuantcliError("--calibration: nothing to calibrate; add --activations static, --kv-cache fp8, "
                             "--scale-search mse (activation-weighted) and/or --rounding gptq")
 

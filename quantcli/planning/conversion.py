@@ -14,6 +14,7 @@ from quantcli.errors import CheckpointError, QuantcliError
 from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config, undeclared_codes_in
 from quantcli.formats.detect import Detected, detect
 from quantcli.planning.actions import Action
+from quantcli.planning.auto import check_choice, explained
 from quantcli.planning.calibration import checked_plan
 from quantcli.planning.from_quantized import DENSE_DTYPES, make_reformat_plan
 from quantcli.planning.plan import Options, Plan, TensorPlan, make_plan
@@ -23,6 +24,9 @@ from quantcli.recipes import DENSE_RECIPES, RECIPES
 
 def plan_conversion(source: Source, opts: Options) -> Plan:
     """The plan for converting `source` with `opts`, from headers (and a quantized source's scales)."""
+    if opts.auto is not None:  # the choice needs the scoring walk (evaluate/auto_scores.py), not planning alone
+        raise QuantcliError("--auto (or auto in --config): only `quantcli convert` chooses formats; give a recipe "
+                            "here, or convert with --auto")
     missing = missing_config(source)
     if missing is not None:  # the output would load nowhere: refused before any work
         raise CheckpointError(f"{source.label}: {CONFIG_NAME} {missing}; nothing converted: {config_fix(source)}")
@@ -41,6 +45,9 @@ def plan_conversion(source: Source, opts: Options) -> Plan:
     else:
         plan = make_plan(source, opts)
     plan = checked_plan(with_transforms(plan) if not plan.transforms else plan)
+    if opts.auto_choice is not None:
+        check_choice(plan, opts.auto_choice)
+        plan = explained(plan, opts.auto_choice)
     return replace(plan, warnings=[*stale, *plan.warnings]) if stale else plan
 
 

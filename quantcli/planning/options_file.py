@@ -10,6 +10,7 @@ from quantcli.errors import QuantcliError, did_you_mean, pick
 from quantcli.formats.facts import CALIBRATION_SAMPLES, Calibration
 from quantcli.formats.layouts import LAYOUTS
 from quantcli.kernels.spec import SCALE_RULES, SCALE_SEARCHES
+from quantcli.planning.auto import AutoRequest, auto_request
 from quantcli.planning.calibration import check_options
 from quantcli.planning.plan import Options
 from quantcli.planning.rounding import GPTQ_SETTINGS, METHODS, Rounding, rounding_options
@@ -20,10 +21,11 @@ from quantcli.recipes import DENSE_RECIPES, RECIPES
 def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[str], config: Path | None,
                        scale_rule: str | None, calibrate: dict | None = None,
                        scale_search: str | None = None, rounding: dict | None = None,
-                       rotate: str | None = None) -> Options:
+                       rotate: str | None = None, auto: dict | None = None) -> Options:
     """The options of one conversion, from the command line and the recipe file (if any);
     `calibrate`: the command line's activations, kv_cache, calibration and calibration_* values;
-    `rounding`: the command line's rounding and gptq_* values."""
+    `rounding`: the command line's rounding and gptq_* values; `auto`: its auto, target_bits and
+    max_size values."""
     opts = Options(recipe=recipe or "")
     data: dict = {}
     if config is not None:
@@ -41,12 +43,34 @@ def conversion_options(*, recipe: str | None, layout: str | None, ignore: list[s
     opts.ignore += ignore
     opts.rotate = rotate or data.get("rotate")
     opts.rounding = _rounding_options(data, rounding or {})
-    _calibration_options(opts, data, calibrate or {})
+    _calibration_options(opts, data, {**(calibrate or {}), "auto": (auto or {}).get("auto")})
+    opts.auto = _auto_request(opts, data, auto or {})
     return opts  # no recipe: the planner takes a quantized source's own (conversion.default_recipe)
 
 
 _CALIBRATION_KEYS = {"activations": ("static", "dynamic"), "kv_cache": ("fp8", "none"), "calibration": None,
                      "calibration_samples": CALIBRATION_SAMPLES, "calibration_seq_len": 512, "calibration_batch": 1}
+
+
+_AUTO_KEYS = {"auto": "--auto", "target_bits": "--target-bits", "max_size": "--max-size"}
+
+
+def _auto_request(opts: Options, data: dict, given: dict) -> AutoRequest | None:
+    """--auto, --target-bits, --max-size: the command line over the file; checked once."""
+    values = {}
+    for key, flag in _AUTO_KEYS.items():
+        if given.get(key) is not None:
+            values[key] = (given[key], flag)
+        elif key in data:
+            values[key] = (data[key], f"{key} in --config")
+    request = auto_request(values, opts.calibration is not None)
+    if request is not None and opts.recipe:
+        raise QuantcliError(f"{values['auto'][1]}: chooses each module's recipe among the candidates; drop the "
+                            f"recipe ({opts.recipe})")
+    if request is not None and opts.overrides:
+        raise QuantcliError(f"{values['auto'][1]}: chooses each module's recipe; [[override]] tables would fight it, "
+                            f"drop them (--ignore still keeps modules dense)")
+    return request
 
 
 def _rounding_options(data: dict, given: dict) -> Rounding:
@@ -82,7 +106,8 @@ def _calibration_options(opts: Options, data: dict, given: dict) -> None:
         cal = Calibration(str(merged["calibration"]), sizes["calibration_samples"], sizes["calibration_seq_len"],
                           sizes["calibration_batch"])
     opts.calibration = cal
-    check_options(opts.activations, opts.kv_cache, cal, opts.scale_search, opts.rounding.data_aware)
+    check_options(opts.activations, opts.kv_cache, cal, opts.scale_search, opts.rounding.data_aware,
+                  scored=given.get("auto") is not None or "auto" in data)
 
 
 def load_recipe_file(path: Path) -> dict:
@@ -108,7 +133,7 @@ def _toml_type(value: object) -> str:
 
 def _check_recipe_file(data: dict, where: str) -> dict:
     known = ("recipe", "layout", "scale_rule", "scale_search", "targets", "ignore", "override", *_CALIBRATION_KEYS,
-             "rounding", *(s.file_key for s in GPTQ_SETTINGS), "rounding_override", "rotate")
+             "rounding", *(s.file_key for s in GPTQ_SETTINGS), "rounding_override", "rotate", *_AUTO_KEYS)
     for key in data:
         if key not in known:
             raise QuantcliError(f"{where}: unknown key {key!r}{did_you_mean(key, known)} (allowed: {', '.join(known)})")
@@ -148,9 +173,13 @@ def _check_recipe_file(data: dict, where: str) -> dict:
     if "rounding_override" in data:
         out["rounding_override"] = _pattern_tables(data["rounding_override"], where, string, "rounding_override",
                                                    "rounding", ('"gptq"', '"gptq"'), list(METHODS))
-    for key in ("targets", "ignore"):
+    for key in ("targets", "ignore", "auto"):
         if key in data:
-            out[key] = strings(key, f'{key} = ["*q_proj"]')
+            out[key] = strings(key, f'{key} = ["*q_proj"]' if key != "auto" else 'auto = ["nvfp4", "fp8-block"]')
+    if "target_bits" in data:
+        out["target_bits"] = data["target_bits"]  # a number: checked with the command line's (auto.auto_request)
+    if "max_size" in data:
+        out["max_size"] = string("max_size", data["max_size"], 'max_size = "3.5GiB"')
     if "override" in data:
         out["override"] = _pattern_tables(data["override"], where, string, "override", "recipe",
                                           ('"NAME"', '"fp8"'), list(RECIPES))

@@ -109,6 +109,8 @@ class Options:
     scale_search: str = "none"  # none | mse: how NVFP4 / MX block scales are chosen (kernels/search.py)
     rounding: Rounding = field(default_factory=Rounding)  # to nearest, or GPTQ per module (planning/rounding.py)
     rotate: str | None = None  # "vo": rotate values and outputs per head first (planning/transforms.py)
+    auto: object | None = None  # --auto: planning/auto.py's AutoRequest (candidates, budget) before the choice
+    auto_choice: object | None = None  # after it: its AutoChoice, which the overrides and ignore list spell out
 
 
 @dataclass
@@ -313,7 +315,7 @@ def _plan_tensor(found: _Planned, source: Source, opts: Options, layout: Layout,
     shape = (*info.shape[:-2], info.shape[-1], info.shape[-2]) if transpose else info.shape
     recipe = recipes[_choose_recipe(module, opts)] if reason is None else None
     if recipe is not None:
-        reason = _unfit_reason(recipe, layout, name, shape, info.dtype)
+        reason = unfit_reason(recipe, layout, name, shape, info.dtype)
         if reason is not None and is_experts:
             # Most of an MoE's weights: never left dense unasked (an engine would read it as quantized).
             raise QuantcliError(f"{name}: {reason} ('{every_layers_experts(name)}' keeps the expert stacks dense, "
@@ -352,7 +354,7 @@ def _exclusion_reason(module: str, info, is_experts: bool, opts: Options, layout
     return reason
 
 
-def _unfit_reason(recipe: Recipe, layout: Layout, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
+def unfit_reason(recipe: Recipe, layout: Layout, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
     """Why the recipe or the layout cannot take this weight (its shape), or None."""
     try:
         recipe.check(name, shape, DTYPES[dtype])

@@ -1,0 +1,121 @@
+"""convert --auto's scores and the whole choice: candidates and budget (planning/auto.py), each
+module scored per candidate on the calibration data, the exact solve, the options that spell it out.
+
+A module's score for a candidate is the model output error with that module alone quantized in
+that recipe, every other weight the source's: the one-walk sensitivity of `eval --sensitivity`
+(sensitivity.walk_sensitivity), one walk per candidate over every module it can take, rounded
+to nearest (with --rounding gptq the written modules are then GPTQ-rounded, in their chosen
+format). KL(source || quantized) mean over the next-token distributions for a causal LM,
+1 - the mean pooled-embedding cosine for an encoder. Input quantization the layout declares for
+the recipe (dynamic activations) is applied as eval applies it; --activations static and the KV
+cache are not part of the score."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from quantcli.checkpoint.tensors import CheckpointTensors
+from quantcli.convert.device import resolve_device
+from quantcli.errors import QuantcliError
+from quantcli.evaluate.declared import activation_steps
+from quantcli.evaluate.engine import side_map
+from quantcli.evaluate.metrics import Encoder, pooling_config
+from quantcli.evaluate.sensitivity import module_paths, walk_sensitivity
+from quantcli.evaluate.sides import RecipeSide, Side
+from quantcli.formats.detect import detect
+from quantcli.model.layers import batches
+from quantcli.model.samples import token_ids
+from quantcli.model.stack import CAUSAL, ENCODER, build_stack, encoder_positions, text_config
+from quantcli.planning import auto
+from quantcli.planning.conversion import plan_conversion
+from quantcli.planning.plan import Options, make_plan
+from quantcli.recipes import get_recipe
+
+Say = Callable[[str], None]
+
+
+def choose_formats(source, opts: Options, device: str = "auto", say: Say | None = None) -> Options:
+    """`opts` with its --auto request replaced by the choice (exact-name overrides and ignores).
+    Every refusal that needs no data (candidates, layout, budget) comes before the scoring walk."""
+    request = opts.auto
+    found = detect(source)
+    if found is not None and found.modules:
+        raise QuantcliError(f"--auto: {source.label} is already quantized ({found.layout.name}); --auto chooses "
+                            f"formats for a dense source")
+    layout = auto.auto_layout(request, opts.layout)
+    recipes = auto.candidate_recipes(request, layout, opts)
+    base = make_plan(source, auto.base_options(opts, layout))
+    groups, left_dense = auto.auto_groups(base, request, layout, recipes)
+    if not groups:
+        raise QuantcliError(f"--auto {','.join(request.candidates)}: no module fits any candidate (see `--dry-run "
+                            f"--recipe R` for each recipe's reasons)")
+    budget = auto.budget_bits(request, groups, base, left_dense)
+    auto.check_feasible(request, groups, budget)
+    scores = score_modules(source, opts, groups, layout.name, device, say, left_dense)
+    choice = auto.choose(request, layout.name, groups, scores, budget, left_dense)
+    return auto.chosen_options(opts, choice)
+
+
+def score_modules(source, opts: Options, groups: list, layout: str, device: str = "auto",
+                  say: Say | None = None, left_dense: list[str] = ()) -> dict[str, dict[str, float]]:
+    """{module: {candidate: output error with it alone quantized}} for every group's options
+    (`left_dense`: the modules of groups with none, kept dense in every walk)."""
+    dev = resolve_device(device)
+    cal = opts.calibration
+    every = [m for g in groups for m in g.modules]
+    scores: dict[str, dict[str, float]] = {m: {} for m in every}
+    with CheckpointTensors(source) as rt:
+        ref = Side(f"{source.label} (source)", source, rt, dev)
+        stack = build_stack(source.config, ref.names, ref.shape, ref.label)
+        limit = encoder_positions(text_config(source.config)) if stack.kind == ENCODER else None
+        ids = token_ids(replace(cal, seq_len=min(cal.seq_len, limit)) if limit else cal, source.root)
+        if not ids:
+            raise QuantcliError(f"--calibration {cal.data}: every sample tokenized to nothing")
+        input_batches = batches(ids, cal.batch)
+        for candidate in (c for c in opts.auto.quantizing if any(c in dict(g.costs) for g in groups)):
+            modules = [m for g in groups if candidate in dict(g.costs) for m in g.modules]
+            if say is not None:
+                say(f"auto: scoring {len(modules)} modules in {candidate} on {len(ids)} calibration samples")
+            found = _score_one(source, opts, stack, ref, input_batches, dev, candidate, layout,
+                               [*(m for m in every if m not in set(modules)), *left_dense])
+            for g in (g for g in groups if candidate in dict(g.costs)):
+                for m in g.modules:
+                    scores[m][candidate] = _score_of(m, g, found)
+    return scores
+
+
+def _score_of(module: str, group, found: dict[str, float]) -> float:
+    """A module's own score; an MoE layer's experts run as one block, swapped whole: that block's
+    score split evenly over the group's modules (their sum is the block's)."""
+    if module in found:
+        return found[module]
+    if group.key in found:
+        return found[group.key] / len(group.modules)
+    raise QuantcliError(f"--auto: {module} is outside the model's layers, where the scoring walk runs; --ignore it")
+
+
+def _score_one(source, opts: Options, stack, ref, input_batches: list, device: torch.device, candidate: str,
+               layout: str, others: list[str]) -> dict[str, float]:
+    """One sensitivity walk: every module `candidate` can take, each alone quantized in it."""
+    plan = plan_conversion(source, Options(recipe=candidate, layout=layout, ignore=[*opts.ignore, *others],
+                                           targets=list(opts.targets), scale_rule=opts.scale_rule
+                                           if get_recipe(candidate).scale_rules else None,
+                                           scale_search=opts.scale_search
+                                           if get_recipe(candidate).searches else "none"))
+    with CheckpointTensors(source) as qt:
+        quant = RecipeSide(f"{source.label} ({candidate}, scored)", source, qt, device, plan)
+        scales = quant.calibrated()
+        steps = activation_steps(quant.layout, quant.config, quant.modules, scales, quant.label) if scales else {}
+        names = side_map(stack, quant)
+        chosen: dict[int, list[str]] = {}
+        for i, layer in enumerate(stack.layers):
+            inside = [m for m in module_paths(layer, stack.layer_prefix(i), names)  # a Linear, or an experts block
+                      if m in quant.modules or any(q.startswith(m + ".") for q in quant.modules)]
+            if inside:
+                chosen[i] = sorted(inside)
+        pooled = None if stack.kind == CAUSAL else Encoder(*pooling_config([source.root]), sides=(ref, quant))
+        sums = walk_sensitivity(stack, ref, quant, input_batches, device, steps, chosen, pooled)
+    return {m: s.score().output_error for m, s in sums.items()}
