@@ -29,6 +29,9 @@ from quantcli.cli.render_auto import auto_lines
 from quantcli.errors import QuantcliError
 from quantcli.reports import envelope, excluded_entries, to_json
 
+# Each command imports the library parts it runs inside its body: `quantcli recipes`, a usage
+# error or an inspect does not load the converter, the evaluator, transformers or huggingface_hub.
+
 # ---------------------------------------------------------------- convert
 
 # The dry run's peak memory: PROCESS_BYTES plus the largest quantized tensor's working set, with

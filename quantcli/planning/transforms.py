@@ -24,11 +24,16 @@ rotate vo, card:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from quantcli.checkpoint.safetensors_io import OutSpec
 from quantcli.errors import QuantcliError
+from quantcli.planning.actions import Action
+
+# plan_rotation imports the model stack inside: it runs only for --rotate, and the model layer
+# (transformers) stays out of every other plan.
 
 ROTATIONS = ("vo",)
 SEED = 0  # the random orthogonal matrix's (head sizes that are not powers of two)
@@ -110,11 +115,6 @@ def with_transforms(plan, dense_dtype: str | None = None):
     tensor they change written transformed (Action.TRANSFORM). `dense_dtype`: a transform-only
     conversion of a dense source (`--recipe fp32|bf16|fp16`), every floating tensor written in
     that dtype."""
-    from dataclasses import replace
-
-    from quantcli.checkpoint.safetensors_io import OutSpec
-    from quantcli.planning.actions import Action
-
     opts = plan.options
     if not opts.rotate:
         return plan
