@@ -106,6 +106,15 @@ def test_help_lists_equal_the_registries():
     assert tuple(cli.BACKEND_NAMES) == tuple(BACKENDS) and tuple(cli.SCALE_RULE_NAMES) == tuple(SCALE_RULES)
 
 
+def test_help_does_not_load_torch():
+    """`quantcli --help`, `convert --help` and usage errors answer in a fraction of a second: the
+    command line's declarations import no torch (it costs 1-2 s)."""
+    probe = ("import sys; from quantcli.cli.app import app; "
+             "print(sorted(m for m in ('torch', 'transformers', 'huggingface_hub') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
 def test_choices_are_case_insensitive(small_src, tmp_path, run_cli):
     code, out, err = run_cli("convert", small_src, tmp_path / "out", "--recipe", "NVFP4", "--layout", "ModelOpt",
                              "--device", "CPU", "--backend", "Torch", "--dry-run", "--json")

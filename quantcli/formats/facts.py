@@ -11,8 +11,10 @@ A fact that is absent means "not known": the recipe falls back to the weight alo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the command line reads CALIBRATION_SAMPLES, and --help should not load torch
+    import torch
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from quantcli.errors import QuantcliError
 from quantcli.formats.patterns import matches, validate
 from quantcli.planning.settings import Setting
-from quantcli.rounding.gptq import ACT_ORDERS, SCALE_CHOICES, GptqSettings
+from quantcli.rounding.settings import ACT_ORDERS, SCALE_CHOICES, GptqSettings
 
 NEAREST, GPTQ = "nearest", "gptq"
 METHODS = (NEAREST, GPTQ)

@@ -43,21 +43,8 @@ import torch
 from quantcli.formats.facts import ModuleFacts
 from quantcli.kernels import tensor_amax
 from quantcli.recipes import QuantizedTensor, Recipe
+from quantcli.rounding.settings import MAX_DAMPENING, GptqSettings
 from quantcli.rounding.spans import Spans
-
-DAMPENING = 0.01  # GPTQ paper, llm-compressor's dampening_frac
-BLOCK_COLUMNS = 128  # lazy batch updates (GPTQ paper, llm-compressor's block_size)
-MAX_DAMPENING = 1.0
-ACT_ORDERS = ("none", "static")
-SCALE_CHOICES = ("updated", "original")
-
-
-@dataclass(frozen=True)
-class GptqSettings:
-    dampening: float = DAMPENING
-    act_order: str = "static"  # static | none (measured on all-MiniLM-L6-v2: docs/gptq.md)
-    scales: str = "updated"  # updated | original (block formats; see the module docstring)
-    block_columns: int = BLOCK_COLUMNS
 
 
 @dataclass(frozen=True)
