@@ -7,7 +7,7 @@ weights). The --auto rows also give the choice's predicted error (the sum of one
 1 - cosine scores on the calibration data) beside the measured 1 - cosine mean on held-out data.
 
     .venv/bin/python scripts/measure_auto_minilm.py [--model DIR|ZIP] [--work DIR]
-        [--no-gptq | --gptq-only] [--samples N]
+        [--no-gptq | --gptq-only] [--samples N] [--bits B ...] [--auto-only]
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ def main() -> None:
     ap.add_argument("--no-gptq", action="store_true")
     ap.add_argument("--gptq-only", action="store_true", help="the --rounding gptq rows only")
     ap.add_argument("--samples", type=int, default=192, help="calibration sentences (scores and GPTQ)")
+    ap.add_argument("--bits", nargs="*", default=["5.0", "6.0"],
+                    help="--target-bits of the --auto rows (5.667: the hand mix's own bits)")
+    ap.add_argument("--auto-only", action="store_true", help="the --auto rows only (no uniform, no hand mix)")
     args = ap.parse_args()
     cal = [str(args.samples) if v == "192" else v for v in CALIBRATION]
     model = model_dir(args.model)
@@ -78,9 +81,10 @@ def main() -> None:
           "|---|---|---|---|---|---|")
     for rounding in ([] if args.gptq_only else ["nearest"]) + ([] if args.no_gptq else ["gptq"]):
         gptq = ["--rounding", "gptq", *cal] if rounding == "gptq" else []
-        runs = {"uniform nvfp4": ["--recipe", "nvfp4", *gptq],
-                "hand mix: attention fp8-block, MLP nvfp4": ["--config", str(work / "hand.toml"), *gptq]}
-        for bits in ("5.0", "6.0"):
+        runs = {} if args.auto_only else {
+            "uniform nvfp4": ["--recipe", "nvfp4", *gptq],
+            "hand mix: attention fp8-block, MLP nvfp4": ["--config", str(work / "hand.toml"), *gptq]}
+        for bits in args.bits:
             runs[f"--auto nvfp4,fp8-block --target-bits {bits}"] = [
                 "--auto", "nvfp4,fp8-block", "--target-bits", bits, *(gptq or cal)]
         for label, extra in runs.items():

@@ -108,6 +108,15 @@ def test_recipe_file_keys_and_dry_run_writes_nothing(run_cli, root, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "a.partial").exists()
     record = doc["auto"]
     assert record["target_bits"] == 6.0 and record["achieved_bits"] <= 6.0
+    # the same scores solved at other budgets: more bits never predict more error, and the curve
+    # at the achieved budget's bits is the choice's own error
+    curve = record["curve"]
+    assert len(curve) >= 3 and [c["bits"] for c in curve] == sorted(c["bits"] for c in curve)
+    assert all(a["predicted_error"] >= b["predicted_error"] for a, b in zip(curve, curve[1:]))
+    at_six = [c for c in curve if c["bits"] <= 6.0][-1]
+    assert at_six["predicted_error"] >= record["predicted_error"]
+    if at_six["bits"] == 6.0:  # a step of the curve: the same budget, the same optimum
+        assert at_six["predicted_error"] == record["predicted_error"]
     code, out2, err = _convert(run_cli, root, tmp_path / "b", *AUTO, "--target-bits", "6", "--dry-run", "--json")
     assert code == 0, err
     flags = validate("convert-dry-run", json.loads(out2))
@@ -115,6 +124,7 @@ def test_recipe_file_keys_and_dry_run_writes_nothing(run_cli, root, tmp_path):
     assert flags["fingerprint"] == doc["fingerprint"]
     code, text, err = _convert(run_cli, root, tmp_path / "c", *AUTO, "--target-bits", "6", "--dry-run")
     assert code == 0 and "predicted output error" in text and "self_attn.{q_proj,k_proj,v_proj}" in text
+    assert "predicted error at other budgets" in text
     assert not (tmp_path / "c").exists()
     toml.write_text('auto = "nvfp4"\ntarget_bits = 6.0\n')
     code, _, err = run_cli("convert", root / "llama", tmp_path / "d", "--config", toml, "--dry-run")

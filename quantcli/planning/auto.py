@@ -223,6 +223,9 @@ class AutoChoice:
     predicted_error: float
     left_dense: tuple[str, ...] = ()  # modules of groups no candidate fits
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # (bits per weight at most, the least predicted error there): the same scores solved at other
+    # budgets, so a user can see what a bit more or less would buy before choosing B
+    curve: tuple[tuple[float, float], ...] = ()
 
     @property
     def weights(self) -> int:
@@ -255,7 +258,8 @@ class AutoChoice:
                             "options": {c: {"bits": b, "error": group_error(g, c, self.scores)} for c, b in g.costs},
                             "scores": {m: dict(self.scores.get(m, {})) for m in g.modules}}
                            for g, r in zip(self.groups, self.picks)],
-                "left_dense": list(self.left_dense)}
+                "left_dense": list(self.left_dense),
+                "curve": [{"bits": b, "predicted_error": e} for b, e in self.curve]}
 
 
 def group_error(group: AutoGroup, candidate: str, scores: dict[str, dict[str, float]]) -> float:
@@ -271,7 +275,25 @@ def choose(request: AutoRequest, layout: str, groups: list[AutoGroup], scores: d
         raise QuantcliError(f"{request.budget_label}: no choice fits the budget")
     picks = tuple(g.costs[k][0] for g, k in zip(groups, found.choice))
     return AutoChoice(request, layout, budget, tuple(groups), picks, scores, found.cost, found.error,
-                      tuple(left_dense))
+                      tuple(left_dense), curve=budget_curve(options, sum(g.weights for g in groups)))
+
+
+CURVE_STEP = 0.5  # bits per weight between the curve's budgets
+
+
+def budget_curve(options: list[list[knapsack.Option]], weights: int) -> tuple[tuple[float, float], ...]:
+    """The least predicted error at budgets from the cheapest choice's bits per weight up to the
+    costliest's, every CURVE_STEP bits (each an exact solve on the same scores)."""
+    if not options or weights <= 0:
+        return ()
+    low, high = knapsack.cheapest(options), sum(max(o.cost for o in g) for g in options)
+    steps = range(math.floor(low / weights / CURVE_STEP) + 1, math.ceil(high / weights / CURVE_STEP))
+    budgets = [low, *(math.floor(Fraction(CURVE_STEP) * k * weights) for k in steps), high]
+    curve = []
+    for budget in sorted(set(b for b in budgets if low <= b <= high)):
+        solved = knapsack.solve(options, budget)
+        curve.append((round(budget / weights, 4), solved.error))
+    return tuple(curve)
 
 
 def chosen_options(opts: Options, choice: AutoChoice) -> Options:
