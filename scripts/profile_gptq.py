@@ -5,6 +5,7 @@ into the parts of docs/gptq.md's "Where the time goes" table.
     python scripts/profile_gptq.py                              # hidden 512, 2 layers, 16 x 128 tokens
     python scripts/profile_gptq.py --hidden 1024 --layers 4 --samples 32
     python scripts/profile_gptq.py --minilm --samples 190      # all-MiniLM-L6-v2, calibration_sentences.txt
+    python scripts/profile_gptq.py --minilm --model DIR_OR_ZIP  # where the wheel is not installed here
 
 Each part is the cumulative time of the functions named in PARTS, less the parts nested in it,
 so the rows add up to the wall time (cProfile's own overhead is spread over them; the wall time
@@ -82,13 +83,14 @@ def main() -> None:
     ap.add_argument("--recipe", default="nvfp4")
     ap.add_argument("--keep", help="work folder to keep (default: a temporary one, removed)")
     ap.add_argument("--minilm", action="store_true", help="all-MiniLM-L6-v2 on calibration_sentences.txt instead")
+    ap.add_argument("--model", help="with --minilm: its folder or zip (default: the installed wheel's)")
     args = ap.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="profile_gptq_"))
     root.mkdir(parents=True, exist_ok=True)
     src, dst, data = root / "src", root / "dst", root / "ids.jsonl"
     try:
         if args.minilm:
-            src, data = model_dir(None), SENTENCES
+            src, data = model_dir(args.model), SENTENCES
         else:
             make_synthetic(src, data, args)
         argv = ["convert", str(src), str(dst), "--recipe", args.recipe, "--device", "cpu", "--quiet", "--rounding",

@@ -1,9 +1,10 @@
 """Running a weight pass (kinds.WeightPass) on the layer walk (model/layers.py), layer by layer.
 
 Per decoder layer, on every rank over its share of the calibration batches:
-1. observe: each module the pass rounds records one partial statistic per batch from its inputs
-   (model/inputs.py, the observer calibration uses); the ranks fold them batch by batch into
-   sums taken in global batch order (ordered_sum.py), so the lead holds the one-process bits;
+1. observe: each module the pass rounds records its input rows per batch (model/inputs.py, the
+   observer calibration uses); the ranks ship them batch by batch to the lead, which sums the
+   pass's statistic of groups of rows taken in global batch order (ordered_sum.py), so it holds
+   the one-process bits;
 2. the lead hands each module's weight and statistic to the pass, and stages what the layout
    writes for the result: one file per layer, written atomically (convert/staged.py);
 3. every rank loads the layer's weights decoded from that file (as an engine decodes them) and
@@ -104,7 +105,7 @@ class WeightWalk(LayerPass):
         self.layer_tensors = [self.rounded[n] for n in layer_sources(layer, prefix, names) if n in self.rounded]
         modules = {t.module for t in self.layer_tensors}
         stacks = {t.module for t in self.layer_tensors if len(t.logical_shape) == 3}
-        sums = self.sums = OrderedSum(self.world, self.batches, keep=self.world.lead)
+        sums = self.sums = OrderedSum(self.world, self.batches, keep=self.world.lead, statistic=self.wp.statistic)
         self.seen: dict[str, torch.Tensor] = {}  # this batch: each key's input, recorded once
 
         def record(module: str, x: torch.Tensor, expert: int | None = None) -> None:
@@ -118,7 +119,7 @@ class WeightWalk(LayerPass):
             self.seen[key] = x
             rows = x.detach().reshape(-1, x.shape[-1])
             if rows.shape[0]:
-                sums.add(key, self.wp.statistic(rows), rows.shape[0])
+                sums.add(key, rows)
 
         return input_hooks(layer, prefix, names, record)
 
