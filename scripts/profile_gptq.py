@@ -35,6 +35,7 @@ CALLS = {
     "walks": ("model/layers.py", "walk_layers"),
     "record": ("passes/weight_walk.py", "record"),
     "fold": ("passes/ordered_sum.py", "_fold_round"),
+    "last": ("passes/ordered_sum.py", "finish"),  # the last groups' X^T X (one process: no round left)
     "update": ("passes/weight_walk.py", "update"),
     "stage": ("passes/weight_walk.py", "_stage"),
     "gptq": ("rounding/gptq.py", "gptq_quantize"),
@@ -56,11 +57,11 @@ def cumulative(stats: pstats.Stats) -> dict[str, float]:
 
 
 def parts(c: dict[str, float], wall: float) -> list[tuple[str, float]]:
-    statistics = c["record"] + c["fold"]
+    statistics = c["record"] + c["fold"] + c["last"]
     rows = [
-        ("forward (both walks: calibration's and GPTQ's, layer runs and reloads)",
+        ("forward (the walk's layer runs and reloads; a calibration walk too if one runs)",
          c["walks"] - statistics - c["update"]),
-        ("statistics (H = X^T X per batch, FP64, and its ordered sum)", statistics),
+        ("statistics (the rows recorded, X^T X of each group, FP64, the ordered sum)", statistics),
         ("factorization (dampening, Cholesky, H^-1, its upper factor)", c["factor"]),
         ("column loop (rounding, err, the lazy updates)", c["columns"] - c["choose"]),
         ("scale choice (Spans.choose)", c["choose"]),
