@@ -65,8 +65,9 @@ def parts(c: dict[str, float], wall: float) -> list[tuple[str, float]]:
         ("factorization (dampening, Cholesky, H^-1, its upper factor)", c["factor"]),
         ("column loop (rounding, err, the lazy updates)", c["columns"] - c["choose"]),
         ("scale choice (Spans.choose)", c["choose"]),
-        ("GPTQ's rest (round to nearest, output errors, encoding)", c["gptq"] - c["factor"] - c["columns"]),
-        ("staging (layout, the staged layer's file, reloading it)", c["update"] - c["gptq"]),
+        # the pass factorizes each H once, before gptq_quantize (GptqPass._factor): not nested in it
+        ("GPTQ's rest (round to nearest, output errors, encoding)", c["gptq"] - c["columns"]),
+        ("staging (layout, the staged layer's file, reloading it)", c["update"] - c["gptq"] - c["factor"]),
         ("writing (the output shards)", c["shards"]),
     ]
     rows.append(("other (planning, reading the data, model build, manifest)", wall - sum(s for _, s in rows)))
