@@ -5,6 +5,7 @@ into the parts of docs/gptq.md's "Where the time goes" table.
     python scripts/profile_gptq.py                              # hidden 512, 2 layers, 16 x 128 tokens
     python scripts/profile_gptq.py --hidden 1024 --layers 4 --samples 32
     python scripts/profile_gptq.py --minilm --samples 190      # all-MiniLM-L6-v2, calibration_sentences.txt
+    python scripts/profile_gptq.py --minilm --model DIR_OR_ZIP  # where the wheel is not installed here
 
 Each part is the cumulative time of the functions named in PARTS, less the parts nested in it,
 so the rows add up to the wall time (cProfile's own overhead is spread over them; the wall time
@@ -34,6 +35,7 @@ CALLS = {
     "walks": ("model/layers.py", "walk_layers"),
     "record": ("passes/weight_walk.py", "record"),
     "fold": ("passes/ordered_sum.py", "_fold_round"),
+    "last": ("passes/ordered_sum.py", "finish"),  # the last groups' X^T X (one process: no round left)
     "update": ("passes/weight_walk.py", "update"),
     "stage": ("passes/weight_walk.py", "_stage"),
     "gptq": ("rounding/gptq.py", "gptq_quantize"),
@@ -55,16 +57,17 @@ def cumulative(stats: pstats.Stats) -> dict[str, float]:
 
 
 def parts(c: dict[str, float], wall: float) -> list[tuple[str, float]]:
-    statistics = c["record"] + c["fold"]
+    statistics = c["record"] + c["fold"] + c["last"]
     rows = [
-        ("forward (both walks: calibration's and GPTQ's, layer runs and reloads)",
+        ("forward (the walk's layer runs and reloads; a calibration walk too if one runs)",
          c["walks"] - statistics - c["update"]),
-        ("statistics (H = X^T X per batch, FP64, and its ordered sum)", statistics),
+        ("statistics (the rows recorded, X^T X of each group, FP64, the ordered sum)", statistics),
         ("factorization (dampening, Cholesky, H^-1, its upper factor)", c["factor"]),
         ("column loop (rounding, err, the lazy updates)", c["columns"] - c["choose"]),
         ("scale choice (Spans.choose)", c["choose"]),
-        ("GPTQ's rest (round to nearest, output errors, encoding)", c["gptq"] - c["factor"] - c["columns"]),
-        ("staging (layout, the staged layer's file, reloading it)", c["update"] - c["gptq"]),
+        # the pass factorizes each H once, before gptq_quantize (GptqPass._factor): not nested in it
+        ("GPTQ's rest (round to nearest, output errors, encoding)", c["gptq"] - c["columns"]),
+        ("staging (layout, the staged layer's file, reloading it)", c["update"] - c["gptq"] - c["factor"]),
         ("writing (the output shards)", c["shards"]),
     ]
     rows.append(("other (planning, reading the data, model build, manifest)", wall - sum(s for _, s in rows)))
@@ -82,13 +85,14 @@ def main() -> None:
     ap.add_argument("--recipe", default="nvfp4")
     ap.add_argument("--keep", help="work folder to keep (default: a temporary one, removed)")
     ap.add_argument("--minilm", action="store_true", help="all-MiniLM-L6-v2 on calibration_sentences.txt instead")
+    ap.add_argument("--model", help="with --minilm: its folder or zip (default: the installed wheel's)")
     args = ap.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="profile_gptq_"))
     root.mkdir(parents=True, exist_ok=True)
     src, dst, data = root / "src", root / "dst", root / "ids.jsonl"
     try:
         if args.minilm:
-            src, data = model_dir(None), SENTENCES
+            src, data = model_dir(args.model), SENTENCES
         else:
             make_synthetic(src, data, args)
         argv = ["convert", str(src), str(dst), "--recipe", args.recipe, "--device", "cpu", "--quiet", "--rounding",

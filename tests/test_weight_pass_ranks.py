@@ -1,6 +1,6 @@
-"""A weight pass on several ranks: per-layer statistics are summed over the batches in global
+"""A weight pass on several ranks: per-layer statistics are summed over groups of rows in global
 batch order whatever the number of ranks (1, 2 and 3 ranks in threads, on sums whose bits depend
-on the order), and on a spawned 2-rank gloo group the statistics the pass is handed, its output
+on the order and the grouping), and on a spawned 2-rank gloo group the statistics the pass is handed, its output
 and a --resume of a run killed in one process are the bytes of one process."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from quantcli.convert.passes.ordered_sum import OrderedSum
 from quantcli.testing import make_llama
 
 TESTS = Path(__file__).parent
-KEYS = {"a": ((3,), torch.float64), "b": ((2, 2), torch.float32)}
+KEYS = {"a": (3, torch.float64), "b": (2, torch.float32)}  # key: (K, dtype of its rows)
 
 
 class ThreadWorld:
@@ -48,15 +48,22 @@ class ThreadWorld:
         return [t.clone() for t in self._exchange(x)]
 
 
-def _partials(batches: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Per batch, what the modules record: magnitudes 1e-8..1e8 of both signs (so the bits of a
-    sum depend on its order), "b" absent from some batches, "a" recorded twice in others."""
+def _statistic(x: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    return x.T @ x
+
+
+def _batches(batches: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Per batch, the rows the modules record: magnitudes 1e-8..1e8 of both signs (so the bits of
+    a sum depend on its order and grouping), "b" absent from some batches, "a" recorded twice in
+    others, 1-3 rows each time."""
     g = torch.Generator().manual_seed(0)
     out = []
     for b in range(batches):
         adds = []
-        for key, (shape, dtype) in KEYS.items():
+        for key, (k, dtype) in KEYS.items():
             for _ in range(2 if key == "a" and b % 3 == 1 else 0 if key == "b" and b % 4 == 2 else 1):
+                shape = (int(torch.randint(1, 4, (1,), generator=g)), k)
                 mag = 10.0 ** (torch.rand(shape, generator=g, dtype=torch.float64) * 16 - 8)
                 sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
                 adds.append((key, (mag * sign).to(dtype)))
@@ -64,18 +71,19 @@ def _partials(batches: int) -> list[list[tuple[str, torch.Tensor]]]:
     return out
 
 
-def _ranks_sum(partials, size: int) -> dict[str, torch.Tensor]:
-    board, barrier, result = [None] * size, threading.Barrier(size), {}
+def _ranks_sum(batches, size: int) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    board, barrier, result = [None] * size, threading.Barrier(size), ({}, {})
 
     def rank(r: int) -> None:
-        sums = OrderedSum(ThreadWorld(r, size, board, barrier), len(partials), keep=r == 0)
-        for adds in partials[r::size]:  # the walk's split: batches r, r + n, ...
-            for key, value in adds:
-                sums.add(key, value, 1)
+        sums = OrderedSum(ThreadWorld(r, size, board, barrier), len(batches), keep=r == 0, statistic=_statistic)
+        for adds in batches[r::size]:  # the walk's split: batches r, r + n, ...
+            for key, rows in adds:
+                sums.add(key, rows)
             sums.end_batch()
         found = sums.finish()
         if r == 0:
-            result.update(found[0])
+            result[0].update(found[0])
+            result[1].update(found[1])
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
     for t in threads:
@@ -85,22 +93,29 @@ def _ranks_sum(partials, size: int) -> dict[str, torch.Tensor]:
     return result
 
 
-def test_statistics_are_summed_in_batch_order_on_any_number_of_ranks():
-    partials = _partials(7)  # 7 batches: the last round leaves ranks out on 2 and 3 ranks
+def test_statistics_are_summed_in_batch_order_on_any_number_of_ranks(monkeypatch):
+    import quantcli.convert.passes.ordered_sum as ordered_sum
+
+    monkeypatch.setattr(ordered_sum, "GROUP_ROWS", 4)  # groups of >= 4 rows: they span batches and ranks
+    batches = _batches(7)  # 7 batches: the last round leaves ranks out on 2 and 3 ranks
     expected: dict[str, torch.Tensor] = {}
-    for adds in partials:  # one process, by hand: each batch's partial, then batch after batch
-        batch: dict[str, torch.Tensor] = {}
-        for key, value in adds:
-            batch[key] = value if key not in batch else batch[key] + value
-        for key, value in batch.items():
-            expected[key] = value if key not in expected else expected[key] + value
+    for key in KEYS:  # one process, by hand: the rows in batch order, cut into groups of >= 4
+        rows = [r for adds in batches for k, r in adds if k == key]
+        group: list[torch.Tensor] = []
+        for i, r in enumerate(rows):
+            group.append(r)
+            if sum(x.shape[0] for x in group) >= 4 or i == len(rows) - 1:
+                part = _statistic(torch.cat(group))
+                expected[key] = part if key not in expected else expected[key] + part
+                group = []
     for size in (1, 2, 3):
-        got = _ranks_sum(partials, size)
+        got, counts = _ranks_sum(batches, size)
         assert sorted(got) == sorted(expected)
         for key in expected:
-            assert got[key].dtype == expected[key].dtype and torch.equal(got[key], expected[key]), (size, key)
-    per_rank = [sum((v for adds in partials[r::2] for k, v in adds if k == "a"), torch.zeros(3, dtype=torch.float64))
-                for r in range(2)]
+            assert got[key].dtype == torch.float64 and torch.equal(got[key], expected[key]), (size, key)
+            assert counts[key] == sum(r.shape[0] for adds in batches for k, r in adds if k == key)
+    per_rank = [sum((_statistic(r) for adds in batches[i::2] for k, r in adds if k == "a"),
+                    torch.zeros(3, 3, dtype=torch.float64)) for i in range(2)]
     assert not torch.equal(per_rank[0] + per_rank[1], expected["a"])  # the order matters for this data
 
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from quantcli.calibrate.scales import needs_walk
+from quantcli.convert.passes.ordered_sum import group_rows
 from quantcli.model.buffer import budget_bytes
 from quantcli.model.samples import token_ids
 from quantcli.model.stack import text_config
@@ -80,7 +81,8 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
 def _gptq_cost(plan: Plan, tokens: int) -> tuple[int, float]:
     """(bytes, FLOPs) of GPTQ: per layer one FP64 K x K sum per distinct input (a fused group
     shares one), and per module a Cholesky factorization and inversion (~K^3) and the column
-    loop's updates (~2 N K^2); the bytes are the largest layer's sums plus one solve (three K x K
+    loop's updates (~2 N K^2); the bytes are the largest layer's sums with the rows waiting for
+    their X^T X (ordered_sum.group_rows(K) FP32 rows of K per sum), plus one solve (three K x K
     FP64 matrices) and the weight's FP32 copies."""
     rounding = plan.options.rounding
     solved = [t for t in plan.tensors if t.action == "quantize" and gptq_reaches(plan, t)
@@ -92,7 +94,8 @@ def _gptq_cost(plan: Plan, tokens: int) -> tuple[int, float]:
         layer = plan.walk.layer_of(t.name) if plan.walk is not None else -1
         inputs.setdefault(layer, {})[t.fused_group or t.module] = k
         flops += 2.0 * n * k * k + float(k) ** 3
-    sums = max((sum(8 * k * k for k in keys.values()) for keys in inputs.values()), default=0)
+    sums = max((sum(8 * k * k + 4 * group_rows(k) * k for k in keys.values()) for keys in inputs.values()),
+               default=0)
     flops += sum(2.0 * tokens * k * k for keys in inputs.values() for k in keys.values())
     k_max = max((t.logical_shape[-1] for t in solved), default=0)
     nk_max = max((t.numel for t in solved), default=0)

@@ -70,23 +70,27 @@ def relative_output_errors(w: torch.Tensor, qs: list[torch.Tensor], h: torch.Ten
 
 def upper_inverse_factor(h: torch.Tensor, dampening: float) -> tuple[torch.Tensor | None, float]:
     """U with H_damped^-1 = U^T U (upper Cholesky factor of the inverse) and the dampening that
-    worked, raised x10 up to MAX_DAMPENING while the factorization fails; (None, last) if none did."""
+    worked, raised x10 up to MAX_DAMPENING while the factorization fails; (None, last) if none did.
+
+    With J the reversal of rows and columns, L the lower Cholesky factor of J H J and A = L^-1
+    (lower): H^-1 = J (J H J)^-1 J = J A^T A J = (J A J)^T (J A J), and J A J is upper with a
+    positive diagonal, so it is U (the factor is unique). One Cholesky and one triangular solve:
+    half the time of inverting H (`cholesky_solve` against I) and factorizing the inverse again."""
     h = h.double().clone()
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     mean_diag = float(torch.diagonal(h).mean())
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     d = dampening
-    while True:  # at most three K x K FP64 matrices at a time (H, and two working ones)
-        damped = h.clone()
+    while True:  # at most four K x K FP64 matrices at a time (H, L, I and L^-1), as before
+        damped = h.flip(0, 1)  # J H J, a copy
         damped.diagonal().add_(d * mean_diag)
         low, info = torch.linalg.cholesky_ex(damped)
         del damped
-        if int(info) == 0:  # H^-1 by cholesky_solve: 6x faster than cholesky_inverse on the CPU
-            inv = torch.cholesky_solve(torch.eye(h.shape[0], dtype=h.dtype, device=h.device), low)
+        if int(info) == 0:
+            up = torch.linalg.solve_triangular(low, eye, upper=False).flip(0, 1)
             del low
-            up, info = torch.linalg.cholesky_ex(inv, upper=True)
-            del inv
-            if int(info) == 0 and bool(torch.isfinite(up).all()):
+            if bool(torch.isfinite(up).all()):
                 return up, d
         if d >= MAX_DAMPENING:
             return None, d

@@ -4,11 +4,12 @@ layer on the walk (weight_walk.py): each layer's inputs come from the layers alr
 (`--gptq-inputs quantized`, the default, as llm-compressor's sequential pipeline) or from the
 source (`dense`).
 
-H is summed in FP64 (products of FP32 values are exact in FP64) in global batch order, so the
-bytes do not depend on the number of ranks. A module that no token, or fewer than
-`--gptq-min-tokens`, reached (an MoE expert the router seldom chose) is rounded to nearest and
-named: its H is the routed tokens' only (what the expert sees at inference), and from a handful
-of them GPTQ would fit those tokens rather than the module. Non-finite activations are refused.
+H is summed in FP64 (products of FP32 values are exact in FP64) over groups of up to 4096 rows
+taken in global batch order (ordered_sum.py), so the bytes do not depend on the number of ranks.
+A module that no token, or fewer than `--gptq-min-tokens`, reached (an MoE expert the router
+seldom chose) is rounded to nearest and named: its H is the routed tokens' only (what the expert
+sees at inference), and from a handful of them GPTQ would fit those tokens rather than the module.
+Non-finite activations are refused.
 """
 
 from __future__ import annotations

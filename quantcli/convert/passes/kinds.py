@@ -7,7 +7,7 @@ values bit for bit.
 
 A *weight pass* produces the quantized tensors themselves (data-aware rounding). It runs the
 source model layer by layer on the calibration data; per layer, a statistic per quantized module
-is summed over the batches in global batch order whatever the number of ranks
+is summed over the calibration rows in global batch order whatever the number of ranks
 (`ordered_sum.py`), the pass turns each module's weight and statistic into its quantized tensor,
 and the walk feeds the layer's quantized output forward (`weight_walk.py`). Its products are
 staged in the staging folder and written by the shard job as they are (convert/staged.py).
@@ -83,8 +83,9 @@ class WeightPass(Protocol):
         the shard job quantizes the rest as usual."""
 
     def statistic(self, x: torch.Tensor) -> torch.Tensor:
-        """One batch's partial statistic of a module from its input rows `x` [tokens, K] (FP32),
-        e.g. X^T X in FP64: summed over batches in global batch order by the walk."""
+        """The partial statistic of a module from a group of its input rows `x` [rows, K] (FP32),
+        e.g. X^T X in FP64; additive over rows: the walk sums it over consecutive groups of rows
+        in global batch order (ordered_sum.py), a group holding one batch's rows or several's."""
 
     def quantize(self, work: ModuleWork) -> QuantizedTensor | Rounded:
         """The module's quantized tensor: `work.recipe`'s codes and scales for `work.tensor`'s

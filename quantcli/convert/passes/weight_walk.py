@@ -1,9 +1,10 @@
 """Running a weight pass (kinds.WeightPass) on the layer walk (model/layers.py), layer by layer.
 
 Per decoder layer, on every rank over its share of the calibration batches:
-1. observe: each module the pass rounds records one partial statistic per batch from its inputs
-   (model/inputs.py, the observer calibration uses); the ranks fold them batch by batch into
-   sums taken in global batch order (ordered_sum.py), so the lead holds the one-process bits;
+1. observe: each module the pass rounds records its input rows per batch (model/inputs.py, the
+   observer calibration uses); the ranks ship them batch by batch to the lead, which sums the
+   pass's statistic of groups of rows taken in global batch order (ordered_sum.py), so it holds
+   the one-process bits;
 2. the lead hands each module's weight and statistic to the pass, and stages what the layout
    writes for the result: one file per layer, written atomically (convert/staged.py);
 3. every rank loads the layer's weights decoded from that file (as an engine decodes them) and
@@ -19,6 +20,7 @@ very file a replay reads, so both feed the next layer the same bits.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, replace
 
 import torch
@@ -36,6 +38,7 @@ from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.model.inputs import input_hooks
 from quantcli.model.layers import LayerPass, batches, layer_sources, load_layer
 from quantcli.model.samples import token_ids
+from quantcli.model.stack import text_config
 
 # calibrate/run.py imports convert/passes/kinds.py: walk_source is imported where the pass runs,
 # which breaks the import cycle (the only import inside a function here).
@@ -61,9 +64,31 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
             reader.progress(0, f"{verb}: tokenizing the data")
         ids = token_ids(cal, plan.source.root)
         walk = WeightWalk(wp, reader, facts, world, staged, finished, len(batches(ids, cal.batch)))
-        world.settle(lambda: walk_source(plan, reader.tensors, reader.device, walk, ids, reader.progress,
-                                         part=(world.rank, world.size), verb=verb))
+        with walk_threads(reader.device, sum(map(len, ids)) / max(1, walk.batches), plan.source.config):
+            world.settle(lambda: walk_source(plan, reader.tensors, reader.device, walk, ids, reader.progress,
+                                             part=(world.rank, world.size), verb=verb))
     return staged
+
+
+# Under this many multiply-adds in a batch's hidden x hidden matmul (~1 ms on one core) the walk
+# runs on one intra-op thread on the CPU: such ops gained at most ~1.5x from a second thread on
+# an idle 2-core machine and lost 3-20x on a shared one, where each op waits at the OpenMP barrier
+# for the thread the scheduler took away (docs/gptq.md, "Threads"). Fixed by the model and the
+# data, never by the load: the bytes depend on the thread count.
+SMALL_BATCH_MACS = 2**24
+
+
+@contextlib.contextmanager
+def walk_threads(device, rows_per_batch: float, config: dict):
+    """One intra-op thread for the walk where its batches are small (SMALL_BATCH_MACS), else as set."""
+    hidden = int(text_config(config).get("hidden_size") or 0)
+    previous = torch.get_num_threads()
+    if device.type == "cpu" and hidden and rows_per_batch * hidden * hidden < SMALL_BATCH_MACS:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def expert_key(key: str, expert: int | None) -> str:
@@ -104,7 +129,7 @@ class WeightWalk(LayerPass):
         self.layer_tensors = [self.rounded[n] for n in layer_sources(layer, prefix, names) if n in self.rounded]
         modules = {t.module for t in self.layer_tensors}
         stacks = {t.module for t in self.layer_tensors if len(t.logical_shape) == 3}
-        sums = self.sums = OrderedSum(self.world, self.batches, keep=self.world.lead)
+        sums = self.sums = OrderedSum(self.world, self.batches, keep=self.world.lead, statistic=self.wp.statistic)
         self.seen: dict[str, torch.Tensor] = {}  # this batch: each key's input, recorded once
 
         def record(module: str, x: torch.Tensor, expert: int | None = None) -> None:
@@ -118,7 +143,7 @@ class WeightWalk(LayerPass):
             self.seen[key] = x
             rows = x.detach().reshape(-1, x.shape[-1])
             if rows.shape[0]:
-                sums.add(key, self.wp.statistic(rows), rows.shape[0])
+                sums.add(key, rows)
 
         return input_hooks(layer, prefix, names, record)
 
