@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from quantcli.planning.knapsack import Option, cheapest, solve
+from quantcli.planning.knapsack import Option, best_within, cheapest, frontier, solve
 
 
 def brute_force(groups, budget):
@@ -33,6 +33,23 @@ def test_matches_brute_force(seed):
         assert got is None
     else:
         assert (got.error, got.cost, got.choice) == want
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_one_frontier_gives_every_smaller_budgets_optimum(seed):
+    """--auto's budget curve reads each budget's optimum off the frontier of the largest one."""
+    rng = random.Random(1000 + seed)
+    groups = [[Option(rng.randint(1, 40), rng.choice([rng.random(), float(rng.randint(0, 3))]))
+               for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 6))]
+    high = sum(max(o.cost for o in g) for g in groups)
+    pareto = frontier(groups, high)
+    assert [s.cost for s in pareto] == sorted(s.cost for s in pareto)
+    for budget in range(cheapest(groups) - 2, high + 1):
+        got, want = best_within(pareto, budget), brute_force(groups, budget)
+        if want is None:
+            assert got is None
+        else:
+            assert (got.error, got.cost, got.choice) == want
 
 
 def test_infeasible_and_exact_budget():

@@ -283,17 +283,15 @@ CURVE_STEP = 0.5  # bits per weight between the curve's budgets
 
 def budget_curve(options: list[list[knapsack.Option]], weights: int) -> tuple[tuple[float, float], ...]:
     """The least predicted error at budgets from the cheapest choice's bits per weight up to the
-    costliest's, every CURVE_STEP bits (each an exact solve on the same scores)."""
+    costliest's, every CURVE_STEP bits (each exact, read off one Pareto frontier of the same scores)."""
     if not options or weights <= 0:
         return ()
     low, high = knapsack.cheapest(options), sum(max(o.cost for o in g) for g in options)
     steps = range(math.floor(low / weights / CURVE_STEP) + 1, math.ceil(high / weights / CURVE_STEP))
     budgets = [low, *(math.floor(Fraction(CURVE_STEP) * k * weights) for k in steps), high]
-    curve = []
-    for budget in sorted(set(b for b in budgets if low <= b <= high)):
-        solved = knapsack.solve(options, budget)
-        curve.append((round(budget / weights, 4), solved.error))
-    return tuple(curve)
+    pareto = knapsack.frontier(options, high)  # one pass: each budget's optimum is on it
+    return tuple((round(b / weights, 4), knapsack.best_within(pareto, b).error)
+                 for b in sorted(set(b for b in budgets if low <= b <= high)))
 
 
 def chosen_options(opts: Options, choice: AutoChoice) -> Options:
