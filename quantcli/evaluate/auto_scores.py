@@ -79,8 +79,9 @@ def score_modules(source, opts: Options, groups: list, layout: str, device: str 
             modules = [m for g in groups if candidate in dict(g.costs) for m in g.modules]
             if say is not None:
                 say(f"auto: scoring {len(modules)} modules in {candidate} on {len(ids)} calibration samples")
+            scored = set(modules)
             found = _score_one(source, opts, stack, ref, input_batches, dev, candidate, layout,
-                               [*(m for m in every if m not in set(modules)), *left_dense])
+                               [*(m for m in every if m not in scored), *left_dense])
             for g in (g for g in groups if candidate in dict(g.costs)):
                 for m in g.modules:
                     scores[m][candidate] = _score_of(m, g, found)
@@ -100,11 +101,11 @@ def _score_of(module: str, group, found: dict[str, float]) -> float:
 def _score_one(source, opts: Options, stack, ref, input_batches: list, device: torch.device, candidate: str,
                layout: str, others: list[str]) -> dict[str, float]:
     """One sensitivity walk: every module `candidate` can take, each alone quantized in it."""
+    recipe = get_recipe(candidate)
     plan = plan_conversion(source, Options(recipe=candidate, layout=layout, ignore=[*opts.ignore, *others],
-                                           targets=list(opts.targets), scale_rule=opts.scale_rule
-                                           if get_recipe(candidate).scale_rules else None,
-                                           scale_search=opts.scale_search
-                                           if get_recipe(candidate).searches else "none"))
+                                           targets=list(opts.targets),
+                                           scale_rule=opts.scale_rule if recipe.scale_rules else None,
+                                           scale_search=opts.scale_search if recipe.searches else "none"))
     with CheckpointTensors(source) as qt:
         quant = RecipeSide(f"{source.label} ({candidate}, scored)", source, qt, device, plan)
         scales = quant.calibrated()
