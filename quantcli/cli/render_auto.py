@@ -36,7 +36,7 @@ def auto_lines(choice) -> list[str]:
                      f"{group_error(g, r, choice.scores):.4g}" + (f"  (else: {others})" if others else ""))
     if choice.curve:
         lines.append("  predicted error at other budgets (bits per weight: error): "
-                     + "; ".join(f"{b:.2f}: {e:.4g}" for b, e in choice.curve))
+                     + "; ".join(f"{b:.3f}: {e:.4g}" for b, e in choice.curve))
     if choice.left_dense:
         lines.append(f"  left dense (no candidate fits every member of their group): {', '.join(choice.left_dense)}")
     return lines
