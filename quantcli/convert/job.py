@@ -8,15 +8,19 @@ refusal in a run that started fresh removes what it made (resuming would meet th
 refusal); a filesystem fault or an interruption keeps the staging folder, consistent, for
 --resume, which reuses each shard the progress file records and that shard's recorded result.
 
-On several ranks the same sentence runs on every rank (world.py): rank 0 alone opens the
-staging folder and finalizes, each step is a meeting (`settle`: every rank's outcome known
-before the next), and each rank writes the shards it is given; one process is the world of one.
+One process runs `ConversionJob.execute` as it reads. On several ranks the same sentence runs on
+every rank (world.py): each step ends in a meeting (every rank's outcome known before the next),
+rank 0 alone opens the staging folder and finalizes (`world.lead_alone` / `world.from_lead`),
+and each rank learns facts and writes shards over its share. For one process every meeting is
+the identity, so ranks and resume change no step, only what a step is given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
+from typing import Iterator
 
 from quantcli.checkpoint.manifest import MANIFEST_NAME
 from quantcli.checkpoint.tensors import CheckpointTensors
@@ -73,65 +77,63 @@ class ConversionJob:
         self.layers_resumed = (0, 0)  # the weight pass's layers staged by an interrupted run, of all
 
     def execute(self) -> ConvertResult:
-        """The sentence of the module docstring."""
+        """The module docstring's sentence, step by step. One process runs it as it reads; with
+        several ranks the steps that touch the staging folder run on rank 0 (`world.lead_alone`,
+        `world.from_lead`) and every other step on each rank over its share."""
         self.start = time.time()
         INSTALLED.discard(self.dst.absolute())  # put in place by an earlier run in this process, if any
-        world = self.world
         staging = Staging(self.plan, self.dst, fingerprint(self.plan), self.run)
-        world.resume_hint = ResumeHint(staging.path)
-        try:
-            opened = Opened.from_json(world.settle_all(lambda: staging.open().to_json() if world.lead else None)[0])
-            if opened.found == Found.COMPLETE:
-                return self._result(0, 0, [], opened.notes, already_complete=True)
-            if opened.found == Found.FINISHED:
-                return self._install_finished(staging) if world.lead else self._result(0, 0, [], [])
-            reused = {s: ShardResult.from_json(r) for s, r in opened.finished.items()}
-            written = self._written_shards(staging, reused)
-            results = {s: reused[s] if s in reused else written[s] for s in self.plan.by_shard()}
-            found = Findings.merge(r.found for r in results.values())
-            warnings = world.settle(lambda: self._finalize(staging, found) if world.lead else [])
-            return self._result(len(results) - len(reused), len(reused), warnings, found.note_list(),
+        self.world.resume_hint = ResumeHint(staging.path)
+        with failure_policy(staging):
+            opened = Opened.from_json(self.world.from_lead(lambda: staging.open().to_json()))
+            if opened.found in (Found.COMPLETE, Found.FINISHED):
+                return self._nothing_to_convert(staging, opened)
+            reused = opened.reused()  # --resume: the shards an interrupted run finished
+            written = self._convert_shards(staging, [s for s in self.plan.by_shard() if s not in reused])
+            results = {**reused, **written}
+            found = Findings.merge(results[s].found for s in self.plan.by_shard())  # in shard order, as written
+            warnings = self.world.lead_alone(lambda: self._finalize(staging, found)) or []
+            return self._result(len(written), len(reused), warnings, found.note_list(),
                                 dict(sorted(found.errors.items())))
-        except (FilesystemError, BrokenPipeError):  # kept for --resume (a closed pipe is an interruption)
-            raise
-        except QuantcliError:
-            staging.discard_if_fresh()
-            raise
-        except OSError as exc:  # one not caught where it happened (reading the source, say)
-            raise filesystem_error(exc, staging.path, self.dst) from None
-        finally:
-            staging.release()
 
-    def _written_shards(self, staging: Staging, reused: dict[str, ShardResult]) -> dict[str, ShardResult]:
-        """Learn the facts, walk the layers for a weight pass, write the shards not reused: this
-        rank's, and every rank's results gathered."""
+    def _convert_shards(self, staging: Staging, shards: list[str]) -> dict[str, ShardResult]:
+        """Learn the facts, walk the layers for a weight pass, write `shards` (this rank its share):
+        every rank's results."""
         world = self.world
-        if world.size > 1:
-            check_shared_staging(world, staging.path)
-            staging.records = staging.records or RankRecords(staging.path, world.rank)
-        if world.lead:
-            import_ahead()
-        sizes = {s: sum(t.bytes_in for t in planned) for s, planned in self.plan.by_shard().items()}
-        mine = world.mine({s: n for s, n in sizes.items() if s not in reused})
-        if world.lead:
-            for shard in reused:
-                self.progress(sizes[shard], shard)
+        self._join_staging(staging)
+        mine = self._share_of(shards)
         with CheckpointTensors(self.plan.source) as tensors:
             reader = ModuleReader(self.plan, tensors, self.device, self.run.backend, staging.path,
                                   self.progress if world.lead else None)
-            facts = learn_facts(reader, world=world)
-            staged = learn_weights(reader, facts, world=world)  # None: no weight pass takes a tensor
+            facts = learn_facts(reader, world=world)  # fused groups' amax, calibrated scales
+            staged = learn_weights(reader, facts, world=world)  # the weight pass's walk; None: no pass
             self.layers_resumed = staged.resumed if staged is not None else (0, 0)
             try:
-                shards = [s for s in sizes if s in mine]
-                written = world.settle(lambda: self._write_shards(staging, reader, facts, staged, shards))
+                written = world.settle(lambda: self._write_shards(staging, reader, facts, staged, mine))
             finally:
                 if staged is not None:
                     staged.close()
-        gathered: dict[str, ShardResult] = {}
-        for part in world.settle_all(lambda: {s: r.to_json() for s, r in written.items()}):
-            gathered.update({s: ShardResult.from_json(r) for s, r in part.items()})
-        return gathered
+        merged = world.merged({s: r.to_json() for s, r in written.items()})
+        return {s: ShardResult.from_json(r) for s, r in merged.items()}
+
+    def _join_staging(self, staging: Staging) -> None:
+        """Several ranks: each checks it sees rank 0's staging folder and keeps its own records."""
+        if self.world.size > 1:
+            check_shared_staging(self.world, staging.path)
+            staging.records = staging.records or RankRecords(staging.path, self.world.rank)
+        if self.world.lead:
+            import_ahead()
+
+    def _share_of(self, shards: list[str]) -> list[str]:
+        """This rank's shards out of `shards` (longest first by bytes); rank 0's bar counts the
+        shards an interrupted run finished as done."""
+        sizes = {s: sum(t.bytes_in for t in planned) for s, planned in self.plan.by_shard().items()}
+        mine = self.world.mine({s: sizes[s] for s in shards})
+        if self.world.lead:
+            for shard in sizes:
+                if shard not in shards:
+                    self.progress(sizes[shard], shard)
+        return [s for s in sizes if s in mine]
 
     def _write_shards(self, staging: Staging, reader: ModuleReader, facts, staged: StagedWeights | None,
                       shards: list[str]) -> dict[str, ShardResult]:
@@ -169,9 +171,29 @@ class ConversionJob:
                              sum(t.quantized for t in plan.tensors), [*plan.all_warnings, *warnings], notes,
                              errors or {}, already_complete, self.layers_resumed)
 
-    def _install_finished(self, staging: Staging) -> ConvertResult:
-        """The staging folder is complete (the run died between the manifest and the rename)."""
+    def _nothing_to_convert(self, staging: Staging, opened: Opened) -> ConvertResult:
+        """DST is this plan's finished output (--resume), or the staging folder is complete and
+        only its rename was left (the run died between the manifest and the rename)."""
+        if opened.found == Found.COMPLETE or not self.world.lead:
+            return self._result(0, 0, [], opened.notes, already_complete=opened.found == Found.COMPLETE)
         staging.release()
         notes = list(manifest_doc(staging.path).get("notes", []))
         warnings = install(staging.path, self.dst)
         return self._result(0, len(self.plan.by_shard()), warnings, notes)
+
+
+@contextlib.contextmanager
+def failure_policy(staging: Staging) -> Iterator[None]:
+    """What a failure leaves (the module docstring): a filesystem fault or an interruption keeps the
+    staging folder for --resume; a refusal of the data removes a fresh run's folder."""
+    try:
+        yield
+    except (FilesystemError, BrokenPipeError):  # kept for --resume (a closed pipe is an interruption)
+        raise
+    except QuantcliError:
+        staging.discard_if_fresh()
+        raise
+    except OSError as exc:  # one not caught where it happened (reading the source, say)
+        raise filesystem_error(exc, staging.path, staging.dst) from None
+    finally:
+        staging.release()

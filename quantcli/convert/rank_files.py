@@ -71,4 +71,4 @@ def check_shared_staging(world: World, stage: Path) -> None:
                                   f"DST must be on a filesystem every node shares (NFS, Lustre, ...)")
 
     world.settle(write_probe)
-    world.settle(lambda: check_probes() if world.lead else None)
+    world.lead_alone(check_probes)

@@ -26,7 +26,7 @@ from quantcli.convert.destination import (
 from quantcli.convert.lock import StagingLock
 from quantcli.convert.progress import PROGRESS_NAME, ProgressFile, changed_source_shard, load_progress, source_identity
 from quantcli.convert.rank_files import RankRecords
-from quantcli.convert.records import RunOptions
+from quantcli.convert.records import RunOptions, ShardResult
 from quantcli.errors import CheckpointError
 from quantcli.planning.plan import Plan
 
@@ -54,6 +54,10 @@ class Opened:
     @staticmethod
     def from_json(doc: dict) -> Opened:
         return Opened(Found(doc["found"]), doc["finished"], doc["notes"])
+
+    def reused(self) -> dict[str, ShardResult]:
+        """The shards an interrupted run finished, with what converting each found."""
+        return {shard: ShardResult.from_json(r) for shard, r in self.finished.items()}
 
 
 class Staging:

@@ -112,6 +112,21 @@ class World:
             return [work()]
         return self._settle(work, share=True)[1]
 
+    def lead_alone(self, work: Callable[[], T]) -> T | None:
+        """settle `work` run on rank 0 alone (the others wait for it): its result there, None elsewhere."""
+        return self.settle(lambda: work() if self.lead else None)
+
+    def from_lead(self, work: Callable[[], T]) -> T:
+        """settle `work` run on rank 0 alone; every rank gets rank 0's result (a JSON value)."""
+        return self.settle_all(lambda: work() if self.lead else None)[0]
+
+    def merged(self, part: Mapping[str, T]) -> dict[str, T]:
+        """Every rank's `part` (JSON values) in one dict, rank order: one rank's keys of its own work."""
+        out: dict[str, T] = {}
+        for each in self.settle_all(lambda: dict(part)):
+            out.update(each)
+        return out
+
     def _settle(self, work: Callable[[], T], share: bool) -> tuple[T, list]:
         try:
             out = work()

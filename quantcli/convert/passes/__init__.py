@@ -54,7 +54,7 @@ def learn_weights(reader: ModuleReader, facts: dict[str, ModuleFacts], world: Wo
         raise QuantcliError(f"weight passes {', '.join(p.name for p in chosen)} would each round the same "
                             f"checkpoint; choose one")
     if reader.stage is not None:  # a resumed folder holds another pass's products (or none is chosen now)
-        world.settle(lambda: _check_staged_by(reader, chosen[0].name if chosen else None) if world.lead else None)
+        world.lead_alone(lambda: _check_staged_by(reader, chosen[0].name if chosen else None))
     return run_weight_pass(chosen[0], reader, facts, world) if chosen else None
 
 

@@ -78,11 +78,10 @@ def calibrated_scales(reader: ModuleReader, world: World) -> Facts:
         return calibrate(plan, reader.tensors, reader.device, cache, reader.progress)
     if cache is None:
         raise RuntimeError("internal: calibration on several ranks needs the staging folder")
-    if world.settle_all(lambda: cache.is_file() if world.lead else None)[0]:
+    if world.from_lead(cache.is_file):
         return load_facts(cache)  # the staging folder is shared (checked before any shard)
     if not splits_exactly(plan):
-        world.settle(lambda: calibrate(plan, reader.tensors, reader.device, cache, reader.progress)
-                     if world.lead else None)
+        world.lead_alone(lambda: calibrate(plan, reader.tensors, reader.device, cache, reader.progress))
         return load_facts(cache)
     stats = world.settle(lambda: collect_stats(plan, reader.tensors, reader.device, reader.progress,
                                                part=(world.rank, world.size)))

@@ -56,7 +56,7 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
 
     staged = StagedWeights(reader.stage, wp.name)
     layers = plan.walk.layers
-    finished = world.settle_all(lambda: staged.finished(layers) if world.lead else None)[0]
+    finished = world.from_lead(lambda: staged.finished(layers))
     staged.resumed = (finished, layers)
     if finished < layers:
         verb = f"rounding ({wp.name})"
@@ -157,7 +157,7 @@ class WeightWalk(LayerPass):
 
     def update(self, layer, prefix: str, names) -> None:
         i = self.index[prefix]
-        self.world.settle(lambda: self._stage(i) if self.world.lead else None)
+        self.world.lead_alone(lambda: self._stage(i))
         self.statistics = ({}, {})
         if self.sequential:  # else the layer keeps the source's weights: the next inputs are the source's
             load_layer(layer, prefix, self._staged_weights(i), names, self.reader.device)
