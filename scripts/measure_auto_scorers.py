@@ -1,19 +1,28 @@
 """Which scorer should convert --auto use? The exact one it uses (each module's model output error
-with it alone quantized, measured on the calibration data) against a cheap, data-free proxy (the
-weight's own squared rounding error, sum (W - Q(W))^2), both on all-MiniLM-L6-v2.
+with it alone quantized, measured on the calibration data) against cheap proxies, on
+all-MiniLM-L6-v2:
+
+- weight SSE (data-free): the weight's own squared rounding error, sum (W - Q(W))^2;
+- layer output (data-aware): the module's own output error on the calibration inputs,
+  ||(W - Q(W)) X^T||^2 = sum((dW H) * dW), H = X^T X from the source model's inputs to the
+  module (one forward over the data for every candidate; no walk per candidate);
+- layer output x downstream: the same, times a per-module factor that carries it to the model's
+  output, measured by one exact walk with the first candidate (factor = exact / layer output
+  there): one exact walk instead of one per candidate.
 
 Takes the output of an `--auto` run (its manifest's `auto` record holds the groups, each option's
-bits as written, the budget and the exact scores), then:
+bits as written, the budget and the exact scores), then for each proxy:
 
-1. how well the proxy ranks like the exact scores: Spearman's rank correlation over every
+1. how well it ranks like the exact scores: Spearman's rank correlation over every
    (module, candidate) pair, and over the per-module gains (error of the cheaper candidate minus
    the dearer one's), the quantity the knapsack trades against bits;
-2. the choice each scorer makes at the same budget (the same exact knapsack, the same costs), the
-   proxy's written as exact-name [[override]]s, converted and measured end to end like the exact
-   one: `quantcli eval OUT --reference MODEL` on held-out sentences.
+2. the choice it makes at the same budget (the same exact knapsack, the same costs), written as
+   exact-name [[override]]s, converted and measured end to end like the exact one:
+   `quantcli eval OUT --reference MODEL` on held-out sentences.
 
-    .venv/bin/python scripts/measure_auto_minilm.py --samples 32 --no-gptq --auto-only --bits 5.667 --work W
+    .venv/bin/python scripts/measure_auto_minilm.py --no-gptq --auto-only --bits 5.0 --work W
     .venv/bin/python scripts/measure_auto_scorers.py --auto-run W/nearest-0 [--model DIR] [--work DIR]
+        [--samples 192] [--seq-len 128]   (the calibration measure_auto_minilm.py gives --auto)
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measure_gptq_minilm import evaluate, quantcli  # noqa: E402
+from measure_gptq_minilm import DATA, evaluate, quantcli  # noqa: E402
 from minilm import model_dir  # noqa: E402
 
 from quantcli.planning import knapsack  # noqa: E402
@@ -57,6 +66,53 @@ def proxy_scores(record: dict, weights: dict[str, torch.Tensor]) -> dict[str, di
     return out
 
 
+def input_grams(model: Path, samples: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """module -> H = X^T X (FP64) of its inputs over the first `samples` calibration sentences,
+    each cut to `seq_len` tokens, run through the source model (transformers, FP32)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    sentences = (DATA / "calibration_sentences.txt").read_text().splitlines()[:samples]
+    tok = AutoTokenizer.from_pretrained(model)
+    net = AutoModel.from_pretrained(model, torch_dtype=torch.float32).eval()
+    grams: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(_, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            grams[name] = grams.get(name, 0) + x.T @ x
+        return record
+
+    for name, mod in net.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_pre_hook(hook(name))
+    with torch.no_grad():
+        for text in sentences:
+            net(**tok(text, return_tensors="pt", truncation=True, max_length=seq_len))
+    return grams
+
+
+def output_scores(record: dict, weights: dict[str, torch.Tensor], grams: dict[str, torch.Tensor]
+                  ) -> dict[str, dict[str, float]]:
+    """module -> candidate -> ||(W - Q(W)) X^T||^2 on the calibration inputs."""
+    out: dict[str, dict[str, float]] = {}
+    for g in record["groups"]:
+        for m in g["modules"]:
+            w, h = weights[f"{m}.weight"].double(), grams[m]
+            out[m] = {}
+            for c in g["options"]:
+                r = get_recipe(c)
+                dw = w - r.dequantize(r.quantize(m, w.float(), backend="torch"), backend="torch").double()
+                out[m][c] = float(((dw @ h) * dw).sum())
+    return out
+
+
+def downstream(proxy: dict[str, dict[str, float]], exact: dict[str, dict[str, float]], anchor: str
+               ) -> dict[str, dict[str, float]]:
+    """The proxy carried to the model's output by one factor per module, exact / proxy at `anchor`."""
+    return {m: {c: v * exact[m][anchor] / max(proxy[m][anchor], 1e-300) for c, v in cands.items()}
+            for m, cands in proxy.items()}
+
+
 def _ranks(xs: list[float]) -> list[float]:
     order = sorted(range(len(xs)), key=lambda i: xs[i])
     ranks = [0.0] * len(xs)
@@ -80,45 +136,59 @@ def solve(record: dict, scores: dict[str, dict[str, float]]) -> dict[str, str]:
     return {m: c for g, c in zip(groups, picks) for m in g["modules"]}
 
 
+def compare(label: str, record: dict, exact, proxy, model: Path, work: Path) -> tuple[str, dict[str, str]]:
+    """Print how `proxy` ranks like `exact`, convert its choice; its table row and its choice."""
+    pairs = [(m, c) for m in exact for c in exact[m]]
+    every = spearman([exact[m][c] for m, c in pairs], [proxy[m][c] for m, c in pairs])
+    cheap, dear = record["candidates"][0], record["candidates"][1]
+    gain = spearman([exact[m][cheap] - exact[m][dear] for m in exact],
+                    [proxy[m][cheap] - proxy[m][dear] for m in exact])
+    chosen = solve(record, proxy)
+    toml = [f'recipe = "{cheap}"', f'layout = "{record["layout"]}"']
+    for m, c in sorted(chosen.items()):
+        if c != cheap:
+            toml += ["[[override]]", f'pattern = "{m}"', f'recipe = "{c}"']
+    slug = label.split()[0].replace(",", "")
+    (work / f"{slug}.toml").write_text("\n".join(toml) + "\n")
+    out = work / slug
+    quantcli("convert", str(model), str(out), "--config", str(work / f"{slug}.toml"), "--device", "cpu", "-q",
+             "--overwrite")
+    emb = evaluate(str(out), model)
+    n = sum(c == dear for c in chosen.values())
+    return f"| {label} | {every:.3f} | {gain:.3f} | {n} | {emb['cosine_mean']:.6f} | {emb['cosine_min']:.6f} |", chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--auto-run", type=Path, required=True, help="an --auto output folder (its manifest)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--samples", type=int, default=192, help="calibration sentences the --auto run used")
+    ap.add_argument("--seq-len", type=int, default=128)
     args = ap.parse_args()
     model = model_dir(args.model)
     work = args.work or Path(tempfile.mkdtemp(prefix="quantcli-auto-scorers-"))
     work.mkdir(parents=True, exist_ok=True)
     record = json.loads((args.auto_run / "quantcli_manifest.json").read_text())["auto"]
     exact = {g_m: s for g in record["groups"] for g_m, s in g["scores"].items()}
-    proxy = proxy_scores(record, _weights(model))
-    pairs = [(m, c) for m in exact for c in exact[m]]
-    every = spearman([exact[m][c] for m, c in pairs], [proxy[m][c] for m, c in pairs])
-    print(f"Spearman, every (module, candidate): {every:.3f}")
-    cheap, dear = record["candidates"][0], record["candidates"][1]
-    gain_e = [exact[m][cheap] - exact[m][dear] for m in exact]
-    gain_p = [proxy[m][cheap] - proxy[m][dear] for m in exact]
-    print(f"Spearman, per-module gain of {dear} over {cheap}: {spearman(gain_e, gain_p):.3f}")
-    chosen_exact = {m: c for g in record["groups"] for m in g["modules"] for c in [g["choice"]]}
-    chosen_proxy = solve(record, proxy)
-    differ = sum(chosen_exact[m] != chosen_proxy[m] for m in chosen_exact)
-    print(f"modules chosen differently: {differ} of {len(chosen_exact)}")
-    main_recipe = cheap
-    toml = [f'recipe = "{main_recipe}"', f'layout = "{record["layout"]}"']
-    for m, c in sorted(chosen_proxy.items()):
-        if c != main_recipe:
-            toml += ["[[override]]", f'pattern = "{m}"', f'recipe = "{c}"']
-    (work / "proxy.toml").write_text("\n".join(toml) + "\n")
-    out = work / "proxy"
-    quantcli("convert", str(model), str(out), "--config", str(work / "proxy.toml"), "--device", "cpu", "-q",
-             "--overwrite")
-    emb_proxy = evaluate(str(out), model)
-    emb_exact = evaluate(str(args.auto_run), model)
-    print("| scorer | modules in " + dear + " | cosine mean | cosine min |\n|---|---|---|---|")
-    for label, chosen, emb in (("exact (one module alone, on data)", chosen_exact, emb_exact),
-                               ("proxy (weight SSE, data-free)", chosen_proxy, emb_proxy)):
-        n = sum(c == dear for c in chosen.values())
-        print(f"| {label} | {n} | {emb['cosine_mean']:.6f} | {emb['cosine_min']:.6f} |")
+    weights = _weights(model)
+    layer = output_scores(record, weights, input_grams(model, args.samples, args.seq_len))
+    proxies = {"weight SSE (data-free)": proxy_scores(record, weights),
+               "layer output (data-aware)": layer,
+               f"layer output x downstream (one exact walk, {record['candidates'][0]})":
+                   downstream(layer, exact, record["candidates"][0])}
+    chosen_exact = {m: g["choice"] for g in record["groups"] for m in g["modules"]}
+    emb = evaluate(str(args.auto_run), model)
+    dear = record["candidates"][1]
+    print(f"budget {record['target_bits']} bits; exact choice: {sum(c == dear for c in chosen_exact.values())} "
+          f"modules in {dear}, cosine mean {emb['cosine_mean']:.6f} min {emb['cosine_min']:.6f}")
+    print(f"| scorer | Spearman, every (module, candidate) | Spearman, gain | modules in {dear} | cosine mean | "
+          f"cosine min |\n|---|---|---|---|---|---|")
+    print(f"| exact (one module alone, on data) | 1 | 1 | {sum(c == dear for c in chosen_exact.values())} | "
+          f"{emb['cosine_mean']:.6f} | {emb['cosine_min']:.6f} |")
+    for label, proxy in proxies.items():
+        row, chosen = compare(label, record, exact, proxy, model, work)
+        print(row + f"  ({sum(chosen[m] != chosen_exact[m] for m in chosen)} modules differ from exact)", flush=True)
 
 
 if __name__ == "__main__":

@@ -340,10 +340,11 @@ def test_ctrl_c_during_convert_then_resume_is_byte_identical(tmp_path, run_cli):
     src = _write_checkpoint(tmp_path / "src", shards=4, layers_per_shard=1, dim=256)
     src_before = tree_state(src)
     dst, stage = tmp_path / "out", tmp_path / "out.partial"
-    # Each shard takes 0.5 s more (a slow disk), so the interrupt lands mid-run: a run that had
-    # already finished would be complete and exit 0 (see the test below).
+    # Each shard takes 1 s more (a slow disk), so the interrupt lands mid-run even when this test's
+    # polling loop is starved on a loaded machine: a run that had already finished would be
+    # complete and exit 0 (see the test below; 0.5 s was not enough at load average 9).
     proc = _popen("convert", src, dst, "--recipe", "nvfp4", "--quiet", stdout=subprocess.PIPE,
-                  stderr=subprocess.PIPE, extra_env=fault_env(shard_delay_s=0.5))
+                  stderr=subprocess.PIPE, extra_env=fault_env(shard_delay_s=1.0))
     deadline = time.monotonic() + 120
     while not (stage / ".quantcli-progress.json").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
