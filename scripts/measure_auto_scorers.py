@@ -14,8 +14,8 @@ Takes the output of an `--auto` run (its manifest's `auto` record holds the grou
 bits as written, the budget and the exact scores), then for each proxy:
 
 1. how well it ranks like the exact scores: Spearman's rank correlation over every
-   (module, candidate) pair, and over the per-module gains (error of the cheaper candidate minus
-   the dearer one's), the quantity the knapsack trades against bits;
+   (module, candidate) pair, and over the per-module gains (for each module and pair of its
+   candidates, the difference of their errors), the quantity the knapsack trades against bits;
 2. the choice it makes at the same budget (the same exact knapsack, the same costs), written as
    exact-name [[override]]s, converted and measured end to end like the exact one:
    `quantcli eval OUT --reference MODEL` on held-out sentences.
@@ -136,26 +136,32 @@ def solve(record: dict, scores: dict[str, dict[str, float]]) -> dict[str, str]:
     return {m: c for g, c in zip(groups, picks) for m in g["modules"]}
 
 
+def _counts(chosen: dict[str, str], record: dict) -> str:
+    """How many modules each candidate got: 'nvfp4 14, fp8-block 10'."""
+    return ", ".join(f"{c} {n}" for c in record["candidates"] if (n := sum(v == c for v in chosen.values())))
+
+
 def compare(label: str, record: dict, exact, proxy, model: Path, work: Path) -> tuple[str, dict[str, str]]:
     """Print how `proxy` ranks like `exact`, convert its choice; its table row and its choice."""
     pairs = [(m, c) for m in exact for c in exact[m]]
     every = spearman([exact[m][c] for m, c in pairs], [proxy[m][c] for m, c in pairs])
-    cheap, dear = record["candidates"][0], record["candidates"][1]
-    gain = spearman([exact[m][cheap] - exact[m][dear] for m in exact],
-                    [proxy[m][cheap] - proxy[m][dear] for m in exact])
+    cheap = record["candidates"][0]
+    trades = [(m, a, b) for m in exact for i, a in enumerate(exact[m]) for b in list(exact[m])[i + 1:]]
+    gain = spearman([exact[m][a] - exact[m][b] for m, a, b in trades],
+                    [proxy[m][a] - proxy[m][b] for m, a, b in trades])
     chosen = solve(record, proxy)
     toml = [f'recipe = "{cheap}"', f'layout = "{record["layout"]}"']
     for m, c in sorted(chosen.items()):
         if c != cheap:
             toml += ["[[override]]", f'pattern = "{m}"', f'recipe = "{c}"']
-    slug = label.split()[0].replace(",", "")
+    slug = "-".join(w for w in label.split()[:4] if w.isalpha())
     (work / f"{slug}.toml").write_text("\n".join(toml) + "\n")
     out = work / slug
     quantcli("convert", str(model), str(out), "--config", str(work / f"{slug}.toml"), "--device", "cpu", "-q",
              "--overwrite")
     emb = evaluate(str(out), model)
-    n = sum(c == dear for c in chosen.values())
-    return f"| {label} | {every:.3f} | {gain:.3f} | {n} | {emb['cosine_mean']:.6f} | {emb['cosine_min']:.6f} |", chosen
+    row = f"| {label} | {every:.3f} | {gain:.3f} | {_counts(chosen, record)} | {emb['cosine_mean']:.6f} | "
+    return row + f"{emb['cosine_min']:.6f} |", chosen
 
 
 def main() -> None:
@@ -179,12 +185,10 @@ def main() -> None:
                    downstream(layer, exact, record["candidates"][0])}
     chosen_exact = {m: g["choice"] for g in record["groups"] for m in g["modules"]}
     emb = evaluate(str(args.auto_run), model)
-    dear = record["candidates"][1]
-    print(f"budget {record['target_bits']} bits; exact choice: {sum(c == dear for c in chosen_exact.values())} "
-          f"modules in {dear}, cosine mean {emb['cosine_mean']:.6f} min {emb['cosine_min']:.6f}")
-    print(f"| scorer | Spearman, every (module, candidate) | Spearman, gain | modules in {dear} | cosine mean | "
-          f"cosine min |\n|---|---|---|---|---|---|")
-    print(f"| exact (one module alone, on data) | 1 | 1 | {sum(c == dear for c in chosen_exact.values())} | "
+    print(f"budget {record['target_bits']} bits, candidates {', '.join(record['candidates'])}")
+    print("| scorer | Spearman, every (module, candidate) | Spearman, gain | modules per candidate | cosine mean | "
+          "cosine min |\n|---|---|---|---|---|---|")
+    print(f"| exact (one module alone, on data) | 1 | 1 | {_counts(chosen_exact, record)} | "
           f"{emb['cosine_mean']:.6f} | {emb['cosine_min']:.6f} |")
     for label, proxy in proxies.items():
         row, chosen = compare(label, record, exact, proxy, model, work)
