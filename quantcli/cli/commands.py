@@ -62,17 +62,15 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     from quantcli.planning.conversion import plan_conversion
     from quantcli.planning.options_file import conversion_options
 
-    opts = _chosen(src, revision, conversion_options(
+    opts = _chosen(src, revision, conversion_options(  # a rank of torchrun or --workers: later, from rank 0
         recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule, calibrate=calibrate,
-        scale_search=scale_search, rounding=rounding, rotate=rotate, auto=auto), device, quiet or json_out)
+        scale_search=scale_search, rounding=rounding, rotate=rotate, auto=auto), device, quiet or json_out,
+        later=launched() and not dry_run)
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
-    if push_to_hub and dry_run:
-        raise QuantcliError("--push-to-hub with --dry-run: a dry run writes nothing to push; drop one of them")
-    hub_api = _check_push(push_to_hub) if push_to_hub else None  # login and network before the work
+    hub_api = _check_push(push_to_hub, dry_run) if push_to_hub else None  # login and network before the work
     if dry_run:
-        return _print_plan(plan_conversion(open_source(src, revision), opts), json_out, dst, per_tensor, device,
-                           quiet)
+        return _print_plan(plan_conversion(open_source(src, revision), opts), json_out, dst, per_tensor, device, quiet)
     check_run_options(run)  # device, backend and destination problems before anything is read or written
     plan = None
     if workers > 1 and not launched():  # refusals before any rank is spawned
@@ -83,6 +81,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     with rank_world(device, workers, argv, entry) as world:
         run.device = world.rank_device(device)
         world.settle(lambda: check_destination(local_src, dst, run) if world.lead else None)
+        opts = _chosen(src, revision, opts, run.device, quiet or json_out, world)
         plan = world.settle(lambda: plan or plan_conversion(open_source(src, revision), opts))
         for w in plan.all_warnings if world.lead else []:  # before the work starts, on stderr (stdout stays JSON)
             _console(stderr=True).print(f"warning: {w}")
@@ -110,15 +109,21 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     return 0
 
 
-def _chosen(src: str, revision: str | None, opts, device: str, quiet: bool):
-    """--auto's choice, before anything else (every later step plans what it chose); else `opts`."""
-    if opts.auto is None:
+def _chosen(src: str, revision: str | None, opts, device: str, quiet: bool, world=None, later: bool = False):
+    """--auto's choice, before anything else (every later step plans what it chose); else `opts`.
+    With `world`: the choice made once for all its ranks (auto_scores.choose_once); `later`: not
+    yet (a rank that another rank hands the choice to, once their world is open)."""
+    if later or opts.auto is None and (world is None or opts.auto_choice is None):
         return opts
     from quantcli.checkpoint.source import open_source
-    from quantcli.evaluate.auto_scores import choose_formats
+    from quantcli.evaluate.auto_scores import choose_formats, choose_once
 
     say = None if quiet else (lambda line: _console(stderr=True).print(line, markup=False))
-    return choose_formats(open_source(src, revision), opts, device, say)
+
+    def choose(o):
+        return choose_formats(open_source(src, revision), o, device, say)
+
+    return choose(opts) if world is None else choose_once(world, opts, choose)
 
 
 def _workers_for(plan, workers: int) -> int:
@@ -320,7 +325,9 @@ def run_layouts(json_out: bool) -> int:
 # ---------------------------------------------------------------- push
 
 
-def _check_push(hub: dict):
+def _check_push(hub: dict, dry_run: bool = False):
+    if dry_run:
+        raise QuantcliError("--push-to-hub with --dry-run: a dry run writes nothing to push; drop one of them")
     from quantcli.cli.push import check_can_push
 
     return check_can_push(hub["repo_id"])
