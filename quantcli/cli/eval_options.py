@@ -56,3 +56,6 @@ EvalWorkers = Annotated[int, typer.Option(metavar="N", min=1, help=(
 EvalQuiet = Annotated[bool, typer.Option(
     "--quiet", "-q", help="No progress bar; stdout gets one line of headline numbers.")]
 EvalVerbose = Annotated[bool, typer.Option("--verbose", "-v", help="One stderr line per layer as it finishes.")]
+EvalCalibration = Annotated[Optional[str], typer.Option(metavar="DATA", help=(
+    "With --auto: the data each module is scored on, as convert --auto --calibration (with --calibration-samples, "
+    "-seq-len, -batch); the measurement runs on --data."))]
