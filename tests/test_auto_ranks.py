@@ -8,6 +8,8 @@ scored would show its own lines."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 from pathlib import Path
@@ -36,12 +38,16 @@ def _argv(src: Path, dst: Path) -> list[str]:
             "--calibration", str(src.parent / "cal.jsonl"), "--device", "cpu"]
 
 
-def _one_process(src: Path, dst: Path, capfd) -> None:
+@pytest.fixture(scope="module")
+def one(src: Path) -> Path:
+    """The one-process conversion every split one is compared with; it scored once itself."""
     from quantcli.cli.app import _run
 
-    assert _run(_argv(src, dst)) == 0
-    err = capfd.readouterr().err
-    assert err.count(SCORING) == len(CANDIDATES), err
+    dst, err = src.parent / "one", io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert _run(_argv(src, dst)) == 0
+    assert err.getvalue().count(SCORING) == len(CANDIDATES), err.getvalue()
+    return dst
 
 
 def test_the_choice_travels_as_json_and_reads_back_equal(src, tmp_path):
@@ -60,28 +66,44 @@ def test_the_choice_travels_as_json_and_reads_back_equal(src, tmp_path):
 
 
 @pytest.mark.slow
-def test_workers_scores_once_in_the_launcher(src, tmp_path, capfd, monkeypatch):
+def test_workers_scores_once_in_the_launcher(src, one, tmp_path, capfd, monkeypatch):
     """--workers 2: the spawned rank reruns the command line but takes the launcher's choice."""
-    from quantcli.cli.app import main
-
-    _one_process(src, tmp_path / "one", capfd)
-    monkeypatch.setattr(sys, "argv", ["quantcli", *_argv(src, tmp_path / "two"), "--workers", "2"])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    err = capfd.readouterr().err  # the spawned rank's stderr is this process's file descriptor 2
-    assert exc.value.code == 0, err
-    assert err.count(SCORING) == len(CANDIDATES), err
-    assert tree_state(tmp_path / "one") == tree_state(tmp_path / "two")
+    code, _, err = _main(monkeypatch, capfd, *_argv(src, tmp_path / "two"), "--workers", "2")
+    assert code == 0, err
+    assert err.count(SCORING) == len(CANDIDATES), err  # the spawned rank's stderr is this process's fd 2
+    assert tree_state(one) == tree_state(tmp_path / "two")
 
 
 @pytest.mark.slow
-def test_torchrun_ranks_score_once_on_rank_0(src, tmp_path, capfd):
+def test_torchrun_ranks_score_once_on_rank_0(src, one, tmp_path):
     """Every rank started alike (torchrun's environment): rank 0 scores, rank 1 only receives."""
     from tests.test_distributed import _run_group
 
-    _one_process(src, tmp_path / "one", capfd)
     logs = _run_group(2, [{"name": "auto", "argv": _argv(src, tmp_path / "two")}], tmp_path / "log")["auto"]
     assert sorted(logs) == [0, 1] and all(rec["code"] == 0 for rec in logs.values()), logs
     assert logs[0]["err"].count(SCORING) == len(CANDIDATES), logs[0]["err"]
     assert SCORING not in logs[1]["err"], logs[1]["err"]
-    assert tree_state(tmp_path / "one") == tree_state(tmp_path / "two")
+    assert tree_state(one) == tree_state(tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_eval_auto_on_workers_scores_once_and_previews_the_same_choice(src, one, capfd, monkeypatch):
+    flags = _argv(src, one)[3:]  # --auto ... --device cpu, as convert took them (not --json: it silences the lines)
+    code, out, err = _main(monkeypatch, capfd, "eval", str(src), *flags, "--data", str(src.parent / "cal.jsonl"),
+                           "--workers", "2")
+    assert code == 0, err
+    assert err.count(SCORING) == len(CANDIDATES), err
+    record = json.loads((one / "quantcli_manifest.json").read_text())["auto"]
+    assert (f"{record['achieved_bits']:.4f} bits per weight" in out
+            and f"predicted output error {record['predicted_error']:.6g}" in out), out
+
+
+def _main(monkeypatch, capfd, *argv: str) -> tuple[int, str, str]:
+    """main() on `argv` -> (exit code, stdout, stderr), at the file descriptors: spawned ranks write there."""
+    from quantcli.cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["quantcli", *argv])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    got = capfd.readouterr()
+    return exc.value.code or 0, got.out, got.err
