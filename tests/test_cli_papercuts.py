@@ -152,7 +152,7 @@ def test_version_has_a_short_flag(run_cli, flag):
     assert run_cli(flag) == (0, f"quantcli {__version__}\n", "")
 
 
-@pytest.mark.parametrize("command", ["convert", "inspect", "verify", "recipes", "layouts", "push"])
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify", "recipes", "layouts", "eval", "push"])
 def test_each_help_ends_with_examples_that_parse(run_cli, command):
     import shlex
 

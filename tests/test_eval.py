@@ -432,3 +432,28 @@ def test_recipe_in_memory_equals_converting_then_evaluating(run_cli, root, src, 
     assert emulated["checkpoint"].endswith(f"(--recipe {recipe}, emulated)")
     for key in ("causal", "layers", "worst_modules", "activations", "recipes", "layout"):
         assert emulated[key] == converted[key], key
+
+
+def test_recipe_in_memory_decodes_what_the_converted_checkpoint_decodes(run_cli, tmp_path):
+    """Every planned weight, to the bit: an FP32 source in compressed-tensors NVFP4, whose
+    weight_global_scale is stored as the FP32 reciprocal of the scale (a divisor): decoding the
+    scale in memory without that round trip was 1 ulp off in 4 of these 14 modules."""
+    from quantcli.checkpoint.source import open_source
+    from quantcli.checkpoint.tensors import CheckpointTensors
+    from quantcli.evaluate.sides import RecipeSide, Side
+    from quantcli.planning.conversion import plan_conversion
+    from quantcli.planning.options_file import conversion_options
+
+    src = make_llama(tmp_path / "llama", hidden=64, layers=2, shards=1, dtype="float32")
+    args = ("--recipe", "nvfp4", "--layout", "compressed-tensors")
+    code, _, err = run_cli("convert", src, tmp_path / "out", *args, "--quiet")
+    assert code == 0, err
+    source, out = open_source(str(src)), open_source(str(tmp_path / "out"))
+    plan = plan_conversion(source, conversion_options(recipe="nvfp4", layout="compressed-tensors", ignore=[],
+                                                      config=None, scale_rule=None))
+    cpu = torch.device("cpu")
+    with CheckpointTensors(source) as st, CheckpointTensors(out) as qt:
+        emulated, converted = RecipeSide("e", source, st, cpu, plan), Side("c", out, qt, cpu)
+        assert len(emulated.planned) == 14
+        for name in emulated.planned:
+            assert torch.equal(emulated.get(name), converted.get(name)), name

@@ -50,6 +50,7 @@ from quantcli.cli.convert_options import (
 from quantcli.cli.declared_options import with_settings
 from quantcli.cli.eval_options import (
     EvalBatch,
+    EvalCalibration,
     EvalCheckpoint,
     EvalConfig,
     EvalData,
@@ -281,6 +282,9 @@ def eval_command(
     recipe: EvalRecipe = None, layout: EvalLayout = None, ignore: EvalIgnore = None, config: EvalConfig = None,
     scale_rule: EvalScaleRule = None, scale_search: EvalScaleSearch = None,
     sensitivity: EvalSensitivity = None,
+    auto: Auto = None, target_bits: TargetBits = None, max_size: MaxSize = None,
+    calibration: EvalCalibration = None, calibration_samples: CalibrationSamples = None,
+    calibration_seq_len: CalibrationSeqLen = None, calibration_batch: CalibrationBatch = None,
     revision: EvalRevision = None,
     device: Device = "auto",
     workers: EvalWorkers = 1,
@@ -292,8 +296,9 @@ def eval_command(
     """Measure what quantization costs the model, end to end.
 
     Runs the reference and the quantized checkpoint layer by layer on the same samples, emulating
-    the checkpoint's weights, activations and KV cache; nothing is written."""
-    from quantcli.cli.commands import run_eval
+    the checkpoint's weights, activations and KV cache; nothing is written. With --auto: the mix
+    convert --auto would choose, emulated on DST (a dense model) and measured against it."""
+    from quantcli.cli.eval_command import run_eval
 
     with hub_access(token, cache_dir):  # for Hub repo ids (DST, --reference) and a --data Hub dataset
         code = run_eval(checkpoint, reference=reference, data=data, samples=samples, seq_len=seq_len,
@@ -301,7 +306,10 @@ def eval_command(
                         quiet=quiet, verbose=verbose, json_out=json_out, workers=workers,
                         argv=ctx.meta.get(ARGV), entry=main, sensitivity=sensitivity,
                         emulate=dict(recipe=recipe, layout=layout, scale_rule=scale_rule, scale_search=scale_search,
-                                     ignore=ignore or [], config=config))
+                                     ignore=ignore or [], config=config),
+                        auto=dict(auto=auto, target_bits=target_bits, max_size=max_size),
+                        calibrate=dict(calibration=calibration, calibration_samples=calibration_samples,
+                                       calibration_seq_len=calibration_seq_len, calibration_batch=calibration_batch))
     raise typer.Exit(code)
 
 

@@ -62,17 +62,15 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     from quantcli.planning.conversion import plan_conversion
     from quantcli.planning.options_file import conversion_options
 
-    opts = _chosen(src, revision, conversion_options(
+    opts = _chosen(src, revision, conversion_options(  # a rank of torchrun or --workers: later, from rank 0
         recipe=recipe, layout=layout, ignore=ignore, config=config, scale_rule=scale_rule, calibrate=calibrate,
-        scale_search=scale_search, rounding=rounding, rotate=rotate, auto=auto), device, quiet or json_out)
+        scale_search=scale_search, rounding=rounding, rotate=rotate, auto=auto), device, quiet or json_out,
+        later=launched() and not dry_run)
     run = RunOptions(device=device, backend=backend, resume=resume, overwrite=overwrite)
     local_src = Path(src) if Path(src).exists() else None
-    if push_to_hub and dry_run:
-        raise QuantcliError("--push-to-hub with --dry-run: a dry run writes nothing to push; drop one of them")
-    hub_api = _check_push(push_to_hub) if push_to_hub else None  # login and network before the work
+    hub_api = _check_push(push_to_hub, dry_run) if push_to_hub else None  # login and network before the work
     if dry_run:
-        return _print_plan(plan_conversion(open_source(src, revision), opts), json_out, dst, per_tensor, device,
-                           quiet)
+        return _print_plan(plan_conversion(open_source(src, revision), opts), json_out, dst, per_tensor, device, quiet)
     check_run_options(run)  # device, backend and destination problems before anything is read or written
     plan = None
     if workers > 1 and not launched():  # refusals before any rank is spawned
@@ -83,6 +81,7 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     with rank_world(device, workers, argv, entry) as world:
         run.device = world.rank_device(device)
         world.settle(lambda: check_destination(local_src, dst, run) if world.lead else None)
+        opts = _chosen(src, revision, opts, run.device, quiet or json_out, world)
         plan = world.settle(lambda: plan or plan_conversion(open_source(src, revision), opts))
         for w in plan.all_warnings if world.lead else []:  # before the work starts, on stderr (stdout stays JSON)
             _console(stderr=True).print(f"warning: {w}")
@@ -110,15 +109,21 @@ def run_convert(src: str, dst: Path, *, recipe: str | None, layout: str | None, 
     return 0
 
 
-def _chosen(src: str, revision: str | None, opts, device: str, quiet: bool):
-    """--auto's choice, before anything else (every later step plans what it chose); else `opts`."""
-    if opts.auto is None:
+def _chosen(src: str, revision: str | None, opts, device: str, quiet: bool, world=None, later: bool = False):
+    """--auto's choice, before anything else (every later step plans what it chose); else `opts`.
+    With `world`: the choice made once for all its ranks (auto_scores.choose_once); `later`: not
+    yet (a rank that another rank hands the choice to, once their world is open)."""
+    if later or opts.auto is None and (world is None or opts.auto_choice is None):
         return opts
     from quantcli.checkpoint.source import open_source
-    from quantcli.evaluate.auto_scores import choose_formats
+    from quantcli.evaluate.auto_scores import choose_formats, choose_once
 
     say = None if quiet else (lambda line: _console(stderr=True).print(line, markup=False))
-    return choose_formats(open_source(src, revision), opts, device, say)
+
+    def choose(o):
+        return choose_formats(open_source(src, revision), o, device, say)
+
+    return choose(opts) if world is None else choose_once(world, opts, choose)
 
 
 def _workers_for(plan, workers: int) -> int:
@@ -320,7 +325,9 @@ def run_layouts(json_out: bool) -> int:
 # ---------------------------------------------------------------- push
 
 
-def _check_push(hub: dict):
+def _check_push(hub: dict, dry_run: bool = False):
+    if dry_run:
+        raise QuantcliError("--push-to-hub with --dry-run: a dry run writes nothing to push; drop one of them")
     from quantcli.cli.push import check_can_push
 
     return check_can_push(hub["repo_id"])
@@ -334,51 +341,3 @@ def _push(folder: Path, hub: dict, api, quiet: bool):
     if not quiet:
         _console(stderr=True).print(f"pushed {pushed.files} files ({human_bytes(pushed.bytes)}) to {pushed.url}")
     return pushed
-
-
-# ---------------------------------------------------------------- eval
-
-
-def run_eval(checkpoint: str, *, reference: str | None, data: str, samples: int, seq_len: int, batch: int,
-             kv_cache: str, top: int, revision: str | None, device: str, quiet: bool, verbose: bool, json_out: bool,
-             emulate: dict, sensitivity: str | None = None, workers: int = 1, argv: list[str] | None = None,
-             entry: Callable[[list[str]], Any] | None = None) -> int:
-    from quantcli.cli.eval_view import LayerBar, render_eval, render_eval_brief
-    from quantcli.cli.launch import rank_world
-    from quantcli.evaluate import ALL, EvalOptions, evaluate
-    from quantcli.evaluate.sides import MISMATCH_TAIL
-
-    emulating = emulate["recipe"] or emulate["config"]
-    if emulating and reference:
-        given = "--recipe" if emulate["recipe"] else "--config"
-        raise QuantcliError(f"{given} with --reference: {given} emulates a recipe on DST itself (a dense model, "
-                            f"its own reference); drop one of them")
-    if not emulating and not reference:
-        given = [f"--{k.replace('_', '-')}" for k, v in emulate.items() if v]
-        raise QuantcliError(f"{' '.join(given) + ' need --recipe or --config; ' if given else ''}give --reference "
-                            f"SRC (the model DST was made from), or --recipe RECIPE (or --config FILE) to emulate a "
-                            f"recipe on DST in memory")
-    opts = EvalOptions(checkpoint, reference or checkpoint, data, samples=samples, seq_len=seq_len, batch=batch,
-                       device=device, kv_cache=kv_cache, revision=revision, top=top,
-                       sensitivity=ALL if sensitivity == "all" else int(sensitivity or 0), **emulate)
-    # One process, or the ranks --workers / torchrun started: each walks its share of the batches,
-    # rank 0 shows the progress of its own share and prints the merged report.
-    with rank_world(device, workers, argv, entry) as world:
-        opts.device = world.rank_device(device)
-        show = sys.stderr.isatty() and not quiet and not json_out and world.lead
-        with LayerBar(_console(stderr=True), show, verbose and world.lead) as bar:
-            report = evaluate(opts, bar, world)
-    if not world.lead:
-        return 0
-    if quiet or json_out:  # the notes are in the table (and the JSON); this one must not go unseen
-        for note in report.notes:
-            if note.endswith(MISMATCH_TAIL):
-                _console(stderr=True).print(f"warning: {note}")
-    if json_out:
-        emit_json(envelope("eval", report, source=report.reference))
-    elif quiet:
-        render_eval_brief(report, _console())
-    else:
-        render_eval(report, _console(), top)
-    return 0
-

@@ -32,18 +32,20 @@ EvalRecipe = Annotated[Optional[str], typer.Option(
          "nothing is written.")]
 EvalLayout = Annotated[Optional[str], typer.Option(
     metavar="LAYOUT", callback=one_of("--layout", "layout", layout_names),
-    help="With --recipe: the layout whose declarations (activations) to emulate (default per recipe).")]
+    help="With --recipe or --auto: the layout whose declarations (activations) to emulate (default per "
+         "recipe; --auto: as convert --auto chooses it).")]
 EvalIgnore = Annotated[Optional[list[str]], typer.Option(metavar="PATTERN", help=(
-    "With --recipe: leave modules matching PATTERN unquantized, as convert --ignore does (repeatable)."))]
+    "With --recipe or --auto: leave modules matching PATTERN unquantized, as convert --ignore does "
+    "(repeatable)."))]
 EvalConfig = Annotated[Optional[Path], typer.Option("--config", metavar="FILE", help=(
     "With --recipe or alone: a convert TOML recipe file (recipe, layout, ignore, [[override]], ...) to "
     "emulate; options given here override it."))]
 EvalScaleRule = Annotated[Optional[str], typer.Option(
     metavar="RULE", callback=one_of("--scale-rule", "MX scale rule", scale_rule_names),
-    help="With --recipe: the MX scale exponent rule.")]
+    help="With --recipe or --auto: the MX scale exponent rule.")]
 EvalScaleSearch = Annotated[Optional[str], typer.Option(
     metavar="METHOD", callback=one_of("--scale-search", "scale search", lambda: ["none", "mse"]),
-    help="With --recipe: none or mse block scales.")]
+    help="With --recipe or --auto: none or mse block scales.")]
 EvalSensitivity = Annotated[Optional[str], typer.Option(
     metavar="N|all", callback=count_or_all,
     help="Also rank the N modules with the largest own error (or all) by the model output error with each "
@@ -56,3 +58,6 @@ EvalWorkers = Annotated[int, typer.Option(metavar="N", min=1, help=(
 EvalQuiet = Annotated[bool, typer.Option(
     "--quiet", "-q", help="No progress bar; stdout gets one line of headline numbers.")]
 EvalVerbose = Annotated[bool, typer.Option("--verbose", "-v", help="One stderr line per layer as it finishes.")]
+EvalCalibration = Annotated[Optional[str], typer.Option(metavar="DATA", help=(
+    "With --auto: the data each module is scored on, as convert --auto --calibration (with --calibration-samples, "
+    "-seq-len, -batch); the measurement runs on --data."))]

@@ -121,11 +121,12 @@ def _tokens(report) -> str:
     return f"{report.tokens:,} of {counted(held, 'token', spec=',')}"
 
 
-def render_eval_brief(report, con: Console) -> None:
-    """eval -q: the headline numbers on one line."""
+def render_eval_brief(report, con: Console, extra: str = "") -> None:
+    """eval -q: the headline numbers on one line (`extra`: eval --auto's predicted error)."""
     c, e = report.causal, report.encoder
     if c is not OMITTED:
         con.print(f"ppl {c.perplexity_reference:.4f} -> {c.perplexity_quantized:.4f}  "
-                  f"KL mean {ERROR.format(c.kl_mean)} p99 {ERROR.format(c.kl_p99)}  top-1 {c.top1_agreement:.2%}")
+                  f"KL mean {ERROR.format(c.kl_mean)} p99 {ERROR.format(c.kl_p99)}  top-1 {c.top1_agreement:.2%}"
+                  + extra)
     else:
-        con.print(f"cosine mean {e.cosine_mean:.6f} min {e.cosine_min:.6f}")
+        con.print(f"cosine mean {e.cosine_mean:.6f} min {e.cosine_min:.6f}" + extra)

@@ -26,7 +26,10 @@ EXAMPLES = {  # a long one goes on in a second line after ' \\'
     "recipes": ["quantcli recipes", "quantcli recipes --json"],
     "layouts": ["quantcli layouts", "quantcli layouts --json"],
     "eval": ["quantcli eval out/nvfp4 --reference ./llama --data heldout.txt",
-             "quantcli eval ./llama --recipe mxfp4 --scale-search mse --data heldout.txt --json"],
+             "quantcli eval ./llama --recipe mxfp4 --scale-search mse \\\n"
+             "    --data heldout.txt --json",
+             "quantcli eval ./llama --auto nvfp4,fp8-block --target-bits 6 \\\n"
+             "    --calibration data.jsonl --data heldout.txt"],
     "push": ["quantcli push out/nvfp4 my-org/llama-nvfp4",
              "quantcli push out/nvfp4 my-org/llama-nvfp4 --create-pr \\\n    --commit-message 'NVFP4 weights'"],
 }

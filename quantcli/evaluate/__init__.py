@@ -65,11 +65,12 @@ class EvalOptions:
     ignore: list[str] = field(default_factory=list)  # with recipe / config: as convert --ignore
     config: Path | None = None  # a convert TOML recipe file to emulate (the options above override it)
     sensitivity: int = 0  # modules ranked by the model output error with each alone quantized; ALL: every one
+    planned: object | None = None  # conversion Options to emulate as they are (eval --auto: convert's choice)
 
     @property
     def emulating(self) -> bool:
-        """A recipe (or a recipe file) emulated on a dense DST, its own reference."""
-        return bool(self.recipe or self.config)
+        """A recipe (a recipe file, --auto's choice) emulated on a dense DST, its own reference."""
+        return bool(self.recipe or self.config or self.planned)
 
 
 ALL = -1  # EvalOptions.sensitivity: every quantized module
@@ -108,11 +109,14 @@ def evaluate(opts: EvalOptions, progress: Callable[..., None] | None = None, wor
 
 
 def _recipe_side(opts: EvalOptions, source, tensors, device: torch.device):
-    """`source` with `opts.recipe` applied in memory, planned exactly as convert plans it."""
-    options = conversion_options(recipe=opts.recipe, layout=opts.layout, ignore=opts.ignore, config=opts.config,
-                                 scale_rule=opts.scale_rule, scale_search=opts.scale_search)
+    """`source` with `opts.recipe` (or `opts.planned`) applied in memory, planned exactly as convert plans it."""
+    if opts.planned is not None:  # a mix: exact-name overrides and ignores (planning/auto.chosen_options)
+        options, given = opts.planned, f"--auto {','.join(opts.planned.auto_choice.request.candidates)}"
+    else:
+        options = conversion_options(recipe=opts.recipe, layout=opts.layout, ignore=opts.ignore, config=opts.config,
+                                     scale_rule=opts.scale_rule, scale_search=opts.scale_search)
+        given = f"--recipe {opts.recipe}" if opts.recipe else f"--config {opts.config}"
     plan = plan_conversion(source, options)
-    given = f"--recipe {opts.recipe}" if opts.recipe else f"--config {opts.config}"
     if plan.layout is None:
         raise QuantcliError(f"{given}: a dequantizing recipe; eval emulates a quantization recipe")
     return RecipeSide(f"{source.label} ({given}, emulated)", source, tensors, device, plan)

@@ -59,6 +59,25 @@ def choose_formats(source, opts: Options, device: str = "auto", say: Say | None 
     return auto.chosen_options(opts, choice)
 
 
+def choose_once(world, opts: Options, choose: Callable[[Options], Options]) -> Options:
+    """--auto's choice made once for all the ranks of a conversion: rank 0 keeps the one it made
+    before the ranks started (one process, or the --workers launcher: it becomes rank 0), or
+    makes it now (`choose`: under torchrun every rank starts alike); the other ranks receive it
+    as JSON (world.settle_all: nothing pickled) and spell it out as rank 0 did, without scoring."""
+    if opts.auto is None and opts.auto_choice is None:  # no --auto
+        return opts
+    if world.size == 1:
+        return opts if opts.auto is None else choose(opts)
+    mine: list[Options] = []
+
+    def lead() -> dict:
+        mine.append(opts if opts.auto is None else choose(opts))
+        return auto.choice_json(mine[0].auto_choice)
+
+    doc = world.settle_all(lambda: lead() if world.lead else None)[0]
+    return mine[0] if world.lead else auto.chosen_options(opts, auto.choice_from_json(doc))
+
+
 def score_modules(source, opts: Options, groups: list, layout: str, device: str = "auto",
                   say: Say | None = None, left_dense: list[str] = ()) -> dict[str, dict[str, float]]:
     """{module: {candidate: output error with it alone quantized}} for every group's options

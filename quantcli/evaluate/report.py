@@ -60,6 +60,8 @@ class EvalReport:
     sensitivity: list[ModuleSensitivity] = field(default_factory=list)  # largest output_error first
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # eval --auto: the choice (convert --dry-run's record), its predicted error and the measured one
+    auto: dict = OMITTED
 
 
 def module_rows(errors: dict, top: int) -> list[ModuleError]:

@@ -177,6 +177,11 @@ class RecipeSide(Side):
         w = self.tensors.get(name).to(self.device)
         # a stack stored [E, in, out] (gpt-oss) is quantized as [E, out, in], as convert does
         q = recipe.quantize(name, w.transpose(-1, -2) if t.transpose else w, facts=facts)
+        # through the layout's tensors and back, as a converted checkpoint is read: a divisor scale
+        # (compressed-tensors' weight_global_scale = 1 / scale_2) is stored as its FP32 reciprocal,
+        # whose reciprocal is not always the scale to the last bit
+        disk = self.layout.to_disk(t.module, q)
+        q = self.layout.from_disk(t.module, recipe, disk.__getitem__, disk)
         d = recipe.dequantize(q).to(torch.float32)
         return d.transpose(-1, -2) if t.transpose else d
 

@@ -262,6 +262,30 @@ class AutoChoice:
                 "curve": [{"bits": b, "predicted_error": e} for b, e in self.curve]}
 
 
+def choice_json(choice: AutoChoice) -> dict:
+    """The whole choice as JSON values, for ranks that did not score it (nothing between ranks is
+    pickled); choice_from_json reads it back equal (JSON keeps a float's repr, so every bit)."""
+    req = choice.request
+    return {"request": {"candidates": list(req.candidates), "target_bits": req.target_bits,
+                        "max_size": req.max_size, "max_size_text": req.max_size_text},
+            "layout": choice.layout, "budget_bits": choice.budget_bits,
+            "groups": [{"key": g.key, "modules": list(g.modules), "weights": g.weights,
+                        "costs": [[c, b] for c, b in g.costs]} for g in choice.groups],
+            "picks": list(choice.picks), "scores": choice.scores, "cost_bits": choice.cost_bits,
+            "predicted_error": choice.predicted_error, "left_dense": list(choice.left_dense),
+            "notes": list(choice.notes), "curve": [[b, e] for b, e in choice.curve]}
+
+
+def choice_from_json(doc: dict) -> AutoChoice:
+    req = doc["request"]
+    groups = tuple(AutoGroup(g["key"], tuple(g["modules"]), g["weights"], tuple((c, b) for c, b in g["costs"]))
+                   for g in doc["groups"])
+    return AutoChoice(AutoRequest(tuple(req["candidates"]), req["target_bits"], req["max_size"], req["max_size_text"]),
+                      doc["layout"], doc["budget_bits"], groups, tuple(doc["picks"]),
+                      {m: dict(s) for m, s in doc["scores"].items()}, doc["cost_bits"], doc["predicted_error"],
+                      tuple(doc["left_dense"]), tuple(doc["notes"]), tuple((b, e) for b, e in doc["curve"]))
+
+
 def group_error(group: AutoGroup, candidate: str, scores: dict[str, dict[str, float]]) -> float:
     return 0.0 if candidate == DENSE else sum(scores[m][candidate] for m in group.modules)
 
