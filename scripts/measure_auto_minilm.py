@@ -7,7 +7,12 @@ weights). The --auto rows also give the choice's predicted error (the sum of one
 1 - cosine scores on the calibration data) beside the measured 1 - cosine mean on held-out data.
 
     .venv/bin/python scripts/measure_auto_minilm.py [--model DIR|ZIP] [--work DIR]
-        [--no-gptq | --gptq-only] [--samples N] [--bits B ...] [--auto-only]
+        [--no-gptq | --gptq-only] [--samples N] [--bits B ...] [--auto-only] [--modelopt DIR]
+
+`--modelopt DIR` (scripts/modelopt_auto_peer.py's --out) adds, per ModelOpt run folder there, its
+choice converted by quantcli (`--config DIR/<run>/choice.toml`, the same nearest rounding and
+format as the --auto rows) and, for the weight-only runs, ModelOpt's own fake-quantized weights
+(DIR/<run>/dense) evaluated the same way.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ def main() -> None:
     ap.add_argument("--bits", nargs="*", default=["5.0", "6.0"],
                     help="--target-bits of the --auto rows (5.667: the hand mix's own bits)")
     ap.add_argument("--auto-only", action="store_true", help="the --auto rows only (no uniform, no hand mix)")
+    ap.add_argument("--modelopt", type=Path, default=None, help="scripts/modelopt_auto_peer.py's --out folder")
     args = ap.parse_args()
     cal = [str(args.samples) if v == "192" else v for v in CALIBRATION]
     model = model_dir(args.model)
@@ -87,6 +93,10 @@ def main() -> None:
         for bits in args.bits:
             runs[f"--auto nvfp4,fp8-block --target-bits {bits}"] = [
                 "--auto", "nvfp4,fp8-block", "--target-bits", bits, *(gptq or cal)]
+        if args.modelopt is not None and rounding == "nearest":
+            for run in sorted(p for p in args.modelopt.iterdir() if (p / "choice.toml").exists()):
+                runs[f"ModelOpt auto_quantize {run.name}: its choice, converted by quantcli"] = [
+                    "--config", str(run / "choice.toml")]
         for label, extra in runs.items():
             out = work / f"{rounding}-{len(rows)}"
             convert(model, out, *extra)
@@ -99,6 +109,14 @@ def main() -> None:
             print(f"| {label} | {rounding} | {r['bits']:.3f} | {predicted} | {r['cosine_mean']:.6f} | "
                   f"{r['cosine_min']:.6f} |", flush=True)
             (work / "rows.json").write_text(json.dumps(rows, indent=1))
+    for run in sorted(p for p in (args.modelopt.iterdir() if args.modelopt else []) if (p / "dense").is_dir()):
+        emb = evaluate(str(run / "dense"), model)
+        r = {"label": f"ModelOpt auto_quantize {run.name}: its fake-quantized weights", "rounding": "modelopt",
+             "bits": None, "predicted": "", "cosine_mean": emb["cosine_mean"], "cosine_min": emb["cosine_min"],
+             "args": [str(run / "dense")]}
+        rows.append(r)
+        print(f"| {r['label']} | modelopt | | | {r['cosine_mean']:.6f} | {r['cosine_min']:.6f} |", flush=True)
+        (work / "rows.json").write_text(json.dumps(rows, indent=1))
     print(f"rows: {work / 'rows.json'}")
 
 
