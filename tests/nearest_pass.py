@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from quantcli.convert.passes.weight_walk import walk_threads
+from quantcli.model.threads import walk_threads
 
 STATISTICS_ENV = "QUANTCLI_TEST_STATISTICS"  # a folder: each module's statistic is saved there
 
@@ -72,7 +72,7 @@ def reference_statistics(model, layer: str, inputs: list[dict],
 
     hooks = [m.register_forward_pre_hook(hook(f"{layer}.{n}")) for n, m in model.get_submodule(layer).named_modules()
              if isinstance(m, torch.nn.Linear)]
-    # the walk runs small batches on one intra-op thread (weight_walk.walk_threads): the same
+    # the walk runs small batches on one intra-op thread (model/threads.py walk_threads): the same
     # thread count here, so the FP32 forward, and X, are the same bits
     rows = sum(kw["input_ids"].numel() for kw in inputs) / max(1, len(inputs))
     with torch.no_grad(), walk_threads(torch.device("cpu"), rows, model.config.to_dict()):

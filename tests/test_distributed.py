@@ -114,7 +114,9 @@ def _one_process(argv: list[str]) -> int:
 def runs(tmp_path_factory):
     """Sources, the one-process references, and both spawned groups' outputs and logs."""
     tmp = tmp_path_factory.mktemp("dist")
-    src = {"moe": make_moe(tmp / "moe", hidden=64, layers=1, shards=3),
+    # Two layers: layer 0's inputs are embeddings, so only a second layer's calibrated input scales
+    # pass through matmuls whose last bits follow the thread count (model/threads.py).
+    src = {"moe": make_moe(tmp / "moe", hidden=64, layers=2, shards=3),
            "llama": _reshard(make_llama(tmp / "llama1", hidden=64, layers=2, shards=1), tmp / "llama", 4),
            # int4 takes K % 128 == 0 only
            "llama128": _reshard(make_llama(tmp / "llama128-1", hidden=128, layers=1, shards=1), tmp / "llama128", 3)}

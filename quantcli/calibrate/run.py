@@ -22,9 +22,10 @@ from quantcli.atomic import write_atomic
 from quantcli.calibrate.engine import Stats, collect
 from quantcli.calibrate.scales import needs_walk, scale_facts
 from quantcli.convert.passes.kinds import combined_max
-from quantcli.model.layers import LayerPass, Weights, walk_layers
+from quantcli.model.layers import LayerPass, Weights, batches, walk_layers
 from quantcli.model.samples import token_ids
 from quantcli.model.stack import layer_count
+from quantcli.model.threads import walk_threads
 from quantcli.planning.plan import Plan
 
 Facts = dict[str, dict[str, object]]
@@ -53,9 +54,12 @@ def collect_stats(plan: Plan, tensors, device: torch.device, progress: Callable[
     ids = token_ids(cal, plan.source.root)
     if progress is not None:
         progress(0, f"calibrating: layer 0/{layer_count(plan.source.config)}, {len(ids)} samples")
-    return collect(plan.source.config, Weights.of(tensors, plan.transforms), ids, cal.batch, device,
-                   progress=_LayerProgress(progress) if progress is not None else None,
-                   channel_stats=plan.options.scale_search == "mse", part=part)
+    # The thread rule of every walk (model/threads.py): the bytes then follow the model and the
+    # data, and --workers ranks (one thread each on 2 cores) compute what one process computes.
+    with walk_threads(device, sum(map(len, ids)) / max(1, len(batches(ids, cal.batch))), plan.source.config):
+        return collect(plan.source.config, Weights.of(tensors, plan.transforms), ids, cal.batch, device,
+                       progress=_LayerProgress(progress) if progress is not None else None,
+                       channel_stats=plan.options.scale_search == "mse", part=part)
 
 
 def walk_source(plan: Plan, tensors, device: torch.device, layer_pass: LayerPass, ids: list[list[int]],

@@ -20,7 +20,6 @@ very file a replay reads, so both feed the next layer the same bits.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, replace
 
 import torch
@@ -38,7 +37,7 @@ from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.model.inputs import input_hooks
 from quantcli.model.layers import LayerPass, batches, layer_sources, load_layer
 from quantcli.model.samples import token_ids
-from quantcli.model.stack import text_config
+from quantcli.model.threads import walk_threads
 
 # calibrate/run.py imports convert/passes/kinds.py: walk_source is imported where the pass runs,
 # which breaks the import cycle (the only import inside a function here).
@@ -68,27 +67,6 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
             world.settle(lambda: walk_source(plan, reader.tensors, reader.device, walk, ids, reader.progress,
                                              part=(world.rank, world.size), verb=verb))
     return staged
-
-
-# Under this many multiply-adds in a batch's hidden x hidden matmul (~1 ms on one core) the walk
-# runs on one intra-op thread on the CPU: such ops gained at most ~1.5x from a second thread on
-# an idle 2-core machine and lost 3-20x on a shared one, where each op waits at the OpenMP barrier
-# for the thread the scheduler took away (docs/gptq.md, "Threads"). Fixed by the model and the
-# data, never by the load: the bytes depend on the thread count.
-SMALL_BATCH_MACS = 2**24
-
-
-@contextlib.contextmanager
-def walk_threads(device, rows_per_batch: float, config: dict):
-    """One intra-op thread for the walk where its batches are small (SMALL_BATCH_MACS), else as set."""
-    hidden = int(text_config(config).get("hidden_size") or 0)
-    previous = torch.get_num_threads()
-    if device.type == "cpu" and hidden and rows_per_batch * hidden * hidden < SMALL_BATCH_MACS:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def expert_key(key: str, expert: int | None) -> str:
