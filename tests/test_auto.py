@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantcli.testing import make_llama
+from quantcli.testing import make_gpt_oss, make_llama
 
 pytest.importorskip("transformers")
 
@@ -277,3 +277,21 @@ def test_a_group_no_candidate_fits_stays_dense_and_out_of_the_budget(run_cli, ro
     assert {t["name"][: -len(".weight")] for t in doc["tensors"] if t["recipe"] is None} >= dense
     assert {e["reason"] for e in doc["excluded"] if e["module"] in dense} == {"--auto: no candidate fits"}
     assert record["achieved_bits"] <= 8.1 and {g["choice"] for g in record["groups"]} == {"fp8-block"}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> Path:  # built outside the test: transformers' save bar is not its stderr
+    return make_gpt_oss(tmp_path_factory.mktemp("goss") / "goss", hidden=64, layers=1, shards=1)
+
+
+def test_3d_expert_stacks_are_refused_as_autos_limit_and_ignoring_them_works(run_cli, root, gpt_oss, tmp_path):
+    """gpt-oss's expert stacks: one line naming --auto and the --ignore that keeps them dense (not
+    the internal base recipe's naming error); with that --ignore, the rest is chosen."""
+    args = ("convert", gpt_oss, tmp_path / "out", "--auto", "nvfp4,bf16", "--target-bits", "6", "--calibration",
+            root / "cal.jsonl", "--device", "cpu", "--dry-run")
+    code, _, err = run_cli(*args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "--auto: model.layers.0.mlp.experts." in err and "--ignore 'model.layers.*.mlp.experts'" in err, err
+    code, out, err = run_cli(*args, "--ignore", "model.layers.*.mlp.experts")
+    assert code == 0, err
+    assert "self_attn.o_proj" in out + err

@@ -26,6 +26,8 @@ from quantcli.evaluate.metrics import Encoder, pooling_config
 from quantcli.evaluate.sensitivity import module_paths, walk_sensitivity
 from quantcli.evaluate.sides import RecipeSide, Side
 from quantcli.formats.detect import detect
+from quantcli.formats.experts import every_layers_experts, experts_module
+from quantcli.formats.patterns import matches_any
 from quantcli.model.layers import batches
 from quantcli.model.samples import token_ids
 from quantcli.model.stack import CAUSAL, ENCODER, build_stack, encoder_positions, text_config
@@ -47,7 +49,7 @@ def choose_formats(source, opts: Options, device: str = "auto", say: Say | None 
                             f"formats for a dense source")
     layout = auto.auto_layout(request, opts.layout)
     recipes = auto.candidate_recipes(request, layout, opts)
-    base = make_plan(source, auto.base_options(opts, layout))
+    base = _base_plan(source, opts, layout)
     groups, left_dense = auto.auto_groups(base, request, layout, recipes)
     if not groups:
         raise QuantcliError(f"--auto {','.join(request.candidates)}: no module fits any candidate (see `--dry-run "
@@ -57,6 +59,22 @@ def choose_formats(source, opts: Options, device: str = "auto", say: Say | None 
     scores = score_modules(source, opts, groups, layout.name, device, say, left_dense)
     choice = auto.choose(request, layout.name, groups, scores, budget, left_dense)
     return auto.chosen_options(opts, choice)
+
+
+def _base_plan(source, opts: Options, layout):
+    """The plan listing the quantizable modules. A 3-D expert stack (gpt-oss, Llama 4) it cannot
+    name is refused as --auto's limit, not as the internal base recipe's (which the user never named)."""
+    try:
+        return make_plan(source, auto.base_options(opts, layout))
+    except QuantcliError:
+        for shard in source.shards:
+            for name, info in sorted(source.headers[shard].tensors.items()):
+                if len(info.shape) == 3 and "experts" in name and not matches_any(opts.ignore, experts_module(name)):
+                    raise QuantcliError(
+                        f"--auto: {name} is a 3-D expert stack, and --auto chooses formats for 2-D Linears only; "
+                        f"--ignore '{every_layers_experts(name)}' keeps the stacks dense, or convert with --recipe "
+                        f"mxfp4 --layout gpt-oss") from None
+        raise
 
 
 def choose_once(world, opts: Options, choose: Callable[[Options], Options]) -> Options:
