@@ -63,8 +63,8 @@ def calibrated_scales(reader: ModuleReader, world: World) -> Facts:
     values bit for bit wherever a batch is computed as one process computes it. On the CPU the
     ranks get fewer threads each, and torch's CPU matmul rounding depends on the thread count:
     small batches run on one thread in every process (model/threads.py), so they agree; above
-    that size the last bits can differ. An activation-weighted scale search also needs FP64 sums whose rounding a split would
-    change, so there rank 0 calibrates alone.
+    that size the last bits can differ. An activation-weighted scale search also needs FP64 sums
+    whose rounding a split would change, so there rank 0 calibrates alone.
     Either way rank 0 keeps the result in the staging folder, which --resume reads on any rank.
     (The walk and its observer, model/layers.py and model/inputs.py, are the ones weight passes
     run on.)"""
