@@ -5,6 +5,7 @@ next to the dry run's estimate; then the estimate's projection for Llama-3-8B an
 
     python scripts/bench_gptq.py                                # hidden 1024, 4 and 12 layers, CPU
     python scripts/bench_gptq.py --layers 4 16 --samples 16 --seq-len 256
+    python scripts/bench_gptq.py --device cuda --hidden 4096 --intermediate 14336   # a GPU machine
 
 Each job runs alone in a child process and reports its own peak RSS (bench_calibrate.measured).
 """
@@ -28,7 +29,7 @@ PROJECTED = {"Llama-3-8B": (4096, 14336, 32, 32, 8), "Llama-3-70B": (8192, 28672
 
 def convert(src: Path, dst: Path, data: Path, args, *extra: str) -> list[str]:
     return [sys.executable, "-m", "quantcli", "convert", str(src), str(dst), "--recipe", args.recipe, "--device",
-            "cpu", "--quiet", *extra, *(["--calibration", str(data), "--calibration-samples", str(args.samples),
+            args.device, "--quiet", *extra, *(["--calibration", str(data), "--calibration-samples", str(args.samples),
                                          "--calibration-seq-len", str(args.seq_len)] if extra else [])]
 
 
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--recipe", default="nvfp4")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine (H and the solve on the device)")
     ap.add_argument("--keep", help="work folder to keep (default: a temporary one, removed)")
     args = ap.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="bench_gptq_"))
