@@ -189,9 +189,17 @@ def test_parse_size_units():
     assert parse_size("3.5GiB", "--max-size") == int(3.5 * 2**30)
     assert parse_size("512", "--max-size") == 512
     assert parse_size("2 MiB", "--max-size") == 2 * 2**20
-    for bad in ("3.5GB", "-1KiB", "0", "big"):
+    assert parse_size("3.5gib", "--max-size") == parse_size("3.5GIB", "--max-size") == int(3.5 * 2**30)
+    for bad in ("3.5GB", "-1KiB", "0", "big", "3XB"):
         with pytest.raises(UsageError):
             parse_size(bad, "--max-size")
+    with pytest.raises(UsageError, match=r"did you mean 3.5GiB\?"):
+        parse_size("3.5GB", "--max-size")
+
+
+def test_auto_with_recipe_names_the_conflict_before_the_budget(run_cli, root, tmp_path):
+    code, _, err = _convert(run_cli, root, tmp_path / "out", *AUTO, "--recipe", "nvfp4")  # no budget either
+    assert code == 2 and "drop the recipe" in err and len(err.strip().splitlines()) == 1, err
 
 
 def _groups(src_dir: Path, candidates: tuple[str, ...], tmp_path: Path):

@@ -67,11 +67,14 @@ def parse_candidates(value: object, where: str) -> tuple[str, ...]:
 
 def parse_size(value: object, where: str) -> int:
     """'3.5GiB' -> bytes (binary units B, KiB, MiB, GiB, TiB)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]iB|B)?\s*", value) if isinstance(value, str) else None
-    if m is None or float(m.group(1)) <= 0:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value) if isinstance(value, str) else None
+    unit = {u.lower(): u for u in _UNITS}.get(m.group(2).lower() or "b") if m else None  # 3.5gib is 3.5GiB
+    if m is None or unit is None or float(m.group(1)) <= 0:
+        decimal = {"kb": "KiB", "mb": "MiB", "gb": "GiB", "tb": "TiB"}.get(m.group(2).lower()) if m else None
+        hint = f"; did you mean {m.group(1)}{decimal}? (1 GiB = 2^30 bytes)" if decimal else ""
         raise UsageError(f"{where}: expected a positive size in binary units (B, KiB, MiB, GiB, TiB), e.g. 3.5GiB; "
-                         f"got {value!r}")
-    return int(Fraction(m.group(1)) * _UNITS[m.group(2) or "B"])
+                         f"got {value!r}{hint}")
+    return int(Fraction(m.group(1)) * _UNITS[unit])
 
 
 def auto_request(values: dict, calibrated: bool) -> AutoRequest | None:
@@ -208,7 +211,13 @@ def check_feasible(request: AutoRequest, groups: list[AutoGroup], budget: int) -
                          f"for these candidates ({', '.join(request.candidates)}); raise it or add a smaller recipe")
     need = request.max_size + -(-(least - budget) // 8)
     raise UsageError(f"{request.budget_label}: below the least achievable output size, {need:,} bytes "
-                     f"({need / 2**30:.3f} GiB) with these candidates ({', '.join(request.candidates)})")
+                     f"({_binary(need)}) with these candidates ({', '.join(request.candidates)})")
+
+
+def _binary(size: int) -> str:
+    """1190456 -> '1.14 MiB': the largest binary unit under which the size is at least 1."""
+    unit = max((u for u, n in _UNITS.items() if size >= n), key=_UNITS.get, default="B")
+    return f"{size / _UNITS[unit]:.2f} {unit}"
 
 
 @dataclass(frozen=True)

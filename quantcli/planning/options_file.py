@@ -63,14 +63,13 @@ def _auto_request(opts: Options, data: dict, given: dict) -> AutoRequest | None:
             values[key] = (given[key], flag)
         elif key in data:
             values[key] = (data[key], f"{key} in --config")
-    request = auto_request(values, opts.calibration is not None)
-    if request is not None and opts.recipe:
+    if "auto" in values and opts.recipe:  # the conflict first: fixing the budget would not help
         raise QuantcliError(f"{values['auto'][1]}: chooses each module's recipe among the candidates; drop the "
                             f"recipe ({opts.recipe})")
-    if request is not None and opts.overrides:
+    if "auto" in values and opts.overrides:
         raise QuantcliError(f"{values['auto'][1]}: chooses each module's recipe; [[override]] tables would fight it, "
                             f"drop them (--ignore still keeps modules dense)")
-    return request
+    return auto_request(values, opts.calibration is not None)
 
 
 def _rounding_options(data: dict, given: dict) -> Rounding:
