@@ -33,6 +33,9 @@ START_SECONDS = 5.0
 # solve against I (K^3), counted as 2.5 K^3 at the FP64 matmul rate: LAPACK runs them at about half of it
 # (fitted on one CPU thread, K 1024-5632: 2.3-3.9 K^3).
 FACTOR_FLOPS = 2.5
+# GPTQ's two forwards against a [rows per batch, hidden] x [hidden, hidden] matmul timed at the
+# walk's threads (fitted: docs/gptq.md, "Memory and time").
+GPTQ_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)
@@ -148,9 +151,10 @@ def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.devi
     solves on one thread (FP64 factorizations and errors, FP32 lazy updates), and the column loop
     at its per-column cost, timed on this machine by running the recipe's own loop on two small
     weights (a fixed cost per column plus one per row)."""
-    with walk_threads(device, rows, plan.source.config):
-        walk32 = _matmul_rate(device, duration=0.05)
-        walk64 = _matmul_rate(device, torch.float64, duration=0.05)
+    hidden = int(text_config(plan.source.config).get("hidden_size") or 1024)
+    with walk_threads(device, rows, plan.source.config):  # at the walk's own shapes: a batch's rows x hidden
+        walk32 = _matmul_rate(device, duration=0.1, shape=(rows, hidden, hidden))  # and a group's X^T X
+        walk64 = _matmul_rate(device, torch.float64, duration=0.1, shape=(hidden, min(512, group_rows(hidden)), hidden))
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # as compute_threads runs the solves
     try:
@@ -158,7 +162,7 @@ def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.devi
         per_column, per_row = _column_cost(plan, cost.recipe, device) if cost.recipe else (0.0, 0.0)
     finally:
         torch.set_num_threads(previous)
-    return {"forward": forward / (walk32 * EFFICIENCY), "statistics": cost.stats / walk64,
+    return {"forward": forward / (walk32 * GPTQ_EFFICIENCY), "statistics": cost.stats / walk64,
             "factorization": cost.factor / one64, "output_errors": cost.errors / one64,
             "column_loop": cost.updates / (2 * one64) + sum(k * (per_column + per_row * n) for n, k in cost.modules)}
 
@@ -192,16 +196,20 @@ def _active_params(per_layer: dict[int, int], config: dict) -> float:
     return max(total, 0.0)
 
 
-def _matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, duration: float = 0.1) -> float:
-    """Matmul FLOP/s on `device` in `dtype` (FP32: a forward's; FP64: GPTQ's sums and solves),
-    timed for ~`duration` s at torch's current thread count."""
-    a = torch.full((512, 1024), 0.5, device=device, dtype=dtype)  # values do not change a matmul's speed
-    b = torch.full((1024, 1024), 0.25, device=device, dtype=dtype)
+def _matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, duration: float = 0.1,
+                 shape: tuple[int, int, int] = (512, 1024, 1024)) -> float:
+    """Matmul FLOP/s on `device` of an [m, k] x [k, n] `shape` in `dtype` (FP32: a forward's; FP64:
+    GPTQ's sums and solves), timed for ~`duration` s at torch's current thread count: one window,
+    not the best of several (a walk on two threads of a shared CPU stalls as often as the window
+    does; with the best of three windows the GPTQ estimate fell to 0.4-0.5x the time, docs/gptq.md)."""
+    m, k, n = (max(1, int(x)) for x in shape)
+    a = torch.full((m, k), 0.5, device=device, dtype=dtype)  # values do not change a matmul's speed
+    b = torch.full((k, n), 0.25, device=device, dtype=dtype)
     a @ b  # warm-up
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < duration:
+    count, start = 0, time.perf_counter()
+    while count == 0 or time.perf_counter() - start < duration:
         a @ b
-        n += 1
+        count += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return 2.0 * 512 * 1024 * 1024 * n / (time.perf_counter() - start)
+    return 2.0 * m * k * n * count / (time.perf_counter() - start)
