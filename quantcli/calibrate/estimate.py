@@ -5,18 +5,23 @@ matmul timed on this machine (so the estimate is this machine's, not a datasheet
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from quantcli.calibrate.scales import needs_walk
 from quantcli.convert.passes.ordered_sum import group_rows
+from quantcli.convert.passes.weight_walk import walk_threads
+from quantcli.formats.facts import NO_FACTS
 from quantcli.model.buffer import budget_bytes
+from quantcli.model.layers import batches
 from quantcli.model.samples import token_ids
 from quantcli.model.stack import text_config
 from quantcli.planning.plan import Plan
 from quantcli.planning.rounding import GPTQ
 from quantcli.planning.rounding_plan import gptq_reaches
+from quantcli.rounding.gptq import gptq_quantize
 
 CONSTANT = 512 * 2**20  # interpreter, torch, transformers: measured ~0.4-0.5 GiB before any tensor
 # A forward runs at a fraction of the bare matmul rate (attention, norms, activations, hooks)
@@ -24,6 +29,13 @@ CONSTANT = 512 * 2**20  # interpreter, torch, transformers: measured ~0.4-0.5 Gi
 # scripts/bench_calibrate.py on 2 CPU cores (hidden 1024 x 4 and 2048 x 12 layers).
 EFFICIENCY = 0.6
 START_SECONDS = 5.0
+# H's factorization (calibrate/estimate.py _gptq_seconds): a Cholesky (K^3 / 3) and a triangular
+# solve against I (K^3), counted as 2.5 K^3 at the FP64 matmul rate: LAPACK runs them at about half of it
+# (fitted on one CPU thread, K 1024-5632: 2.3-3.9 K^3).
+FACTOR_FLOPS = 2.5
+# GPTQ's two forwards against a [rows per batch, hidden] x [hidden, hidden] matmul timed at the
+# walk's threads (fitted: docs/gptq.md, "Memory and time").
+GPTQ_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,10 @@ class CalibrationEstimate:
     # solve's working set for the largest K; its FLOPs (a second forward per layer, the sums,
     # the solves) are in `flops` and `seconds`. 0 without GPTQ.
     rounding_bytes: int = 0
+    # --rounding gptq: `seconds`' GPTQ terms (the walk's two forwards, the X^T X sums, H's
+    # factorizations, the layer-output errors, the column loop), to check against
+    # scripts/profile_gptq.py's parts; empty without GPTQ.
+    rounding_seconds: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -65,41 +81,107 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
     working = 4 * batch * max(hidden, int(config.get("intermediate_size") or 0)) * 6  # a batch's temporaries
     # The layer's FP32 weights, plus the source tensor being converted (at most one layer's worth).
     peak = CONSTANT + 2 * 4 * largest + (0 if spilled else activations) + working
-    flops = 2.0 * tokens * _active_params(per_layer, config) * layers / max(1, len(per_layer))
-    forward = flops
+    forward = 2.0 * tokens * _active_params(per_layer, config) * layers / max(1, len(per_layer))
     flops = forward if needs_walk(plan) else 0.0  # the calibration walk, when it runs
-    rounding_bytes = 0
-    if plan.options.rounding.data_aware:
-        rounding_bytes, rounding_flops = _gptq_cost(plan, tokens)
-        peak += rounding_bytes
-        flops += 2 * forward + rounding_flops  # GPTQ's walk runs each layer twice: observed, then quantized
     rate = _matmul_rate(device)
+    seconds = START_SECONDS + flops / (rate * EFFICIENCY)
+    rounding_bytes, rounding_seconds = 0, {}
+    if plan.options.rounding.data_aware:
+        cost = _gptq_cost(plan, tokens)
+        rounding_bytes = cost.bytes
+        peak += rounding_bytes
+        flops += 2 * forward + cost.flops  # GPTQ's walk runs each layer twice: observed, then quantized
+        rows = tokens / max(1, len(batches(ids, plan.options.calibration.batch)))  # per batch, as the walk's rule
+        rounding_seconds = _gptq_seconds(plan, cost, 2 * forward, device, rows)
+        seconds += sum(rounding_seconds.values())
     return CalibrationEstimate(len(ids), tokens, layers, 4 * largest, activations, spilled, peak, flops, rate,
-                               START_SECONDS + flops / (rate * EFFICIENCY), rounding_bytes)
+                               seconds, rounding_bytes, rounding_seconds)
 
 
-def _gptq_cost(plan: Plan, tokens: int) -> tuple[int, float]:
-    """(bytes, FLOPs) of GPTQ: per layer one FP64 K x K sum per distinct input (a fused group
-    shares one), and per module a Cholesky factorization and inversion (~K^3) and the column
-    loop's updates (~2 N K^2); the bytes are the largest layer's sums with the rows waiting for
-    their X^T X (ordered_sum.group_rows(K) FP32 rows of K per sum), plus one solve (three K x K
-    FP64 matrices) and the weight's FP32 copies."""
+@dataclass(frozen=True)
+class GptqCost:
+    """GPTQ's share, from the plan's shapes: FLOPs of the X^T X sums (`stats`, FP64, in the walk),
+    of H's factorizations and the layer-output errors (FP64, one thread) and of the column loop's
+    lazy updates (FP32, one thread); `modules` [(N, K)] of every module solved (the loop's
+    per-column work), `recipe` the most common one's; `bytes` the memory (see _gptq_cost)."""
+    bytes: int
+    stats: float
+    factor: float
+    errors: float
+    updates: float
+    modules: tuple[tuple[int, int], ...]
+    recipe: str | None
+
+    @property
+    def flops(self) -> float:
+        return self.stats + self.factor + self.errors + self.updates
+
+
+def _gptq_cost(plan: Plan, tokens: int) -> GptqCost:
+    """GPTQ's work and memory: per layer one FP64 K x K sum per distinct input (a fused group
+    shares one: 2 T K^2 FLOPs for T tokens) and one factorization of it (~K^3); per module the
+    column loop (its lazy updates ~N K^2) and the two layer-output errors with H's (three FP64
+    products, 6 N K^2); the bytes are the largest layer's sums with the rows waiting for their
+    X^T X (ordered_sum.group_rows(K) FP32 rows of K per sum), plus one solve (three K x K FP64
+    matrices) and the weight's FP32 copies."""
     rounding = plan.options.rounding
     solved = [t for t in plan.tensors if t.action == "quantize" and gptq_reaches(plan, t)
               and rounding.method_for(t.module) == GPTQ]
     inputs: dict[int, dict[str, int]] = {}
-    flops = 0.0
     for t in solved:
-        n, k = t.logical_shape
         layer = plan.walk.layer_of(t.name) if plan.walk is not None else -1
-        inputs.setdefault(layer, {})[t.fused_group or t.module] = k
-        flops += 2.0 * n * k * k + float(k) ** 3
+        inputs.setdefault(layer, {})[t.fused_group or t.module] = t.logical_shape[-1]
     sums = max((sum(8 * k * k + 4 * group_rows(k) * k for k in keys.values()) for keys in inputs.values()),
                default=0)
-    flops += sum(2.0 * tokens * k * k for keys in inputs.values() for k in keys.values())
+    distinct = [k for keys in inputs.values() for k in keys.values()]
+    modules = tuple((t.logical_shape[0], t.logical_shape[1]) for t in solved if len(t.logical_shape) == 2)
     k_max = max((t.logical_shape[-1] for t in solved), default=0)
     nk_max = max((t.numel for t in solved), default=0)
-    return sums + 3 * 8 * k_max * k_max + 3 * 4 * nk_max, flops
+    counted = Counter(t.recipe for t in solved)
+    return GptqCost(sums + 3 * 8 * k_max * k_max + 3 * 4 * nk_max,
+                    sum(2.0 * tokens * k * k for k in distinct), sum(FACTOR_FLOPS * float(k) ** 3 for k in distinct),
+                    sum(6.0 * n * k * k for n, k in modules), sum(float(n) * k * k for n, k in modules),
+                    modules, counted.most_common(1)[0][0] if counted else None)
+
+
+def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.device,
+                  rows: float) -> dict[str, float]:
+    """Seconds of GPTQ's walk and solves by part, each term at the rate it runs at here: the two forwards
+    and the sums at the walk's threads (weight_walk.walk_threads: one for small batches), the
+    solves on one thread (FP64 factorizations and errors, FP32 lazy updates), and the column loop
+    at its per-column cost, timed on this machine by running the recipe's own loop on two small
+    weights (a fixed cost per column plus one per row)."""
+    hidden = int(text_config(plan.source.config).get("hidden_size") or 1024)
+    with walk_threads(device, rows, plan.source.config):  # at the walk's own shapes: a batch's rows x hidden
+        walk32 = _matmul_rate(device, duration=0.1, shape=(rows, hidden, hidden))  # and a group's X^T X
+        walk64 = _matmul_rate(device, torch.float64, duration=0.1, shape=(hidden, min(512, group_rows(hidden)), hidden))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # as compute_threads runs the solves
+    try:
+        one64 = _matmul_rate(device, torch.float64, duration=0.05)
+        per_column, per_row = _column_cost(plan, cost.recipe, device) if cost.recipe else (0.0, 0.0)
+    finally:
+        torch.set_num_threads(previous)
+    return {"forward": forward / (walk32 * GPTQ_EFFICIENCY), "statistics": cost.stats / walk64,
+            "factorization": cost.factor / one64, "output_errors": cost.errors / one64,
+            "column_loop": cost.updates / (2 * one64) + sum(k * (per_column + per_row * n) for n, k in cost.modules)}
+
+
+def _column_cost(plan: Plan, recipe: str, device: torch.device) -> tuple[float, float]:
+    """(seconds per column, seconds per column and row) of GPTQ's loop in `recipe` on this
+    machine: gptq_quantize of a [128, K] and a [1024, K] weight, K = one block of columns (its
+    other work, the factorization and output errors of a K x K H, is negligible there)."""
+    settings = plan.options.rounding.gptq
+    k = settings.block_columns
+    h = torch.eye(k, dtype=torch.float64, device=device) * 4 + 1  # values do not change the loop's speed
+    times = []
+    for n in (128, 128, 1024):  # the first is a warm-up
+        w = torch.full((n, k), 0.5, device=device).add_(torch.arange(k, device=device) / k)
+        start = time.perf_counter()
+        gptq_quantize("estimate", w, h, plan.recipes[recipe], NO_FACTS, settings, "auto")
+        times.append(time.perf_counter() - start)
+    per_row = max(0.0, times[2] - times[1]) / (1024 - 128) / k
+    return max(0.0, times[1] / k - 128 * per_row), per_row
 
 
 def _active_params(per_layer: dict[int, int], config: dict) -> float:
@@ -114,15 +196,20 @@ def _active_params(per_layer: dict[int, int], config: dict) -> float:
     return max(total, 0.0)
 
 
-def _matmul_rate(device: torch.device) -> float:
-    """FP32 matmul FLOP/s on `device`, timed for ~0.1 s."""
-    a = torch.full((512, 1024), 0.5, device=device)  # values do not change a matmul's speed
-    b = torch.full((1024, 1024), 0.25, device=device)
+def _matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, duration: float = 0.1,
+                 shape: tuple[int, int, int] = (512, 1024, 1024)) -> float:
+    """Matmul FLOP/s on `device` of an [m, k] x [k, n] `shape` in `dtype` (FP32: a forward's; FP64:
+    GPTQ's sums and solves), timed for ~`duration` s at torch's current thread count: one window,
+    not the best of several (a walk on two threads of a shared CPU stalls as often as the window
+    does; with the best of three windows the GPTQ estimate fell to 0.4-0.5x the time, docs/gptq.md)."""
+    m, k, n = (max(1, int(x)) for x in shape)
+    a = torch.full((m, k), 0.5, device=device, dtype=dtype)  # values do not change a matmul's speed
+    b = torch.full((k, n), 0.25, device=device, dtype=dtype)
     a @ b  # warm-up
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.1:
+    count, start = 0, time.perf_counter()
+    while count == 0 or time.perf_counter() - start < duration:
         a @ b
-        n += 1
+        count += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return 2.0 * 512 * 1024 * 1024 * n / (time.perf_counter() - start)
+    return 2.0 * m * k * n * count / (time.perf_counter() - start)
