@@ -84,6 +84,9 @@ def test_the_dry_run_counts_the_forwards_each_walk_runs(run_cli, env, tmp_path):
     both = _estimate(run_cli, env, tmp_path, "--rounding", "gptq", "--activations", "static")
     solve = gptq["flops"] - 2 * calibration["flops"]
     assert solve > 0 and both["flops"] == pytest.approx(3 * calibration["flops"] + solve)
+    # GPTQ's seconds by part, each term timed at its own rate; none without GPTQ
+    assert calibration["rounding_seconds"] == {}
+    assert set(gptq["rounding_seconds"]) == {"forward", "statistics", "factorization", "output_errors", "column_loop"}
 
 
 def test_the_data_is_tokenized_once_per_conversion(run_cli, env, tmp_path):
