@@ -99,12 +99,12 @@ def test_statistics_are_summed_in_batch_order_on_any_number_of_ranks(monkeypatch
     monkeypatch.setattr(ordered_sum, "GROUP_ROWS", 4)  # groups of >= 4 rows: they span batches and ranks
     batches = _batches(7)  # 7 batches: the last round leaves ranks out on 2 and 3 ranks
     expected: dict[str, torch.Tensor] = {}
-    for key in KEYS:  # one process, by hand: the rows in batch order, cut into groups of >= 4
-        rows = [r for adds in batches for k, r in adds if k == key]
-        group: list[torch.Tensor] = []
-        for i, r in enumerate(rows):
-            group.append(r)
-            if sum(x.shape[0] for x in group) >= 4 or i == len(rows) - 1:
+    for key in KEYS:  # one process, by hand: each batch's rows appended in batch order, a group closed
+        group: list[torch.Tensor] = []  # once it holds >= 4 rows (a batch's rows never split), the rest last
+        batch_rows = [torch.cat(rows) for adds in batches if (rows := [r for k, r in adds if k == key])]
+        for i, rows in enumerate(batch_rows):
+            group.append(rows)
+            if sum(x.shape[0] for x in group) >= 4 or i == len(batch_rows) - 1:
                 part = _statistic(torch.cat(group))
                 expected[key] = part if key not in expected else expected[key] + part
                 group = []
