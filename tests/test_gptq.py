@@ -132,12 +132,13 @@ def test_layer_output_error_is_below_round_to_nearest(name, settings):
     out = gptq_quantize("w", w, _h(x), recipe, NO_FACTS, settings)
     assert out.method == "gptq", out.reason
     assert out.error < 0.6 * out.nearest_error, (out.error, out.nearest_error)
-    # the recorded figures are the errors of the decoded tensors, on these inputs
+    # the recorded figures are the errors of the decoded tensors, on these inputs (FP32 products,
+    # safeguard_errors: within ~1e-6 of the FP64 ones here, 1.8e-5 at most on MiniLM)
     rtn = recipe.dequantize(recipe.quantize("w", w))
     got = recipe.dequantize(out.q)
     for q, recorded in ((rtn, out.nearest_error), (got, out.error)):
         direct = float(((x @ (w.float() - q).T).double() ** 2).sum() / ((x @ w.float().T).double() ** 2).sum())
-        assert direct == pytest.approx(recorded, rel=1e-6)
+        assert direct == pytest.approx(recorded, rel=1e-4)
     assert out.q.codes.dtype == torch.uint8 and out.q.scale.dtype == recipe.quantize("w", w).scale.dtype
 
 
@@ -200,3 +201,24 @@ def test_what_encode_divides_by_is_what_decode_multiplies_by(codec):
 
 def test_every_quantizing_recipe_is_covered():
     assert set(ALL) == set(RECIPES)
+
+
+def test_the_safeguard_decides_in_fp64_near_a_tie(monkeypatch):
+    import quantcli.rounding.gptq as gptq
+
+    calls = []
+    real = gptq.relative_output_errors
+
+    def spy(w, qs, h, dtype=torch.float64):
+        calls.append(dtype)
+        return real(w, qs, h, dtype)
+
+    monkeypatch.setattr(gptq, "relative_output_errors", spy)
+    w, h = _weight(), _h(_inputs())
+    q = w.float() + 0.01
+    far = gptq.safeguard_errors(w, q, w.float(), h)  # 1 vs 0: FP32 alone decides
+    assert calls == [torch.float32] and far[1] == 0.0
+    calls.clear()
+    near = gptq.safeguard_errors(w, q, q * (1 + 1e-5), h)  # within TIE: decided again in FP64
+    assert calls == [torch.float32, torch.float64]
+    assert near == tuple(real(w, [q, q * (1 + 1e-5)], h))
