@@ -101,8 +101,8 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
 @dataclass(frozen=True)
 class GptqCost:
     """GPTQ's share, from the plan's shapes: FLOPs of the X^T X sums (`stats`, FP64, in the walk),
-    of H's factorizations and the layer-output errors (FP64, one thread) and of the column loop's
-    lazy updates (FP32, one thread); `modules` [(N, K)] of every module solved (the loop's
+    of H's factorizations (FP64, one thread), of the layer-output errors and the column loop's lazy
+    updates (FP32, one thread); `modules` [(N, K)] of every module solved (the loop's
     per-column work), `recipe` the most common one's; `bytes` the memory (see _gptq_cost)."""
     bytes: int
     stats: float
@@ -120,7 +120,7 @@ class GptqCost:
 def _gptq_cost(plan: Plan, tokens: int) -> GptqCost:
     """GPTQ's work and memory: per layer one FP64 K x K sum per distinct input (a fused group
     shares one: 2 T K^2 FLOPs for T tokens) and one factorization of it (~K^3); per module the
-    column loop (its lazy updates ~N K^2) and the two layer-output errors with H's (three FP64
+    column loop (its lazy updates ~N K^2) and the two layer-output errors with H's (three FP32
     products, 6 N K^2); the bytes are the largest layer's sums with the rows waiting for their
     X^T X (ordered_sum.group_rows(K) FP32 rows of K per sum), plus one solve (three K x K FP64
     matrices) and the weight's FP32 copies."""
@@ -148,7 +148,7 @@ def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.devi
                   rows: float) -> dict[str, float]:
     """Seconds of GPTQ's walk and solves by part, each term at the rate it runs at here: the two forwards
     and the sums at the walk's threads (weight_walk.walk_threads: one for small batches), the
-    solves on one thread (FP64 factorizations and errors, FP32 lazy updates), and the column loop
+    solves on one thread (FP64 factorizations, FP32 errors and lazy updates), and the column loop
     at its per-column cost, timed on this machine by running the recipe's own loop on two small
     weights (a fixed cost per column plus one per row)."""
     hidden = int(text_config(plan.source.config).get("hidden_size") or 1024)
@@ -163,7 +163,7 @@ def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.devi
     finally:
         torch.set_num_threads(previous)
     return {"forward": forward / (walk32 * GPTQ_EFFICIENCY), "statistics": cost.stats / walk64,
-            "factorization": cost.factor / one64, "output_errors": cost.errors / one64,
+            "factorization": cost.factor / one64, "output_errors": cost.errors / (2 * one64),
             "column_loop": cost.updates / (2 * one64) + sum(k * (per_column + per_row * n) for n, k in cost.modules)}
 
 
