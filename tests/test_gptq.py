@@ -222,3 +222,12 @@ def test_the_safeguard_decides_in_fp64_near_a_tie(monkeypatch):
     near = gptq.safeguard_errors(w, q, q * (1 + 1e-5), h)  # within TIE: decided again in FP64
     assert calls == [torch.float32, torch.float64]
     assert near == tuple(real(w, [q, q * (1 + 1e-5)], h))
+
+
+@pytest.mark.parametrize("rows, k", [(14, 384), (600, 1536), (64, 2048), (300, 2100)])
+def test_gram_by_block_rows_equals_one_product_bit_for_bit(rows, k):
+    from quantcli.convert.passes.gptq_pass import gram
+
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(rows, k, generator=g) * torch.rand(k, generator=g) * 5).double()
+    assert torch.equal(gram(x), x.T @ x)

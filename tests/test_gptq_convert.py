@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from faults import fault_env, tree_state
 from safetensors.torch import load_file
 
@@ -68,11 +69,18 @@ def test_the_manifest_records_the_method_and_each_modules_errors_and_verify_pass
     assert code == 0 and stdout.rstrip().endswith("PASS"), stdout + err
 
 
-def test_two_runs_write_the_same_bytes_and_nearest_rounding_is_unchanged(run_cli, env, tmp_path):
+def test_two_runs_and_one_thread_write_the_same_bytes_and_nearest_rounding_is_unchanged(run_cli, env, tmp_path):
     args = ("--recipe", "int8-channel", "--rounding", "gptq", "--quiet")
-    _convert(run_cli, env, env["llama"], tmp_path / "a", *args)
-    _convert(run_cli, env, env["llama"], tmp_path / "b", *args)
-    assert tree_state(tmp_path / "a") == tree_state(tmp_path / "b")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the layer's solves side by side on two threads (weight_walk.side_by_side)
+        _convert(run_cli, env, env["llama"], tmp_path / "a", *args)
+        _convert(run_cli, env, env["llama"], tmp_path / "b", *args)
+        torch.set_num_threads(1)  # one after the other
+        _convert(run_cli, env, env["llama"], tmp_path / "c", *args)
+    finally:
+        torch.set_num_threads(threads)
+    assert tree_state(tmp_path / "a") == tree_state(tmp_path / "b") == tree_state(tmp_path / "c")
     code, _, err = run_cli("convert", str(env["llama"]), str(tmp_path / "plain"), "--recipe", "int8-channel", "-q")
     assert code == 0, err
     assert "rounding" not in _manifest(tmp_path / "plain")  # round-to-nearest manifests keep their form

@@ -20,7 +20,11 @@ very file a replay reads, so both feed the next layer the same bits.
 
 from __future__ import annotations
 
+import math
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
+from typing import Callable
 
 import torch
 
@@ -69,6 +73,51 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
     return staged
 
 
+def side_by_side(solve: Callable[[ModuleWork], object], make: Callable[[int], ModuleWork], keys: list[str],
+                 threads: int, costs: list[float] | None = None) -> list:
+    """solve(make(j)) for each j of `keys`, in order: the works of one key (the modules of a fused
+    group, one H) one after the other in one task, up to `threads` tasks side by side, the
+    costliest first (`costs` per work: the last task to start is then a short one). make()
+    runs here, on the calling thread (the reader is not shared), as a task is started; each
+    solve runs on one intra-op thread whichever thread runs it (compute_threads), so the bytes
+    are one thread's: what runs side by side is whole solves (factorization, column loop,
+    errors), never one solve's ops. Memory: `threads` tasks' weights and solves at a time (the
+    dry run counts them)."""
+    tasks: dict[str, list[int]] = {}
+    for j, key in enumerate(keys):
+        tasks.setdefault(key, []).append(j)
+    if threads <= 1 or len(tasks) <= 1:
+        return [solve(make(j)) for j in range(len(keys))]
+    order = sorted(tasks.values(), key=lambda task: -sum(costs[j] for j in task)) if costs else list(tasks.values())
+    results: list = [None] * len(keys)
+    inference = torch.is_inference_mode_enabled()  # per thread: the solvers take the caller's
+
+    def run(indices: list[int], works: list[ModuleWork | None]) -> None:
+        with torch.inference_mode(inference):
+            for m, j in enumerate(indices):
+                results[j] = solve(works[m])
+                works[m] = None  # its weight and statistic go as soon as it is solved
+
+    pool = ThreadPoolExecutor(min(threads, len(tasks)), thread_name_prefix="quantcli-solve")
+    running: deque = deque()
+    try:
+        for indices in order:
+            if len(running) == threads:
+                running.popleft().result()  # the oldest task ends before the next one's weights are read
+            running.append(pool.submit(run, indices, [make(j) for j in indices]))
+        while running:
+            running.popleft().result()  # a failure is raised here, in task order
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # after a failure: the running solves end, no new one starts
+    return results
+
+
+def solve_cost(shape: tuple[int, ...]) -> float:
+    """A module's solve, roughly: its H's factorization (K^3) and its N K^2 products, per expert."""
+    *experts, n, k = shape
+    return float(math.prod(experts)) * (k ** 3 + n * k * k)
+
+
 def expert_key(key: str, expert: int | None) -> str:
     """The statistic's key of one expert of a 3-D stack module (each expert has its own inputs)."""
     return f"{key}|expert {expert}"
@@ -93,6 +142,9 @@ class WeightWalk(LayerPass):
         self.layer_tensors: list = []
         self.sums: OrderedSum | None = None
         self.statistics: tuple[dict[str, torch.Tensor], dict[str, int]] = ({}, {})
+        # the layer's solves, side by side on the CPU: as many as torch's threads before the walk
+        # narrowed them (walk_threads); each solve runs on one intra-op thread (compute_threads)
+        self.solvers = torch.get_num_threads()
 
     def begin(self, stack) -> None:
         self.index = {stack.layer_prefix(i): i for i in range(len(stack.layers))}
@@ -143,21 +195,15 @@ class WeightWalk(LayerPass):
     def _stage(self, i: int) -> None:
         """The lead: round every module of layer `i` the pass takes, stage the layer's file."""
         plan, reader = self.reader.plan, self.reader
-        sums, rows = self.statistics
         tensors, products, learned = {}, {}, {}
         with compute_threads(reader.device):
-            for t in self.layer_tensors:
+            results = side_by_side(self.wp.quantize, lambda j: self._work(self.layer_tensors[j]),
+                                   [self.key[t.module] for t in self.layer_tensors],
+                                   self.solvers if reader.device.type == "cpu" else 1,
+                                   [solve_cost(t.logical_shape) for t in self.layer_tensors])
+            for j, t in enumerate(self.layer_tensors):
+                result, results[j] = results[j], None
                 recipe, facts = plan.recipes[t.recipe], self.facts.get(t.module, NO_FACTS)
-                key = self.key[t.module]
-                stat = sums.get(key)
-                experts = None
-                if len(t.logical_shape) == 3:  # a 3-D expert stack: one statistic per expert
-                    experts = tuple((sums.get(expert_key(key, e)), rows.get(expert_key(key, e), 0))
-                                    for e in range(t.logical_shape[0]))
-                    experts = tuple((None if h is None else h.to(reader.device), n) for h, n in experts)
-                result = self.wp.quantize(ModuleWork(t, recipe, reader.weight(t), None if stat is None else
-                                                     stat.to(reader.device), rows.get(key, 0), facts,
-                                                     reader.backend, plan.options, experts))
                 rounding = result if isinstance(result, Rounded) else None  # how it rounded: record, note
                 q = result.q if rounding is not None else result
                 if q.recipe != t.recipe or tuple(q.shape) != t.logical_shape:
@@ -173,6 +219,21 @@ class WeightWalk(LayerPass):
                     module_learned = replace(module_learned, rounding=rounding.record, note=rounding.note)
                 learned[t.module] = asdict(module_learned)
         self.staged.write_layer(i, tensors, products, learned)
+
+    def _work(self, t) -> ModuleWork:
+        """Module `t`'s weight and statistic (or, for a 3-D expert stack, each expert's) for the pass."""
+        plan, reader = self.reader.plan, self.reader
+        sums, rows = self.statistics
+        key = self.key[t.module]
+        stat = sums.get(key)
+        experts = None
+        if len(t.logical_shape) == 3:  # a 3-D expert stack: one statistic per expert
+            experts = tuple((sums.get(expert_key(key, e)), rows.get(expert_key(key, e), 0))
+                            for e in range(t.logical_shape[0]))
+            experts = tuple((None if h is None else h.to(reader.device), n) for h, n in experts)
+        return ModuleWork(t, plan.recipes[t.recipe], reader.weight(t), None if stat is None else
+                          stat.to(reader.device), rows.get(key, 0), self.facts.get(t.module, NO_FACTS),
+                          reader.backend, plan.options, experts)
 
     def _staged_weights(self, i: int):
         """get(name) for loading layer `i`: its staged products decoded, the rest from the source."""
