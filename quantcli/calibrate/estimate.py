@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from quantcli.calibrate.scales import needs_walk
+from quantcli.convert.passes.gptq_pass import gram_blocks
 from quantcli.convert.passes.ordered_sum import group_rows
 from quantcli.convert.passes.weight_walk import walk_threads
 from quantcli.formats.facts import NO_FACTS
@@ -87,7 +88,7 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
     seconds = START_SECONDS + flops / (rate * EFFICIENCY)
     rounding_bytes, rounding_seconds = 0, {}
     if plan.options.rounding.data_aware:
-        cost = _gptq_cost(plan, tokens)
+        cost = _gptq_cost(plan, tokens, torch.get_num_threads() if device.type == "cpu" else 1)
         rounding_bytes = cost.bytes
         peak += rounding_bytes
         flops += 2 * forward + cost.flops  # GPTQ's walk runs each layer twice: observed, then quantized
@@ -111,19 +112,22 @@ class GptqCost:
     updates: float
     modules: tuple[tuple[int, int], ...]
     recipe: str | None
+    side: int = 1  # solves side by side (weight_walk.side_by_side: one per CPU thread, at most a layer's Hs)
 
     @property
     def flops(self) -> float:
         return self.stats + self.factor + self.errors + self.updates
 
 
-def _gptq_cost(plan: Plan, tokens: int) -> GptqCost:
+def _gptq_cost(plan: Plan, tokens: int, solvers: int) -> GptqCost:
     """GPTQ's work and memory: per layer one FP64 K x K sum per distinct input (a fused group
-    shares one: 2 T K^2 FLOPs for T tokens) and one factorization of it (~K^3); per module the
+    shares one: 2 T K^2 FLOPs for T tokens, less the blocks gram() does not compute) and one
+    factorization of it (~K^3); per module the
     column loop (its lazy updates ~N K^2) and the two layer-output errors with H's (three FP32
     products, 6 N K^2); the bytes are the largest layer's sums with the rows waiting for their
     X^T X (ordered_sum.group_rows(K) FP32 rows of K per sum), plus one solve (three K x K FP64
-    matrices) and the weight's FP32 copies."""
+    matrices) and the weight's FP32 copies for each of the `solvers` solves side by side (at most
+    as many as a layer has distinct inputs)."""
     rounding = plan.options.rounding
     solved = [t for t in plan.tensors if t.action == "quantize" and gptq_reaches(plan, t)
               and rounding.method_for(t.module) == GPTQ]
@@ -138,17 +142,20 @@ def _gptq_cost(plan: Plan, tokens: int) -> GptqCost:
     k_max = max((t.logical_shape[-1] for t in solved), default=0)
     nk_max = max((t.numel for t in solved), default=0)
     counted = Counter(t.recipe for t in solved)
-    return GptqCost(sums + 3 * 8 * k_max * k_max + 3 * 4 * nk_max,
-                    sum(2.0 * tokens * k * k for k in distinct), sum(FACTOR_FLOPS * float(k) ** 3 for k in distinct),
+    side = max(1, min(solvers, max((len(keys) for keys in inputs.values()), default=1)))
+    return GptqCost(sums + side * (3 * 8 * k_max * k_max + 3 * 4 * nk_max),
+                    sum(tokens * k * k * (1 + 1 / gram_blocks(k)) for k in distinct),
+                    sum(FACTOR_FLOPS * float(k) ** 3 for k in distinct),
                     sum(6.0 * n * k * k for n, k in modules), sum(float(n) * k * k for n, k in modules),
-                    modules, counted.most_common(1)[0][0] if counted else None)
+                    modules, counted.most_common(1)[0][0] if counted else None, side)
 
 
 def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.device,
                   rows: float) -> dict[str, float]:
     """Seconds of GPTQ's walk and solves by part, each term at the rate it runs at here: the two forwards
     and the sums at the walk's threads (weight_walk.walk_threads: one for small batches), the
-    solves on one thread (FP64 factorizations, FP32 errors and lazy updates), and the column loop
+    solves on one thread each, `side` at a time (FP64 factorizations, FP32 errors and lazy
+    updates), and the column loop
     at its per-column cost, timed on this machine by running the recipe's own loop on two small
     weights (a fixed cost per column plus one per row)."""
     hidden = int(text_config(plan.source.config).get("hidden_size") or 1024)
@@ -162,9 +169,10 @@ def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.devi
         per_column, per_row = _column_cost(plan, cost.recipe, device) if cost.recipe else (0.0, 0.0)
     finally:
         torch.set_num_threads(previous)
+    loop = cost.updates / (2 * one64) + sum(k * (per_column + per_row * n) for n, k in cost.modules)
     return {"forward": forward / (walk32 * GPTQ_EFFICIENCY), "statistics": cost.stats / walk64,
-            "factorization": cost.factor / one64, "output_errors": cost.errors / (2 * one64),
-            "column_loop": cost.updates / (2 * one64) + sum(k * (per_column + per_row * n) for n, k in cost.modules)}
+            "factorization": cost.factor / one64 / cost.side, "output_errors": cost.errors / (2 * one64) / cost.side,
+            "column_loop": loop / cost.side}
 
 
 def _column_cost(plan: Plan, recipe: str, device: torch.device) -> tuple[float, float]:
