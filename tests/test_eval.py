@@ -133,6 +133,11 @@ def test_gpt_oss_mxfp4_equals_transformers_forward(run_cli, root):
     assert code == 0, err
     emulated = validate("eval", json.loads(out))
     assert emulated["causal"] == doc["causal"] and emulated["layers"] == doc["layers"]
+    assert emulated["emulating"] and not doc["emulating"]
+    code, out, err = run_cli("eval", root / "gpt-oss", "--recipe", "mxfp4", "--layout", "gpt-oss", "--data",
+                             root / "eval.jsonl", "--device", "cpu")
+    assert code == 0, err
+    assert f"(--recipe mxfp4, emulated) vs the dense {root / 'gpt-oss'}:" in out.splitlines()[0]  # no --reference
 
 
 # ---------------------------------------------------------------- activations: compressed-tensors' fake-quantize

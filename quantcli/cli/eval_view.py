@@ -88,7 +88,8 @@ def _sensitivity_table(report) -> Table:
 
 def render_eval(report, con: Console, top: int) -> None:
     recipes = ", ".join(f"{n} {r}" for r, n in report.recipes.items()) or "no quantized module"
-    con.print(f"{report.checkpoint} vs --reference {report.reference}: {report.model_kind}, "
+    against = f"the dense {report.reference}" if report.emulating else f"--reference {report.reference}"
+    con.print(f"{report.checkpoint} vs {against}: {report.model_kind}, "
               f"layout {report.layout or 'dense'} ({recipes})")
     acts = "; ".join(f"{a.scheme} on {counted(a.modules, 'module')}" for a in report.activations) or \
         "none declared (weight-only)"

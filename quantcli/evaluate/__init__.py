@@ -178,6 +178,7 @@ def _run(opts: EvalOptions, ref, quant, device: torch.device, progress, world=No
         tokens=sum(len(s) for s in ids), tokens_in_data=tokens_in_data,
         seq_len=opts.seq_len, device=str(device), layers=rep.layer_rows(walked, opts.top),
         worst_modules=rep.overall_worst(walked, max(opts.top, 10)), sensitivity=ranked, notes=notes,
+        emulating=opts.emulating,
         **metrics)
 
 

@@ -41,7 +41,7 @@ class Emulated:
 @dataclass
 class EvalReport:
     checkpoint: str
-    reference: str
+    reference: str  # --reference SRC, or DST itself where a recipe is emulated on it (`emulating`)
     model_kind: str  # causal-lm | encoder
     layout: str | None
     recipes: dict[str, int]  # recipe -> quantized modules
@@ -62,6 +62,7 @@ class EvalReport:
     seconds: float = 0.0
     # eval --auto: the choice (convert --dry-run's record), its predicted error and the measured one
     auto: dict = OMITTED
+    emulating: bool = False  # a recipe emulated on the dense DST, measured against DST itself
 
 
 def module_rows(errors: dict, top: int) -> list[ModuleError]:
