@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -171,7 +172,8 @@ def test_resume_after_source_bytes_changed_names_the_shard(src, tmp_path, run_cl
     shard.write_bytes(bytes(data))
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
     code, out, err = convert(run_cli, src, dst, "--resume")
-    assert_one_line_error(code, out, err, shard.name, "changed since the interrupted run", "--overwrite")
+    assert_one_line_error(code, out, err, shard.name, "changed since the interrupted run", "its content",
+                          "--overwrite")
     assert tree_state(stage_of(dst)) == stage and not dst.exists()
     code, _, err = convert(run_cli, src, dst, "--overwrite")
     assert code == 0, err
@@ -504,3 +506,19 @@ def test_regex_pattern_that_matches_nothing_gets_no_name_hint(one_shard_moe, tmp
     code, out, err = run_cli("convert", str(one_shard_moe), str(tmp_path / "o"), "--recipe", "nvfp4", "--ignore",
                              "q_prj", "--dry-run", "--json")
     assert code == 0 and "closest module name" in " ".join(json.loads(out)["warnings"])
+
+
+def test_resume_after_a_copy_that_changed_only_the_time_says_how_to_restore_it(src, tmp_path, run_cli, monkeypatch):
+    dst = tmp_path / "out"
+    interrupt_after_shards(run_cli, monkeypatch, src, dst)
+    shard = sorted(src.glob("*.safetensors"))[0]
+    was = shard.stat().st_mtime_ns
+    os.utime(shard, ns=(was, was + 5 * 10**9))  # copied again without keeping its time
+    code, out, err = convert(run_cli, src, dst, "--resume")
+    assert_one_line_error(code, out, err, shard.name, "only its modification time", "--overwrite")
+    stamp = re.search(r"touch -d @(\d+)\.(\d{9}) FILE", err)
+    assert stamp is not None, err
+    os.utime(shard, ns=(was, int(stamp[1]) * 10**9 + int(stamp[2])))  # what `touch -d @S.N` does
+    code, _, err = convert(run_cli, src, dst, "--resume")
+    assert code == 0, err
+    assert tree_state(dst) == clean_output(run_cli, src, tmp_path / "clean")

@@ -85,10 +85,22 @@ def shard_identity(path: Path) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample_sha256": h.hexdigest()}
 
 
-def changed_source_shard(recorded: dict[str, dict], now: dict[str, dict]) -> str | None:
+def changed_source_shard(recorded: dict[str, dict], now: dict[str, dict]) -> tuple[str, str] | None:
+    """The first source shard that is not as the interrupted run recorded it, and what differs."""
     for shard in sorted(set(recorded) | set(now)):
-        if recorded.get(shard) != now.get(shard):
-            return shard
+        was, is_ = recorded.get(shard), now.get(shard)
+        if was == is_:
+            continue
+        if was is None or is_ is None:
+            return shard, "it was not a source shard then" if was is None else "it is gone"
+        if was["size"] != is_["size"]:
+            return shard, f"its size ({was['size']} bytes then, {is_['size']} now)"
+        if was["sample_sha256"] != is_["sample_sha256"]:
+            return shard, "its content (same size, other bytes)"
+        ns = was["mtime_ns"]  # only the time: a copy that did not keep it, most likely
+        return shard, (f"only its modification time (size and sampled content match: copied again?); if its "
+                       f"bytes are the same, `touch -d @{ns // 10**9}.{ns % 10**9:09d} FILE` restores it and "
+                       f"--resume continues")
     return None
 
 

@@ -130,9 +130,10 @@ class Staging:
                                       f"or options; pass --overwrite to start over")
             changed = changed_source_shard(state["sources"], source_identity(self.plan.source))
             if changed is not None:
-                raise CheckpointError(f"{self.plan.source.root / changed}: source shard {changed} changed since the "
-                                      f"interrupted run (size, mtime or content), so the shards in {self.path} cannot "
-                                      f"be reused; rerun with --overwrite")
+                shard, what = changed
+                raise CheckpointError(f"{self.plan.source.root / shard}: --resume refused: source shard {shard} "
+                                      f"changed since the interrupted run: {what}; to start over (the shards in "
+                                      f"{self.path} were made from the old bytes), rerun with --overwrite")
             return Found.RESUME
         if self.run.resume and (self.path / MANIFEST_NAME).exists():
             if manifest_doc(self.path).get("fingerprint") != self.fp:
