@@ -62,6 +62,7 @@ def test_help_snapshot(run_cli, monkeypatch, command):
     assert run_cli(*command, "-h")[1] == out  # -h is --help
     assert_readable(out)
     assert not re.search(r"\{[A-Z_]+\}", out), "a placeholder in braces"
+    assert not re.search(r"[A-Za-z]-$", out, re.M), "a word split at a hyphen across lines (--target- / bits)"
     check_snapshot(f"help-{command[0] if command else 'quantcli'}.txt", out)
 
 

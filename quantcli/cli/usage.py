@@ -1,12 +1,27 @@
 """How the command line presents itself: one-line messages for a missing or misspelled command,
-and arguments shown in usage and --help as words (SRC, [SRC]) rather than typer's {SRC} <str>."""
+arguments shown in usage and --help as words (SRC, [SRC]) rather than typer's {SRC} <str>, and
+option names never split across lines in --help."""
 
 from __future__ import annotations
 
 import typer
+import typer._click._textwrap
 import typer.core
 
 from quantcli.errors import UsageError, did_you_mean
+
+
+class _WholeWords(typer._click._textwrap.TextWrapper):
+    """The help's wrapper (typer's own copy of click's), but a line never ends inside a word at a
+    hyphen ('--target-' then 'bits'): textwrap breaks there by default, and an option name split
+    in two cannot be searched for or copied. typer._click.formatting.wrap_text looks the class
+    up in typer._click._textwrap at each call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "break_on_hyphens": False})
+
+
+typer._click._textwrap.TextWrapper = _WholeWords
 
 # Each command's --help ends with these (tests/test_cli_papercuts.py parses every one).
 EXAMPLES = {  # a long one goes on in a second line after ' \\'
