@@ -131,6 +131,26 @@ def test_recipe_file_keys_and_dry_run_writes_nothing(run_cli, root, tmp_path):
     assert code == 2 and "expected an array of strings" in err
 
 
+def test_at_a_terminal_the_dry_runs_lines_wrap_at_its_width(run_cli, root, tmp_path, monkeypatch):
+    import sys
+
+    from rich.console import Console
+
+    import quantcli.cli.commands as commands
+
+    def terminal(stderr: bool = False) -> Console:  # a 72-column terminal, as render.console makes it
+        return Console(file=sys.stderr if stderr else sys.stdout, force_terminal=True, color_system=None,
+                       width=72, soft_wrap=True, highlight=False)
+
+    monkeypatch.setattr(commands, "_console", terminal)
+    code, text, err = _convert(run_cli, root, tmp_path / "c", *AUTO, "--target-bits", "6", "--dry-run")
+    assert code == 0, err
+    lines = text[text.index("auto: "):text.index("\ntotal ")].splitlines()
+    assert len(lines) > 10 and all(len(line) <= 72 for line in lines), lines
+    assert lines[1].startswith("    ") and lines[1].lstrip() != lines[1]  # the summary goes on indented
+    assert "predicted output error" in " ".join(lines)
+
+
 def test_dense_candidate_and_max_size(run_cli, root, tmp_path):
     dst = tmp_path / "out"
     code, out, err = _convert(run_cli, root, dst, "--auto", "nvfp4,bf16", "--target-bits", "8")

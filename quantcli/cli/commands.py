@@ -25,7 +25,7 @@ from quantcli.cli.render import (
     render_verify,
     render_verify_brief,
 )
-from quantcli.cli.render_auto import auto_lines
+from quantcli.cli.render_auto import print_auto_lines
 from quantcli.errors import QuantcliError
 from quantcli.reports import envelope, excluded_entries, to_json
 
@@ -172,8 +172,8 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
             con.print(line)
     for w in plan.all_warnings:
         (_console(stderr=True) if quiet else con).print(f"warning: {w}")
-    for line in auto_lines(choice) if choice is not None and not quiet else []:
-        con.print(line, markup=False, highlight=False)
+    if choice is not None and not quiet:
+        print_auto_lines(con, choice)
     con.print(f"total {human_bytes(plan.bytes_in)} -> {human_bytes(plan.bytes_out)}, {doc['bits_per_param']:.2f} "
               f"bits/param over {counted(total_params, 'param', spec=',')} ({params_q:,} quantized); estimated peak "
               f"memory "

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from quantcli.cli.render import console as _console
 from quantcli.cli.render import emit_json
-from quantcli.cli.render_auto import auto_lines
+from quantcli.cli.render_auto import print_auto_lines
 from quantcli.errors import QuantcliError
 from quantcli.reports import OMITTED, envelope
 
@@ -135,8 +135,8 @@ def _show(report, quiet: bool, json_out: bool, top: int, choice) -> None:
     if quiet:
         render_eval_brief(report, con, f"  predicted {auto['predicted_error']:.4g}" if auto else "")
         return
-    for line in auto_lines(choice) if choice is not None else []:
-        con.print(line, markup=False, highlight=False)
+    if choice is not None:
+        print_auto_lines(con, choice)
     render_eval(report, con, top)
     if auto:
         con.print(f"auto: measured {auto['metric']} {auto['measured_error']:.6g} on --data, predicted "

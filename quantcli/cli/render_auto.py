@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 
 def _budget(choice) -> str:
     req = choice.request
@@ -40,3 +42,13 @@ def auto_lines(choice) -> list[str]:
     if choice.left_dense:
         lines.append(f"  left dense (no candidate fits every member of their group): {', '.join(choice.left_dense)}")
     return lines
+
+
+def print_auto_lines(con, choice) -> None:
+    """auto_lines on `con`: at a terminal each wrapped at its width, the rest of a line indented
+    under its start (+4); in a pipe one line each, whole, for grep (render.console's soft wrap)."""
+    for line in auto_lines(choice):
+        if con.is_terminal and len(line) > con.width:
+            indent = " " * (len(line) - len(line.lstrip()) + 4)
+            line = textwrap.fill(line, width=con.width, subsequent_indent=indent, break_on_hyphens=False)
+        con.print(line, markup=False, highlight=False)
