@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from quantcli.convert.passes.weight_walk import side_by_side
+from quantcli.convert.passes.side_by_side import side_by_side
 
 
 def test_one_task_per_key_in_order_on_its_own_thread_and_the_tasks_side_by_side():
@@ -94,3 +94,29 @@ def test_the_costliest_task_starts_first():
     keys = ["qkv", "qkv", "o", "down"]
     assert side_by_side(lambda j: j, make, keys, threads=2, costs=[2.0, 2.0, 1.0, 9.0]) == [0, 1, 2, 3]
     assert started == [3, 0, 1, 2]  # down (9), then q/k/v (4), then o (1)
+
+
+def test_a_task_starts_beside_others_only_where_the_memory_is_there():
+    barrier_free = threading.Event()
+    at_once, most = [0], [0]
+    lock = threading.Lock()
+
+    def solve(j):
+        with lock:
+            at_once[0] += 1
+            most[0] = max(most[0], at_once[0])
+        barrier_free.wait(0.05)  # long enough for a second task to start if it may
+        with lock:
+            at_once[0] -= 1
+        return j
+
+    keys, sizes = ["a", "b", "c"], [3 * 2**30] * 3
+    plenty, short = (lambda: 64 * 2**30), (lambda: 5 * 2**30)  # two need 6 GiB + the 1 GiB reserve
+    assert side_by_side(solve, lambda j: j, keys, threads=2, sizes=sizes, room=plenty) == [0, 1, 2]
+    assert most[0] == 2
+    most[0] = 0
+    assert side_by_side(solve, lambda j: j, keys, threads=2, sizes=sizes, room=short) == [0, 1, 2]
+    assert most[0] == 1  # one at a time: as much memory as one after the other
+    most[0] = 0
+    assert side_by_side(solve, lambda j: j, keys, threads=2, sizes=sizes, room=lambda: None) == [0, 1, 2]
+    assert most[0] == 1  # unknown: one at a time

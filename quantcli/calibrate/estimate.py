@@ -13,6 +13,7 @@ import torch
 from quantcli.calibrate.scales import needs_walk
 from quantcli.convert.passes.gptq_pass import gram_blocks
 from quantcli.convert.passes.ordered_sum import group_rows
+from quantcli.convert.passes.side_by_side import solve_bytes
 from quantcli.convert.passes.weight_walk import walk_threads
 from quantcli.formats.facts import NO_FACTS
 from quantcli.model.buffer import budget_bytes
@@ -125,9 +126,10 @@ def _gptq_cost(plan: Plan, tokens: int, solvers: int) -> GptqCost:
     factorization of it (~K^3); per module the
     column loop (its lazy updates ~N K^2) and the two layer-output errors with H's (three FP32
     products, 6 N K^2); the bytes are the largest layer's sums with the rows waiting for their
-    X^T X (ordered_sum.group_rows(K) FP32 rows of K per sum), plus one solve (three K x K FP64
-    matrices) and the weight's FP32 copies for each of the `solvers` solves side by side (at most
-    as many as a layer has distinct inputs)."""
+    X^T X (ordered_sum.group_rows(K) FP32 rows of K per sum), plus the largest solve
+    (side_by_side.solve_bytes: its K x K matrices and the weight's FP32 copies) for each of the
+    `solvers` solves side by side (at most as many as a layer has distinct inputs; fewer where
+    memory is short, which the estimate does not assume)."""
     rounding = plan.options.rounding
     solved = [t for t in plan.tensors if t.action == "quantize" and gptq_reaches(plan, t)
               and rounding.method_for(t.module) == GPTQ]
@@ -139,11 +141,10 @@ def _gptq_cost(plan: Plan, tokens: int, solvers: int) -> GptqCost:
                default=0)
     distinct = [k for keys in inputs.values() for k in keys.values()]
     modules = tuple((t.logical_shape[0], t.logical_shape[1]) for t in solved if len(t.logical_shape) == 2)
-    k_max = max((t.logical_shape[-1] for t in solved), default=0)
-    nk_max = max((t.numel for t in solved), default=0)
     counted = Counter(t.recipe for t in solved)
     side = max(1, min(solvers, max((len(keys) for keys in inputs.values()), default=1)))
-    return GptqCost(sums + side * (3 * 8 * k_max * k_max + 3 * 4 * nk_max),
+    solve = max((solve_bytes(t.logical_shape) for t in solved), default=0)
+    return GptqCost(sums + side * solve,
                     sum(tokens * k * k * (1 + 1 / gram_blocks(k)) for k in distinct),
                     sum(FACTOR_FLOPS * float(k) ** 3 for k in distinct),
                     sum(6.0 * n * k * k for n, k in modules), sum(float(n) * k * k for n, k in modules),

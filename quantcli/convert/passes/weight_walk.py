@@ -20,17 +20,14 @@ very file a replay reads, so both feed the next layer the same bits.
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
-from typing import Callable
 
 import torch
 
 from quantcli.checkpoint.safetensors_io import OutSpec, dtype_name
 from quantcli.convert.passes.kinds import ModuleWork, Rounded, WeightPass
 from quantcli.convert.passes.ordered_sum import OrderedSum
+from quantcli.convert.passes.side_by_side import side_by_side, solve_bytes, solve_cost
 from quantcli.convert.reading import ModuleReader
 from quantcli.convert.shard import compute_threads, learned_of
 from quantcli.convert.staged import StagedWeights, check_product
@@ -71,51 +68,6 @@ def run_weight_pass(wp: WeightPass, reader: ModuleReader, facts: dict[str, Modul
             world.settle(lambda: walk_source(plan, reader.tensors, reader.device, walk, ids, reader.progress,
                                              part=(world.rank, world.size), verb=verb))
     return staged
-
-
-def side_by_side(solve: Callable[[ModuleWork], object], make: Callable[[int], ModuleWork], keys: list[str],
-                 threads: int, costs: list[float] | None = None) -> list:
-    """solve(make(j)) for each j of `keys`, in order: the works of one key (the modules of a fused
-    group, one H) one after the other in one task, up to `threads` tasks side by side, the
-    costliest first (`costs` per work: the last task to start is then a short one). make()
-    runs here, on the calling thread (the reader is not shared), as a task is started; each
-    solve runs on one intra-op thread whichever thread runs it (compute_threads), so the bytes
-    are one thread's: what runs side by side is whole solves (factorization, column loop,
-    errors), never one solve's ops. Memory: `threads` tasks' weights and solves at a time (the
-    dry run counts them)."""
-    tasks: dict[str, list[int]] = {}
-    for j, key in enumerate(keys):
-        tasks.setdefault(key, []).append(j)
-    if threads <= 1 or len(tasks) <= 1:
-        return [solve(make(j)) for j in range(len(keys))]
-    order = sorted(tasks.values(), key=lambda task: -sum(costs[j] for j in task)) if costs else list(tasks.values())
-    results: list = [None] * len(keys)
-    inference = torch.is_inference_mode_enabled()  # per thread: the solvers take the caller's
-
-    def run(indices: list[int], works: list[ModuleWork | None]) -> None:
-        with torch.inference_mode(inference):
-            for m, j in enumerate(indices):
-                results[j] = solve(works[m])
-                works[m] = None  # its weight and statistic go as soon as it is solved
-
-    pool = ThreadPoolExecutor(min(threads, len(tasks)), thread_name_prefix="quantcli-solve")
-    running: deque = deque()
-    try:
-        for indices in order:
-            if len(running) == threads:
-                running.popleft().result()  # the oldest task ends before the next one's weights are read
-            running.append(pool.submit(run, indices, [make(j) for j in indices]))
-        while running:
-            running.popleft().result()  # a failure is raised here, in task order
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)  # after a failure: the running solves end, no new one starts
-    return results
-
-
-def solve_cost(shape: tuple[int, ...]) -> float:
-    """A module's solve, roughly: its H's factorization (K^3) and its N K^2 products, per expert."""
-    *experts, n, k = shape
-    return float(math.prod(experts)) * (k ** 3 + n * k * k)
 
 
 def expert_key(key: str, expert: int | None) -> str:
@@ -200,7 +152,8 @@ class WeightWalk(LayerPass):
             results = side_by_side(self.wp.quantize, lambda j: self._work(self.layer_tensors[j]),
                                    [self.key[t.module] for t in self.layer_tensors],
                                    self.solvers if reader.device.type == "cpu" else 1,
-                                   [solve_cost(t.logical_shape) for t in self.layer_tensors])
+                                   [solve_cost(t.logical_shape) for t in self.layer_tensors],
+                                   [solve_bytes(t.logical_shape) for t in self.layer_tensors])
             for j, t in enumerate(self.layer_tensors):
                 result, results[j] = results[j], None
                 recipe, facts = plan.recipes[t.recipe], self.facts.get(t.module, NO_FACTS)
