@@ -93,20 +93,22 @@ def upper_inverse_factor(h: torch.Tensor, dampening: float) -> tuple[torch.Tenso
     (lower): H^-1 = J (J H J)^-1 J = J A^T A J = (J A J)^T (J A J), and J A J is upper with a
     positive diagonal, so it is U (the factor is unique). One Cholesky and one triangular solve:
     half the time of inverting H (`cholesky_solve` against I) and factorizing the inverse again."""
-    h = h.double().clone()
-    dead = torch.diagonal(h) == 0
-    h[dead, dead] = 1.0
-    mean_diag = float(torch.diagonal(h).mean())
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    h = h.double()  # the caller's H where it is FP64 already: read, never written
+    diagonal = torch.diagonal(h).clone()
+    diagonal[diagonal == 0] = 1.0  # dead input channels
+    mean_diag = float(diagonal.mean())
     d = dampening
-    while True:  # at most four K x K FP64 matrices at a time (H, L, I and L^-1), as before
+    while True:  # besides H at most three K x K FP64 matrices at a time: L, I and L^-1 (then L^-1, U)
         damped = h.flip(0, 1)  # J H J, a copy
-        damped.diagonal().add_(d * mean_diag)
+        damped.diagonal().copy_(diagonal.flip(0)).add_(d * mean_diag)
         low, info = torch.linalg.cholesky_ex(damped)
         del damped
         if int(info) == 0:
-            up = torch.linalg.solve_triangular(low, eye, upper=False).flip(0, 1)
-            del low
+            inverse = torch.linalg.solve_triangular(low, torch.eye(h.shape[0], dtype=h.dtype, device=h.device),
+                                                    upper=False)
+            del low  # and the identity, before the flipped copy
+            up = inverse.flip(0, 1)
+            del inverse
             if bool(torch.isfinite(up).all()):
                 return up, d
         if d >= MAX_DAMPENING:

@@ -38,10 +38,11 @@ def solve_cost(shape: tuple[int, ...]) -> float:
 
 
 def solve_bytes(shape: tuple[int, ...]) -> int:
-    """A module's solve at its peak: four K x K FP64 matrices (H's copies, L, L^-1), the FP32
-    factor and errors' H, and four FP32 copies of the weight."""
+    """A module's solve at its peak, besides H: three K x K FP64 matrices (J H J and L, then L,
+    I and L^-1: rounding/gptq.py upper_inverse_factor), two FP32 ones (the factor, the errors'
+    H) and four FP32 copies of the weight."""
     n, k = shape[-2], shape[-1]
-    return 8 * 4 * k * k + 4 * 2 * k * k + 4 * 4 * n * k
+    return 8 * 3 * k * k + 4 * 2 * k * k + 4 * 4 * n * k
 
 
 def side_by_side(solve: Callable, make: Callable[[int], object], keys: list[str], threads: int,
