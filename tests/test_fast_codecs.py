@@ -97,3 +97,24 @@ def test_non_finite_blocks_are_refused_wherever_they_sit(bad):
         with pytest.raises(NonFiniteInput):
             ref._amax_last(x)
     assert torch.equal(ref._check_finite(torch.zeros(0)), torch.zeros(0))  # nothing to check
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_e2m1_nearest_is_decode_of_encode_bit_for_bit():
+    """GPTQ's loop rounds with nearest_e2m1; the codes written are encode's: the two must agree
+    on every value, -0.0 included, near every boundary, on every exponent and at random."""
+    from quantcli.kernels.elements import decode_e2m1, nearest_e2m1
+
+    near = _bits_around(BOUNDARIES, 1 << 15)
+    exponents = torch.arange(256, dtype=torch.int64)[:, None] << 23
+    mantissas = torch.linspace(0, (1 << 23) - 1, 4096).to(torch.int64)[None, :]
+    every = (exponents | mantissas).reshape(-1).to(torch.int32).view(torch.float32)
+    every = every[~torch.isnan(every)]
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randint(-2**31, 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    noise = noise.view(torch.float32)[~torch.isnan(noise.view(torch.float32))]
+    for v in (near, torch.cat([every, -every]), noise, torch.randn(97, 256, generator=g)[:, 1::3]):
+        assert _same_bits(nearest_e2m1(v), decode_e2m1(ref.encode_e2m1(v)))

@@ -190,21 +190,22 @@ def _columns(W: torch.Tensor, hinv: torch.Tensor, order: torch.Tensor, spans: Sp
             first = int(order[j]) // spans.width * spans.width
             if fixed is None and first not in scales:
                 span = at[first:first + spans.width]
-                scales[first], D[:, span] = spans.choose(_span_values(W, span, hinv, E, i0, j, i1), first)
+                scales[first], d = spans.choose(_span_values(W, span, hinv, E, i0, j, i1), first)
+                D.T[span] = d.T  # rows of the contiguous D^T: a copy of rows, not a column scatter
             source[:, j] = W[:, j]
             q = spans.round(W[:, j], D[:, j])
             E[:, j - i0] = (W[:, j] - q) / hinv[j, j]
             W[:, j:i1].addmm_(E[:, j - i0, None], hinv[None, j, j:i1], alpha=-1)  # a BLAS call: addr_ is 15x slower
         W[:, i1:].addmm_(E, hinv[i0:i1, i1:], alpha=-1)  # the lazy block update
     stored = fixed[0] if fixed is not None else Spans.scale_tensor([scales[s] for s in sorted(scales)])
-    return source[:, at], D[:, at], stored
+    return source.T[at].T.contiguous(), D.T[at].T.contiguous(), stored  # columns back in the weight's order
 
 
 def _span_values(W: torch.Tensor, span: torch.Tensor, hinv: torch.Tensor, E: torch.Tensor,  # noqa: N803
                  i0: int, j: int, i1: int) -> torch.Tensor:
     """The values [N, width] of the span at loop positions `span` as updated so far by columns
     before j: those past the current block [i0, i1) still lack its lazy update, added here."""
-    values = W[:, span].contiguous()
+    values = W.T[span].T.contiguous()  # W's columns are rows of the contiguous W^T: gathered as rows
     later = span >= i1
     if j > i0 and bool(later.any()):
         values[:, later] -= E[:, :j - i0] @ hinv[i0:j, span[later]]
