@@ -62,6 +62,8 @@ def render_verify(report, con: Console, top: int) -> None:
     for c in report.checks:
         status = "[green]ok[/green]  " if c.passed else f"[red]FAIL[/red] ({c.faults})"
         con.print(f"  {status} {c.check}")
+    if report.loads_in is not OMITTED:
+        con.print(f"  loads in: {report.loads_in}", markup=False)
     if report.tensors:
         con.print(_rows_table(report.tensors, top, con))
         if any(r.baseline_rounding is not OMITTED for r in report.tensors[:top]):

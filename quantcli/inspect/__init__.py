@@ -217,7 +217,7 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
                                 f"`quantcli inspect {source.label} --json` to list the names")
         excluded = exclusion_list(config)
         unlisted = _unlisted_linears(det, names, tensors, excluded)
-        engines = _engine_loads(det, tensors, config, scales)
+        engines = engine_loads(det, tensors, config, scales)
     by_format = _format_totals(modules, dense)
     if scales is not OMITTED:
         _count_scales(by_format, scales, tensors_bytes=4)
@@ -238,7 +238,7 @@ def inspect_source(source: Source, pattern: str | None = None, stats: bool = Fal
         rounding=dict(det.manifest.rounding) if det and det.manifest and det.manifest.rounding else OMITTED)
 
 
-def _engine_loads(det: Detected | None, tensors: CheckpointTensors, config: dict, scales) -> list[EngineLoad]:
+def engine_loads(det: Detected | None, tensors: CheckpointTensors, config: dict, scales) -> list[EngineLoad]:
     """The engines table's verdicts settled on this checkpoint: every quantized module's logical
     shape (from its codes tensor's header, also outside --tensors), the config, the static scales."""
     if det is None:

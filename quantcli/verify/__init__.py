@@ -30,6 +30,7 @@ from quantcli.convert import resolve_device
 from quantcli.errors import QuantcliError
 from quantcli.formats.consistency import CONFIG_NAME, config_fix, contradictions, missing_config
 from quantcli.formats.detect import all_names, config_with_extras, detect
+from quantcli.inspect import engine_loads
 from quantcli.kernels import cpu_workers
 from quantcli.planning.plan import matches
 from quantcli.reports import OMITTED
@@ -83,6 +84,7 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
         if reference is None:  # a heuristic on magnitudes; with a reference the judge sees each gain exactly
             direction_check(decoded_cache, qt, det, found)
         scales = calibrated_check(source, det, config, modules, qt, found)
+        engines = engine_loads(det, qt, config, OMITTED if scales is None else scales)
         stats, outputs = None, {}
         if calibration is not None:
             weighted = any(m.scale_search_weights for m in det.manifest.modules) if det.manifest else False
@@ -96,7 +98,7 @@ def verify_checkpoint(quant: str, reference: str | None = None, revision: str | 
                                                     outputs=outputs, rerun=rerun)
     return build_report(source, det.layout.name, reference, reference_kind, len(modules), found, rows,
                         notes=(*found.notes, *gptq_notes(det.manifest, rerun, found)),
-                        gptq_rerun=rerun if rerun is not None else OMITTED)
+                        gptq_rerun=rerun if rerun is not None else OMITTED, engines=engines)
 
 
 def config_faults(source, det) -> list[tuple[str, str]]:

@@ -7,13 +7,14 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from quantcli.formats.engine_checks import IF, YES, loads_in_line
 from quantcli.reports import NOT_IN_JSON, OMITTED
 
 # Every check verify runs, in report order. Each gets its status from the faults filed under it,
 # so the report never says "checked" before the result is known.
 MANIFEST = "manifest agrees with the safetensors headers"
 CONFIG = "config keys the consumer needs are present"
-SERVABLE = "a serving engine loads each (recipe, layout) pair"
+SERVABLE = "each (recipe, layout) pair is one a serving engine loads"
 TENSORS = "quantized tensors have the dtypes and shapes the layout reads"
 FUSED = "fused groups share one precision and one global scale"
 COVERAGE = "every Linear is quantized or excluded"
@@ -115,6 +116,7 @@ class VerifyReport:
     # written with an activation-weighted scale search (manifest scale_search_weights) or rounded by GPTQ
     not_byte_checked: list[str] = field(default_factory=list)
     gptq_rerun: GptqRerun = OMITTED  # --exact --calibration on GPTQ modules
+    loads_in: str = OMITTED  # the engines that load this checkpoint, as convert and inspect say it
 
 
 class Findings:
@@ -160,7 +162,7 @@ NOT_BYTE_CHECKED = ("--exact: {n} module(s) were quantized with an activation-we
 
 def build_report(source, layout_name: str, reference: str | None, reference_kind: str | None, modules: int,
                  found: Findings, rows: list[TensorRow], notes: tuple[str, ...] = (),
-                 gptq_rerun: GptqRerun = OMITTED) -> VerifyReport:
+                 gptq_rerun: GptqRerun = OMITTED, engines: list | None = None) -> VerifyReport:
     if found.not_byte_checked:
         notes = (*notes, NOT_BYTE_CHECKED.format(n=len(found.not_byte_checked)))
     rows.sort(key=lambda r: -r.rel_err)
@@ -171,6 +173,17 @@ def build_report(source, layout_name: str, reference: str | None, reference_kind
         layers[key] = max(layers.get(key, 0.0), r.rel_err)
     return VerifyReport(checkpoint=source.label, layout=layout_name, reference=reference,
                         reference_kind=reference_kind, modules=modules, notes=list(notes), checks=found.summary(),
-                        faults=found.faults, tensors=rows, layers=layers, warnings=list(source.warnings),
+                        faults=found.faults, tensors=rows, layers=layers,
+                        warnings=[*source.warnings, *_unloadable(engines)],
                         passed=not found.faults, not_byte_checked=[*found.not_byte_checked, *found.gptq_unchecked],
-                        gptq_rerun=gptq_rerun)
+                        gptq_rerun=gptq_rerun, loads_in=OMITTED if engines is None else loads_in_line(engines))
+
+
+def _unloadable(engines: list | None) -> list[str]:
+    """A warning where no engine loads the checkpoint as it is (shapes, config: the engines table's
+    checks settled on it), though every (recipe, layout) pair is one an engine loads."""
+    if engines is None or any(j.loads in (YES, IF) for j in engines):
+        return []
+    why = "; ".join(f"{j.engine}: {j.reason}" for j in engines if j.reason)
+    return [f"no serving engine loads this checkpoint as it is ({why}); `quantcli inspect` lists each engine's "
+            f"conditions"]
