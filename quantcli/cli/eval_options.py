@@ -60,4 +60,4 @@ EvalQuiet = Annotated[bool, typer.Option(
 EvalVerbose = Annotated[bool, typer.Option("--verbose", "-v", help="One stderr line per layer as it finishes.")]
 EvalCalibration = Annotated[Optional[str], typer.Option(metavar="DATA", help=(
     "With --auto: the data each module is scored on, as convert --auto --calibration (with --calibration-samples, "
-    "-seq-len, -batch); the measurement runs on --data."))]
+    "--calibration-seq-len, --calibration-batch); the measurement runs on --data."))]
