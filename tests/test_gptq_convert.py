@@ -73,7 +73,7 @@ def test_two_runs_and_one_thread_write_the_same_bytes_and_nearest_rounding_is_un
     args = ("--recipe", "int8-channel", "--rounding", "gptq", "--quiet")
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)  # the layer's solves side by side on two threads (weight_walk.side_by_side)
+        torch.set_num_threads(2)  # the layer's solves side by side on two threads (passes/side_by_side.py)
         _convert(run_cli, env, env["llama"], tmp_path / "a", *args)
         _convert(run_cli, env, env["llama"], tmp_path / "b", *args)
         torch.set_num_threads(1)  # one after the other

@@ -1,10 +1,11 @@
-"""weight_walk.side_by_side: the layer's GPTQ solves run as whole tasks (one per H) on several
+"""passes/side_by_side.py: the layer's GPTQ solves run as whole tasks (one per H) on several
 threads, their results in order, the works made on the caller's thread, at most `threads` tasks'
 works alive, the first failure raised and no task started after it."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -36,23 +37,36 @@ def test_one_task_per_key_in_order_on_its_own_thread_and_the_tasks_side_by_side(
         assert runs[0][1].startswith("quantcli-solve")
 
 
+class Peak:
+    """How many of something are alive at once, and the most there were (thread-safe)."""
+
+    def __init__(self):
+        self.alive = self.most = 0
+        self._lock = threading.Lock()
+
+    def up(self) -> None:
+        with self._lock:
+            self.alive += 1
+            self.most = max(self.most, self.alive)
+
+    def down(self) -> None:
+        with self._lock:
+            self.alive -= 1
+
+
 def test_at_most_threads_tasks_are_made_before_the_oldest_ends():
-    alive, most = [0], [0]
-    lock = threading.Lock()
+    works = Peak()
 
     def make(j):
-        with lock:
-            alive[0] += 1
-            most[0] = max(most[0], alive[0])
+        works.up()
         return j
 
     def solve(j):
-        with lock:
-            alive[0] -= 1
+        works.down()
         return j
 
     assert side_by_side(solve, make, [str(j) for j in range(8)], threads=2) == list(range(8))
-    assert most[0] <= 3  # two running, a third made once the oldest has ended
+    assert works.most <= 3  # two running, a third made once the oldest has ended
 
 
 def test_the_first_failure_is_raised_and_no_task_starts_after_it():
@@ -97,26 +111,19 @@ def test_the_costliest_task_starts_first():
 
 
 def test_a_task_starts_beside_others_only_where_the_memory_is_there():
-    barrier_free = threading.Event()
-    at_once, most = [0], [0]
-    lock = threading.Lock()
+    def at_once(room) -> int:
+        solves = Peak()
 
-    def solve(j):
-        with lock:
-            at_once[0] += 1
-            most[0] = max(most[0], at_once[0])
-        barrier_free.wait(0.05)  # long enough for a second task to start if it may
-        with lock:
-            at_once[0] -= 1
-        return j
+        def solve(j):
+            solves.up()
+            time.sleep(0.05)  # long enough for a second task to start if it may
+            solves.down()
+            return j
 
-    keys, sizes = ["a", "b", "c"], [3 * 2**30] * 3
-    plenty, short = (lambda: 64 * 2**30), (lambda: 5 * 2**30)  # two need 6 GiB + the 1 GiB reserve
-    assert side_by_side(solve, lambda j: j, keys, threads=2, sizes=sizes, room=plenty) == [0, 1, 2]
-    assert most[0] == 2
-    most[0] = 0
-    assert side_by_side(solve, lambda j: j, keys, threads=2, sizes=sizes, room=short) == [0, 1, 2]
-    assert most[0] == 1  # one at a time: as much memory as one after the other
-    most[0] = 0
-    assert side_by_side(solve, lambda j: j, keys, threads=2, sizes=sizes, room=lambda: None) == [0, 1, 2]
-    assert most[0] == 1  # unknown: one at a time
+        assert side_by_side(solve, lambda j: j, ["a", "b", "c"], threads=2, sizes=[3 * 2**30] * 3,
+                            room=room) == [0, 1, 2]
+        return solves.most
+
+    assert at_once(lambda: 64 * 2**30) == 2
+    assert at_once(lambda: 5 * 2**30) == 1  # two need 6 GiB + the 1 GiB reserve: one at a time
+    assert at_once(lambda: None) == 1  # unknown: one at a time

@@ -113,7 +113,7 @@ class GptqCost:
     updates: float
     modules: tuple[tuple[int, int], ...]
     recipe: str | None
-    side: int = 1  # solves side by side (weight_walk.side_by_side: one per CPU thread, at most a layer's Hs)
+    side: int = 1  # solves side by side (passes/side_by_side.py: one per CPU thread, at most a layer's Hs)
 
     @property
     def flops(self) -> float:
