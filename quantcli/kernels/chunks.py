@@ -50,15 +50,20 @@ def _map(fn, items: list):
     pool = _POOL.get()
     if pool is None or len(items) < 2:
         return map(fn, items)
-    # Inference mode is per thread: a caller in it (the layer walk's weight pass) hands the
-    # workers inference tensors, which they may only update in place inside it too.
+    return pool.map(in_callers_mode(fn), items)
+
+
+def in_callers_mode(fn):
+    """`fn`, run in the calling thread's inference mode on whichever thread runs it. Inference
+    mode is per thread: a caller in it (the layer walk's weight pass) hands the workers inference
+    tensors, which they may only update in place inside it too."""
     inference = torch.is_inference_mode_enabled()
 
-    def in_callers_mode(item):
+    def run(*args):
         with torch.inference_mode(inference):
-            return fn(item)
+            return fn(*args)
 
-    return pool.map(in_callers_mode, items)
+    return run
 
 
 def band_rows(cols: int, band: int, elements: int) -> int:

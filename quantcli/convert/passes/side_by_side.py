@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
+from quantcli.kernels.chunks import in_callers_mode
 
 RESERVE = 2**30  # bytes of available memory a task started beside others must leave untouched
 
@@ -62,13 +62,12 @@ def side_by_side(solve: Callable, make: Callable[[int], object], keys: list[str]
     order = sorted(tasks.values(), key=lambda task: -sum(costs[j] for j in task)) if costs else list(tasks.values())
     need = [max(sizes[j] for j in task) if sizes else 0 for task in order]
     results: list = [None] * len(keys)
-    inference = torch.is_inference_mode_enabled()  # per thread: the solvers take the caller's
 
+    @in_callers_mode  # the solvers take the caller's inference mode
     def run(indices: list[int], works: list) -> None:
-        with torch.inference_mode(inference):
-            for m, j in enumerate(indices):
-                results[j] = solve(works[m])
-                works[m] = None  # its weight and statistic go as soon as it is solved
+        for m, j in enumerate(indices):
+            results[j] = solve(works[m])
+            works[m] = None  # its weight and statistic go as soon as it is solved
 
     def fits(t: int) -> bool:
         free = room() if sizes else math.inf
