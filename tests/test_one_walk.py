@@ -5,13 +5,16 @@ the output is byte for byte what the run that also walked for calibration wrote.
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
+import torch
 from faults import tree_state
 
 import quantcli.calibrate.engine
 import quantcli.calibrate.run
 import quantcli.convert.passes.fact_passes
+from quantcli.convert.passes.weight_walk import WeightWalk
 from quantcli.testing import make_llama
 
 pytest.importorskip("transformers")
@@ -79,11 +82,14 @@ def _estimate(run_cli, env, tmp_path, *extra) -> dict:
 
 def test_the_dry_run_counts_the_forwards_each_walk_runs(run_cli, env, tmp_path):
     # one forward per layer for the calibration walk, two for GPTQ's (observed, then quantized)
+    # but one for its last layer (2 layers: 3 of 4), and one per layer with the source's inputs
     calibration = _estimate(run_cli, env, tmp_path, "--activations", "static")
     gptq = _estimate(run_cli, env, tmp_path, "--rounding", "gptq")
     both = _estimate(run_cli, env, tmp_path, "--rounding", "gptq", "--activations", "static")
-    solve = gptq["flops"] - 2 * calibration["flops"]
-    assert solve > 0 and both["flops"] == pytest.approx(3 * calibration["flops"] + solve)
+    dense = _estimate(run_cli, env, tmp_path, "--rounding", "gptq", "--gptq-inputs", "dense")
+    solve = gptq["flops"] - 1.5 * calibration["flops"]
+    assert solve > 0 and both["flops"] == pytest.approx(2.5 * calibration["flops"] + solve)
+    assert dense["flops"] == pytest.approx(calibration["flops"] + solve)
     # GPTQ's seconds by part, each term timed at its own rate; none without GPTQ
     assert calibration["rounding_seconds"] == {}
     assert set(gptq["rounding_seconds"]) == {"forward", "statistics", "factorization", "output_errors", "column_loop"}
@@ -95,3 +101,52 @@ def test_the_data_is_tokenized_once_per_conversion(run_cli, env, tmp_path):
     samples._token_ids.cache_clear()
     _convert(run_cli, env, tmp_path / "out")
     assert samples._token_ids.cache_info().misses == 2  # as cut by --calibration-seq-len, and uncut to count
+
+
+PROBE = 1
+
+
+@pytest.fixture
+def linear_calls(monkeypatch) -> Counter:
+    """How many times the walk ran each kind of Linear, by its (in, out) features."""
+    calls: Counter = Counter()
+    real = torch.nn.Linear.forward
+
+    def counted(self, x):
+        calls[(self.in_features, self.out_features)] += 1
+        return real(self, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", counted)
+    return calls
+
+
+def test_the_observed_run_stops_after_the_last_module_it_observes(run_cli, env, tmp_path, linear_calls):
+    # 8 one-sample batches, 2 layers, hidden 64: q/k/v/o_proj (64 -> 64) run observed and again
+    # quantized for every batch; down_proj (128 -> 64), the last module a layer rounds, runs in
+    # the observed run for the first batch only (which runs whole: a module called twice in a
+    # batch would be refused there), then quantized for every batch; the last layer is not run
+    # quantized (its outputs feed nothing). PROBE: the one run of layer 0 that learns what a
+    # layer returns (model/stack.py _learn_arity).
+    _convert(run_cli, env, tmp_path / "out")
+    assert linear_calls[(64, 64)] == 4 * (8 + 8) + 4 * 8 + PROBE * 4
+    assert linear_calls[(128, 64)] == (1 + 8) + 1 + PROBE
+
+
+def test_stopping_the_observed_run_early_writes_the_same_bytes(run_cli, env, tmp_path, monkeypatch):
+    _convert(run_cli, env, tmp_path / "stopped")
+    real = WeightWalk.batch_done
+
+    def every_batch_whole(self, j):
+        real(self, j)
+        self.first_batch = True
+
+    monkeypatch.setattr(WeightWalk, "batch_done", every_batch_whole)
+    _convert(run_cli, env, tmp_path / "whole")
+    assert tree_state(tmp_path / "stopped") == tree_state(tmp_path / "whole")
+
+
+def test_with_the_source_inputs_each_layer_runs_once(run_cli, env, tmp_path, linear_calls):
+    # --gptq-inputs dense keeps the source's weights in the walk: the observed run's outputs are
+    # the next layer's inputs, so there is no second run
+    _convert(run_cli, env, tmp_path / "out", "--gptq-inputs", "dense")
+    assert linear_calls[(64, 64)] == 4 * 2 * 8 + PROBE * 4 and linear_calls[(128, 64)] == 2 * 8 + PROBE

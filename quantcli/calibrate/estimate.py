@@ -92,9 +92,14 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
         cost = _gptq_cost(plan, tokens, torch.get_num_threads() if device.type == "cpu" else 1)
         rounding_bytes = cost.bytes
         peak += rounding_bytes
-        flops += 2 * forward + cost.flops  # GPTQ's walk runs each layer twice: observed, then quantized
+        # GPTQ's walk runs each layer twice, observed then quantized, but the last once (its
+        # outputs feed nothing; the observed run stops after the last module it observes, a
+        # Llama's down_proj: ~10% of the two, not counted), and each once where the next layer's
+        # inputs are the source's (--gptq-inputs dense)
+        runs = 2 - 1 / max(1, layers) if plan.options.rounding.inputs == "quantized" else 1
+        flops += runs * forward + cost.flops
         rows = tokens / max(1, len(batches(ids, plan.options.calibration.batch)))  # per batch, as the walk's rule
-        rounding_seconds = _gptq_seconds(plan, cost, 2 * forward, device, rows)
+        rounding_seconds = _gptq_seconds(plan, cost, runs * forward, device, rows)
         seconds += sum(rounding_seconds.values())
     return CalibrationEstimate(len(ids), tokens, layers, 4 * largest, activations, spilled, peak, flops, rate,
                                seconds, rounding_bytes, rounding_seconds)

@@ -17,6 +17,12 @@ What a pass does at each layer is a `LayerPass`:
   outputs of the changed layer: each layer's statistics come from the outputs of the layers
   already changed, as a sequential GPTQ pipeline needs. A layer such a pass finished in an
   interrupted run is `replay`ed: loaded from what it wrote and run once for its outputs.
+  Where the pass keeps the source's weights in the model (`feeds_changed` False: the next
+  layer's inputs are the source's) the first run writes the outputs and there is no second;
+  nor is there for the last layer of a pass that does not read its outputs.
+  The first run's outputs are otherwise thrown away, so a hook may end a batch's run there by
+  raising `Observed` once the batch has reached every module the pass observes (the rest of the
+  layer, a Llama's down_proj and residual, is not computed).
 """
 
 from __future__ import annotations
@@ -56,10 +62,17 @@ class Weights:
         return Weights(get, tensors.release, set(tensors.where), lambda n: tuple(tensors.info(n).shape))
 
 
+class Observed(Exception):
+    """Raised by a weight pass's hook in the observing run when the batch has reached every
+    module the pass observes: the walk stops the batch's run there (see the module docstring)."""
+
+
 class LayerPass:
     """What a pass does with each layer the walk loads. The defaults do nothing."""
 
     changes_weights = False  # a weight pass: observe, update, then run again for the outputs
+    feeds_changed = True  # a weight pass: the next layer's inputs come from the changed weights
+    reads_last_outputs = True  # False: `finish` never reads the last layer's outputs (not computed)
 
     def begin(self, stack: Stack) -> None:
         """Before the first layer: the model the walk runs (its kind, its layers' prefixes)."""
@@ -106,7 +119,8 @@ def run_batches(layer, index: int, buffer: ActivationBuffer, layer_args: LayerAr
                 batch_done=lambda j: None) -> None:
     """Run every batch through the loaded layer `index` with the arguments the model's own forward
     gave it (stack.capture), `cache` as its KV cache (none for a layer that takes none); its
-    outputs replace its inputs in `buffer` when `write`."""
+    outputs replace its inputs in `buffer` when `write` (else a hook may stop a batch's run by
+    raising Observed)."""
     key = cache_kwarg(layer) if cache is not None else None
     signature = inspect.signature(type(layer).forward) if key else None
     for j, per_layer in enumerate(layer_args):
@@ -115,11 +129,14 @@ def run_batches(layer, index: int, buffer: ActivationBuffer, layer_args: LayerAr
         if key:  # the cache by its name, wherever the model passed its (empty) one: by position or keyword
             bound = signature.bind_partial(layer, hidden, *args, **kwargs)
             bound.arguments[key] = cache
-            out = layer(*bound.args[1:], **bound.kwargs)
+        try:
+            out = layer(*bound.args[1:], **bound.kwargs) if key else layer(hidden, *args, **kwargs)
+        except Observed:
+            if write:
+                raise RuntimeError("internal: a layer's run was stopped early where its outputs are written") from None
         else:
-            out = layer(hidden, *args, **kwargs)
-        if write:
-            buffer.write(j, out[0] if isinstance(out, tuple) else out)
+            if write:
+                buffer.write(j, out[0] if isinstance(out, tuple) else out)
         batch_done(j)
 
 
@@ -137,8 +154,8 @@ def layer_sources(layer, prefix: str, names: CheckpointMap) -> list[str]:
 def run_layer(stack: Stack, i: int, get: Get, buffer: ActivationBuffer, layer_args: LayerArgs,
               layer_pass: LayerPass) -> list[str]:
     """Load layer i from the source, run every batch through it for `layer_pass` (its outputs
-    replace its inputs in `buffer`), and send it back to the meta device. Returns the checkpoint
-    tensors it read."""
+    replace its inputs in `buffer`, unless it is the last and the pass does not read them), and
+    send it back to the meta device. Returns the checkpoint tensors it read."""
     layer, prefix, names = stack.layers[i], stack.layer_prefix(i), stack.names
     read = layer_sources(layer, prefix, names)
     written = layer_pass.replay(prefix)
@@ -147,10 +164,12 @@ def run_layer(stack: Stack, i: int, get: Get, buffer: ActivationBuffer, layer_ar
         run_batches(layer, i, buffer, layer_args, None, write=True)
         to_meta(layer)
         return read
+    outputs = layer_pass.reads_last_outputs or i < len(stack.layers) - 1
+    rerun = layer_pass.changes_weights and layer_pass.feeds_changed and outputs
     hooks = layer_pass.observe(layer, prefix, names)
     cache = layer_pass.cache(layer, prefix)
     try:
-        run_batches(layer, i, buffer, layer_args, cache, write=not layer_pass.changes_weights,
+        run_batches(layer, i, buffer, layer_args, cache, write=outputs and not rerun,
                     batch_done=layer_pass.batch_done)
     finally:
         for h in reversed(hooks):  # last in, first out: nested expert tracers unwind in order
@@ -158,6 +177,7 @@ def run_layer(stack: Stack, i: int, get: Get, buffer: ActivationBuffer, layer_ar
     layer_pass.layer_done(layer, prefix, names, cache)
     if layer_pass.changes_weights:
         layer_pass.update(layer, prefix, names)
+    if rerun:
         run_batches(layer, i, buffer, layer_args, None, write=True)
     to_meta(layer)
     return read

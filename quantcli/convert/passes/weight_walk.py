@@ -36,7 +36,7 @@ from quantcli.errors import QuantcliError
 from quantcli.formats.decode import decode_module
 from quantcli.formats.facts import NO_FACTS, ModuleFacts
 from quantcli.model.inputs import input_hooks
-from quantcli.model.layers import LayerPass, batches, layer_sources, load_layer
+from quantcli.model.layers import LayerPass, Observed, batches, layer_sources, load_layer
 from quantcli.model.samples import token_ids
 from quantcli.model.threads import walk_threads
 
@@ -79,6 +79,7 @@ class WeightWalk(LayerPass):
     """The LayerPass that runs weight pass `wp` (see the module docstring)."""
 
     changes_weights = True
+    reads_last_outputs = False  # the rounded last layer's outputs feed nothing
 
     def __init__(self, wp: WeightPass, reader: ModuleReader, facts: dict[str, ModuleFacts], world: World,
                  staged: StagedWeights, finished: int, batches: int):
@@ -87,7 +88,7 @@ class WeightWalk(LayerPass):
         self.index: dict[str, int] = {}  # layer prefix -> layer index, from the model the walk runs
         plan = reader.plan
         self.rounded = {t.name: t for t in plan.tensors if t.action == "quantize" and wp.takes(plan, t)}
-        self.sequential = wp.feeds_quantized(plan)
+        self.sequential = self.feeds_changed = wp.feeds_quantized(plan)
         # Modules of a fused group (q/k/v, gate/up, w1/w3) read the same input: one statistic each
         # group, recorded once per batch (the same tensor reaches every member's hook).
         self.key = {t.module: t.fused_group or t.module for t in self.rounded.values()}
@@ -113,6 +114,14 @@ class WeightWalk(LayerPass):
         stacks = {t.module for t in self.layer_tensors if len(t.logical_shape) == 3}
         sums = self.sums = OrderedSum(self.world, self.batches, keep=self.world.lead, statistic=self.wp.statistic)
         self.seen: dict[str, torch.Tensor] = {}  # this batch: each key's input, recorded once
+        # Every key the layer's modules can record. Once a batch has recorded them all, the rest of
+        # its observing run is not needed (its outputs are thrown away): stopped there, from the
+        # second batch on, the first running whole so that a module called twice is still refused.
+        # With the source's weights kept (not sequential) the observing run writes the outputs.
+        every = {self.key[m] for m in modules - stacks} | {
+            expert_key(self.key[t.module], e) for t in self.layer_tensors if t.module in stacks
+            for e in range(t.logical_shape[0])}
+        self.first_batch = True
 
         def record(module: str, x: torch.Tensor, expert: int | None = None) -> None:
             if module not in modules:
@@ -126,11 +135,13 @@ class WeightWalk(LayerPass):
             rows = x.detach().reshape(-1, x.shape[-1])
             if rows.shape[0]:
                 sums.add(key, rows)
+            if self.sequential and not self.first_batch and len(self.seen) == len(every):
+                raise Observed
 
         return input_hooks(layer, prefix, names, record)
 
     def batch_done(self, j: int) -> None:
-        self.seen = {}
+        self.seen, self.first_batch = {}, False
         self.sums.end_batch()
 
     def layer_done(self, layer, prefix: str, names, cache) -> None:
@@ -141,7 +152,8 @@ class WeightWalk(LayerPass):
         i = self.index[prefix]
         self.world.lead_alone(lambda: self._stage(i))
         self.statistics = ({}, {})
-        if self.sequential:  # else the layer keeps the source's weights: the next inputs are the source's
+        # else the layer keeps the source's weights (the next inputs are the source's), or it is the last
+        if self.sequential and i < len(self.index) - 1:
             load_layer(layer, prefix, self._staged_weights(i), names, self.reader.device)
 
     def _stage(self, i: int) -> None:
