@@ -38,11 +38,11 @@ def solve_cost(shape: tuple[int, ...]) -> float:
 
 
 def solve_bytes(shape: tuple[int, ...]) -> int:
-    """A module's solve at its peak, besides H: three K x K FP64 matrices (J H J and L, then L,
-    I and L^-1: rounding/gptq.py upper_inverse_factor), two FP32 ones (the factor, the errors'
-    H) and four FP32 copies of the weight."""
+    """A module's solve at its peak, besides H: two and a half K x K FP64 matrices (J H J and L,
+    then L, L^-1 and two quarters of products: rounding/gptq.py upper_inverse_factor,
+    lower_inverse), two FP32 ones (the factor, the errors' H) and four FP32 copies of the weight."""
     n, k = shape[-2], shape[-1]
-    return 8 * 3 * k * k + 4 * 2 * k * k + 4 * 4 * n * k
+    return 8 * 5 * k * k // 2 + 4 * 2 * k * k + 4 * 4 * n * k
 
 
 def side_by_side(solve: Callable, make: Callable[[int], object], keys: list[str], threads: int,
