@@ -31,10 +31,11 @@ CONSTANT = 512 * 2**20  # interpreter, torch, transformers: measured ~0.4-0.5 Gi
 # scripts/bench_calibrate.py on 2 CPU cores (hidden 1024 x 4 and 2048 x 12 layers).
 EFFICIENCY = 0.6
 START_SECONDS = 5.0
-# H's factorization (calibrate/estimate.py _gptq_seconds): a Cholesky (K^3 / 3) and a triangular
-# solve against I (K^3), counted as 2.5 K^3 at the FP64 matmul rate: LAPACK runs them at about half of it
-# (fitted on one CPU thread, K 1024-5632: 2.3-3.9 K^3).
-FACTOR_FLOPS = 2.5
+# H's factorization (calibrate/estimate.py _gptq_seconds): a Cholesky (K^3 / 3 FLOPs) and L^-1 by
+# halves (2 K^3 / 3), counted as 2 K^3 at the FP64 matmul rate: LAPACK's Cholesky runs at about a
+# third of it (fitted on one CPU thread, scripts/bench_factorize.py and bench_gptq_large_k.py:
+# 4.1, 3.2, 1.85 and 1.6 K^3 at K 1024, 2048, 5632 and 18,432; the large K dominate the time).
+FACTOR_FLOPS = 2.0
 # GPTQ's two forwards against a [rows per batch, hidden] x [hidden, hidden] matmul timed at the
 # walk's threads (fitted: docs/gptq.md, "Memory and time").
 GPTQ_EFFICIENCY = 0.8

@@ -62,9 +62,10 @@ class Weights:
         return Weights(get, tensors.release, set(tensors.where), lambda n: tuple(tensors.info(n).shape))
 
 
-class Observed(Exception):
+class Observed(BaseException):
     """Raised by a weight pass's hook in the observing run when the batch has reached every
-    module the pass observes: the walk stops the batch's run there (see the module docstring)."""
+    module the pass observes: the walk stops the batch's run there (see the module docstring).
+    A BaseException, as KeyboardInterrupt is: model code that catches Exception lets it through."""
 
 
 class LayerPass:

@@ -129,10 +129,11 @@ def upper_inverse_factor(h: torch.Tensor, dampening: float,
         low, info = torch.linalg.cholesky_ex(damped)
         del damped
         if int(info) == 0:
-            inverse = lower_inverse(low)
+            inverse = lower_inverse(low).float()  # FP32, as the loop reads it
             del low
-            if bool(torch.isfinite(inverse).all()):
-                return inverse.float().flip(0, 1), d
+            low_end, high_end = torch.aminmax(inverse)  # NaN propagates: both finite iff every value is
+            if bool(torch.isfinite(low_end)) and bool(torch.isfinite(high_end)):
+                return inverse.flip(0, 1), d
             del inverse
         if d >= MAX_DAMPENING:
             return None, d
