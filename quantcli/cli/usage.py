@@ -1,6 +1,6 @@
 """How the command line presents itself: one-line messages for a missing or misspelled command,
-arguments shown in usage and --help as words (SRC, [SRC]) rather than typer's {SRC} <str>, and
-option names never split across lines in --help."""
+arguments shown in usage and --help as words (SRC, [SRC]) rather than typer's {SRC} <str>,
+option names never split across lines in --help, and allowed ranges in words ('at least 1')."""
 
 from __future__ import annotations
 
@@ -22,6 +22,21 @@ class _WholeWords(typer._click._textwrap.TextWrapper):
 
 
 typer._click._textwrap.TextWrapper = _WholeWords
+
+
+def _number_range(min: int | float | None, max: int | float | None) -> str | None:  # noqa: A002 (typer's names)
+    """An option's allowed numbers in --help as words ('at least 1', '1 to 8'), not typer's
+    'x>=1', which reads as a formula to solve; its errors already say 'must be at least 1'."""
+    if min is None and max is None:
+        return None
+    if min is None:
+        return f"at most {max}"
+    if max is None:
+        return f"at least {min}"
+    return f"{min} to {max}"
+
+
+typer.core.describe_number_range = _number_range  # typer.core's help looks the name up at each call
 
 # Each command's --help ends with these (tests/test_cli_papercuts.py parses every one).
 EXAMPLES = {  # a long one goes on in a second line after ' \\'
