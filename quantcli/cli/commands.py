@@ -167,7 +167,8 @@ def _print_plan(plan, json_out: bool, dst: Path, per_tensor: bool = False, devic
         return 0
     con = _console()
     if not quiet:  # -q: only the total line on stdout, warnings on stderr
-        con.print(plan_table(rows, f"plan: {plan.source.label} -> {plan.target}", con, per_tensor))
+        target = f"{plan.target} layout" if plan.layout is not None else plan.target  # a layout, or a dense dtype
+        con.print(plan_table(rows, f"plan: {plan.source.label} -> {dst} ({target})", con, per_tensor))
         for line in excluded_lines(plan.exclusions, per_tensor):
             con.print(line)
     for w in plan.all_warnings:
