@@ -99,9 +99,9 @@ H_CT_EXPERTS = _H("integrations/compressed_tensors.py", "CompressedTensorsDequan
 H_INIT = _H("modeling_utils.py", "PreTrainedModel.initialize_weights")
 CT_MATCH = _CT("quantization/lifecycle/apply.py", "apply_quantization_config")
 
-_LLAMA = "not Llama-family (SGLang's Llama loader renames weight_scale_inv)"
+_LLAMA = "a non-Llama architecture (SGLang's Llama loader renames weight_scale_inv)"
 _SM100 = "an SM100+ GPU (AMD: gfx94x/95x)"
-_FUSED = "each fused q/k/v, gate/up part but the last has N a multiple of 128 (one GPU)"
+_FUSED = "N a multiple of 128 in every fused q/k/v and gate/up part but the last (one GPU)"
 _STATIC = "static input scales (--activations static)"
 _MODELOPT_HF = "transformers has no `modelopt` quantizer: it skips quantization and loads the codes as weights"
 _NO_TRT_LINEAR = "TensorRT-LLM maps the config, but its loading of these tensors was not checked"
@@ -195,7 +195,7 @@ TABLE: dict[tuple[str, str], dict[str, Verdict]] = {
         HF: _hf_ct(False, CT_GROUP, shape=("k128",))},
     ("fp8-block", "fp8"): {
         VLLM: _when(_FUSED, ("fused_n128_but_last",), V_FP8, V_BLOCK),
-        SGLANG: _when(f"{_LLAMA} and every fused q/k/v, gate/up part has N a multiple of 128",
+        SGLANG: _when(f"{_LLAMA} and N a multiple of 128 in every fused q/k/v and gate/up part",
                       ("not_llama", "fused_n128"), S_LLAMA, S_BLOCK),
         TRTLLM: _unchecked(_NO_TRT_LINEAR, _T_CONFIG),
         HF: _when("N and K multiples of 128", ("nk128",), H_FP8_DEQUANT)},
