@@ -94,7 +94,7 @@ def estimate(plan: Plan, device: torch.device) -> CalibrationEstimate:
         rounding_bytes = cost.bytes
         peak += rounding_bytes
         # GPTQ's walk runs each layer twice, observed then quantized, but the last once (its
-        # outputs feed nothing; the observed run stops after the last module it observes, a
+        # outputs feed nothing; the observed run stops as the last module it observes is reached, a
         # Llama's down_proj: ~10% of the two, not counted), and each once where the next layer's
         # inputs are the source's (--gptq-inputs dense)
         runs = 2 - 1 / max(1, layers) if plan.options.rounding.inputs == "quantized" else 1

@@ -101,7 +101,8 @@ class LayerPass:
         """A weight pass changes the loaded layer's parameters here (in place)."""
 
     def finish(self, stack: Stack, get: Get, buffer: ActivationBuffer, input_batches: list) -> list[str]:
-        """After the last layer: `buffer` holds its outputs; returns the checkpoint tensors read."""
+        """After the last layer: `buffer` holds its outputs (unless `reads_last_outputs` is False);
+        returns the checkpoint tensors read."""
         return []
 
 

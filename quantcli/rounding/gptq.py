@@ -165,7 +165,8 @@ def gptq_quantize(name: str, w: torch.Tensor, h: torch.Tensor, recipe: Recipe, f
     if factor.hinv is None:
         (rtn_error,) = relative_output_errors(w, [recipe.dequantize(nearest, backend=backend)], h)
         return Outcome(nearest, "nearest", rtn_error, rtn_error, None,
-                       f"H is not positive definite even with dampening {factor.dampening:g}")
+                       f"H is not positive definite even with dampening {factor.dampening:g} (or its inverse's "
+                       f"factor overflows FP32: inputs near FP32's smallest numbers)")
     q = _rounded(w, factor.hinv, factor.perm, recipe, facts, settings, backend)
     rtn_error, error = safeguard_errors(w, *[recipe.dequantize(x, backend=backend) for x in (nearest, q)], h)
     used = factor.dampening
