@@ -50,3 +50,21 @@ def run_cli(capsys, monkeypatch):
         return exc.value.code or 0, out.out, out.err
 
     return run
+
+
+@pytest.fixture
+def whole_batches(monkeypatch):
+    """Call it to make the GPTQ walk run every batch of its observed runs whole from then on (no
+    early stop: convert/passes/weight_walk.py), for comparing the bytes with and without the stop."""
+    from quantcli.convert.passes.weight_walk import WeightWalk
+
+    def apply() -> None:
+        real = WeightWalk.batch_done
+
+        def batch_done(self, j):
+            real(self, j)
+            self.first_batch = True  # as before the first batch: the next one runs whole
+
+        monkeypatch.setattr(WeightWalk, "batch_done", batch_done)
+
+    return apply

@@ -135,13 +135,12 @@ def test_docs_table_is_generated_from_the_matrix():
 
 
 @pytest.mark.parametrize("mt", IDS)
-def test_gptq_s_observed_run_stopping_early_writes_the_same_bytes(zoo, run_cli, mt, monkeypatch):
+def test_gptq_s_observed_run_stopping_early_writes_the_same_bytes(zoo, run_cli, mt, monkeypatch, whole_batches):
     # one sample a batch, so batches 2-4 stop once they reached every module a layer rounds
     # (weight_walk.py); the same conversion with every batch run whole must write the same bytes
     from faults import tree_state
 
     from quantcli.convert.passes import weight_walk
-    from quantcli.convert.passes.weight_walk import WeightWalk
     from quantcli.model.layers import Observed
 
     src, data, root = _src(zoo, mt), zoo["data"], zoo["root"]
@@ -156,13 +155,7 @@ def test_gptq_s_observed_run_stopping_early_writes_the_same_bytes(zoo, run_cli, 
     args = ["--recipe", "nvfp4", "--rounding", "gptq", "--calibration", data, "--calibration-batch", "1", "-q",
             *STACKS.get(mt, [])]
     _ok(run_cli, "convert", src, root / f"{mt}-stopped", *args)
-    real = WeightWalk.batch_done
-
-    def every_batch_whole(self, j):
-        real(self, j)
-        self.first_batch = True
-
-    monkeypatch.setattr(WeightWalk, "batch_done", every_batch_whole)
+    whole_batches()
     _ok(run_cli, "convert", src, root / f"{mt}-whole", *args)
     assert stops  # 2 layers x 3 batches stop where each reached every module (an MoE's: every expert)
     assert tree_state(root / f"{mt}-stopped") == tree_state(root / f"{mt}-whole")

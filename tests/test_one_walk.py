@@ -14,7 +14,6 @@ from faults import tree_state
 import quantcli.calibrate.engine
 import quantcli.calibrate.run
 import quantcli.convert.passes.fact_passes
-from quantcli.convert.passes.weight_walk import WeightWalk
 from quantcli.testing import make_llama
 
 pytest.importorskip("transformers")
@@ -132,15 +131,9 @@ def test_the_observed_run_stops_after_the_last_module_it_observes(run_cli, env, 
     assert linear_calls[(128, 64)] == (1 + 8) + 1 + PROBE
 
 
-def test_stopping_the_observed_run_early_writes_the_same_bytes(run_cli, env, tmp_path, monkeypatch):
+def test_stopping_the_observed_run_early_writes_the_same_bytes(run_cli, env, tmp_path, whole_batches):
     _convert(run_cli, env, tmp_path / "stopped")
-    real = WeightWalk.batch_done
-
-    def every_batch_whole(self, j):
-        real(self, j)
-        self.first_batch = True
-
-    monkeypatch.setattr(WeightWalk, "batch_done", every_batch_whole)
+    whole_batches()
     _convert(run_cli, env, tmp_path / "whole")
     assert tree_state(tmp_path / "stopped") == tree_state(tmp_path / "whole")
 

@@ -97,8 +97,10 @@ class LayerPass:
     def layer_done(self, layer, prefix: str, names: CheckpointMap, cache) -> None:
         """After the observing run, before `update` and before the layer goes back to meta."""
 
-    def update(self, layer, prefix: str, names: CheckpointMap) -> None:
-        """A weight pass changes the loaded layer's parameters here (in place)."""
+    def update(self, layer, prefix: str, names: CheckpointMap, rerun: bool) -> None:
+        """A weight pass changes the loaded layer's parameters here (in place) where `rerun`: the
+        walk then runs the layer again for the next layer's inputs (not for the last layer of a
+        pass that does not read its outputs, nor where `feeds_changed` is False)."""
 
     def finish(self, stack: Stack, get: Get, buffer: ActivationBuffer, input_batches: list) -> list[str]:
         """After the last layer: `buffer` holds its outputs (unless `reads_last_outputs` is False);
@@ -178,7 +180,7 @@ def run_layer(stack: Stack, i: int, get: Get, buffer: ActivationBuffer, layer_ar
             h.remove()
     layer_pass.layer_done(layer, prefix, names, cache)
     if layer_pass.changes_weights:
-        layer_pass.update(layer, prefix, names)
+        layer_pass.update(layer, prefix, names, rerun)
     if rerun:
         run_batches(layer, i, buffer, layer_args, None, write=True)
     to_meta(layer)

@@ -88,7 +88,7 @@ class WeightWalk(LayerPass):
         self.index: dict[str, int] = {}  # layer prefix -> layer index, from the model the walk runs
         plan = reader.plan
         self.rounded = {t.name: t for t in plan.tensors if t.action == "quantize" and wp.takes(plan, t)}
-        self.sequential = self.feeds_changed = wp.feeds_quantized(plan)
+        self.feeds_changed = wp.feeds_quantized(plan)  # sequential: each layer's inputs from those rounded before
         # Modules of a fused group (q/k/v, gate/up, w1/w3) read the same input: one statistic each
         # group, recorded once per batch (the same tensor reaches every member's hook).
         self.key = {t.module: t.fused_group or t.module for t in self.rounded.values()}
@@ -106,7 +106,7 @@ class WeightWalk(LayerPass):
         i = self.index[prefix]
         if i >= self.finished:
             return None
-        return self._staged_weights(i) if self.sequential else self.reader.source_tensor
+        return self._staged_weights(i) if self.feeds_changed else self.reader.source_tensor
 
     def observe(self, layer, prefix: str, names) -> list:
         self.layer_tensors = [self.rounded[n] for n in layer_sources(layer, prefix, names) if n in self.rounded]
@@ -117,7 +117,7 @@ class WeightWalk(LayerPass):
         # Every key the layer's modules can record. Once a batch has recorded them all, the rest of
         # its observing run is not needed (its outputs are thrown away): stopped there, from the
         # second batch on, the first running whole so that a module called twice is still refused.
-        # With the source's weights kept (not sequential) the observing run writes the outputs.
+        # With the source's weights kept (not feeds_changed) the observing run writes the outputs.
         every = {self.key[m] for m in modules - stacks} | {
             expert_key(self.key[t.module], e) for t in self.layer_tensors if t.module in stacks
             for e in range(t.logical_shape[0])}
@@ -135,7 +135,7 @@ class WeightWalk(LayerPass):
             rows = x.detach().reshape(-1, x.shape[-1])
             if rows.shape[0]:
                 sums.add(key, rows)
-            if self.sequential and not self.first_batch and len(self.seen) == len(every):
+            if self.feeds_changed and not self.first_batch and len(self.seen) == len(every):
                 raise Observed
 
         return input_hooks(layer, prefix, names, record)
@@ -148,12 +148,11 @@ class WeightWalk(LayerPass):
         self.statistics = self.sums.finish()
         self.sums = None
 
-    def update(self, layer, prefix: str, names) -> None:
+    def update(self, layer, prefix: str, names, rerun: bool) -> None:
         i = self.index[prefix]
         self.world.lead_alone(lambda: self._stage(i))
         self.statistics = ({}, {})
-        # else the layer keeps the source's weights (the next inputs are the source's), or it is the last
-        if self.sequential and i < len(self.index) - 1:
+        if rerun:  # the next layer's inputs come from the rounded weights, as decoded from the staged file
             load_layer(layer, prefix, self._staged_weights(i), names, self.reader.device)
 
     def _stage(self, i: int) -> None:
