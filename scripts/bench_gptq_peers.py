@@ -118,6 +118,10 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512, help="--synthetic: tokens per sample (default 512)")
     ap.add_argument("--scheme", default="NVFP4A16", choices=sorted(RECIPES), help="--synthetic: the recipe")
     ap.add_argument("--no-profile", action="store_true", help="--synthetic: time quantcli without cProfile")
+    ap.add_argument("--forward", default="float32", choices=("float32", "bfloat16"),
+                    help="--synthetic: quantcli's --gptq-forward (default float32)")
+    ap.add_argument("--peer-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="--synthetic: the dtype llm-compressor loads and runs the model in (default float32)")
     args = ap.parse_args()
     args.rounds = args.rounds or (1 if args.synthetic else 3)
     if args.synthetic:
@@ -177,11 +181,12 @@ def synthetic(args) -> None:
     with_peer = has_llmcompressor(args.peer_python)
     argv = ["convert", str(src), str(work / "quantcli"), "--recipe", RECIPES[args.scheme], "--rounding", "gptq",
             "--calibration", str(ids), "--calibration-samples", str(args.samples), "--calibration-seq-len",
-            str(args.seq_len), "--device", "cpu", "--quiet", "--overwrite"]
+            str(args.seq_len), "--device", "cpu", "--quiet", "--overwrite", "--gptq-forward", args.forward]
     peer = [args.peer_python, str(SCRIPTS / "gptq_peer_synthetic.py"), "--model", str(src), "--ids", str(ids),
-            "--out", str(work / "peer"), "--scheme", args.scheme]
+            "--out", str(work / "peer"), "--scheme", args.scheme, "--dtype", args.peer_dtype]
     print(f"model: random Llama hidden {args.hidden}, intermediate {shape.intermediate}, {args.layers} layers; data "
-          f"{args.samples} x {args.seq_len} token ids; {args.scheme}; threads {args.threads or 'default'}; "
+          f"{args.samples} x {args.seq_len} token ids; {args.scheme}; quantcli's forward {args.forward}, "
+          f"llm-compressor's {args.peer_dtype}; threads {args.threads or 'default'}; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     try:
         for r in range(1, args.rounds + 1):

@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--ids", required=True, help="one {\"input_ids\": [...]} a line")
     ap.add_argument("--out", required=True)
     ap.add_argument("--scheme", default="NVFP4A16", choices=("NVFP4A16", "W4A16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the dtype the model is loaded and run in (default float32, as quantcli's walk)")
     args = ap.parse_args()
     start = time.perf_counter()
     import torch
@@ -39,7 +41,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)  # the calibration sampler's permutation
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     rows = [json.loads(line)["input_ids"] for line in Path(args.ids).read_text().splitlines() if line.strip()]
     vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
     processor = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),

@@ -18,7 +18,8 @@ evaluating reports (tests/test_eval.py).
         [--heldout 1|2] [--recipes nvfp4 ...] [--gptq-only] [--reuse]
 
 `--heldout 2` evaluates on scripts/data/heldout_sentences_2.txt, the second independent set;
-`--gptq-only` measures the default GPTQ row (and the peers) only, no search or variant rows.
+`--gptq-only` measures the default GPTQ row (and the peers) only, no search or variant rows but
+`--variant`'s (for every recipe given).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ RECIPES = ("nvfp4", "mxfp4", "int4", "fp8-block", "fp8-channel", "mxfp8", "fp8",
 SEARCHES = ("mxfp8", "mxfp4", "nvfp4")
 VARIANTS = {"gptq, scales from the original weights": ["--gptq-scales", "original"],
             "gptq, inputs from the source model": ["--gptq-inputs", "dense"],
-            "gptq, act-order static": ["--gptq-act-order", "static"]}
+            "gptq, act-order static": ["--gptq-act-order", "static"],
+            "gptq, forward in bfloat16": ["--gptq-forward", "bfloat16"]}
 # llm-compressor preset -> the quantcli recipe of the same format
 PEERS = {"nvfp4a16": "nvfp4", "mxfp4a16": "mxfp4", "w4a16": "int4", "fp8_block": "fp8-block",
          "fp8_dynamic": "fp8-channel"}
@@ -91,6 +93,8 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
     ap.add_argument("--heldout", choices=sorted(HELDOUT), default="1")
     ap.add_argument("--gptq-only", action="store_true", help="the default GPTQ row and the peers only")
+    ap.add_argument("--variant", choices=[v[-1] for v in VARIANTS.values()],
+                    help="with --gptq-only: that variant's row too (e.g. bfloat16: --gptq-forward bfloat16)")
     ap.add_argument("--reuse", action="store_true", help="evaluate the outputs already in --work again")
     args = ap.parse_args()
     HELD[0], REUSE[0] = HELDOUT[args.heldout], args.reuse
@@ -120,8 +124,9 @@ def main() -> None:
             name = "gptq" + (" + mse" if opt else "")
             emit(row(name, recipe, name, evaluate(str(out), model), secs,
                      f"quantcli convert MODEL OUT --recipe {recipe} --rounding gptq {' '.join(opt)} --calibration ..."))
-        if recipe in ("nvfp4", "mxfp4", "int4") and not args.gptq_only:
-            for label, extra in VARIANTS.items():
+        variants = {k: v for k, v in VARIANTS.items() if v[-1] == args.variant} if args.gptq_only else VARIANTS
+        if recipe in ("nvfp4", "mxfp4", "int4") or args.variant:
+            for label, extra in variants.items():
                 out = work / f"{recipe}-{extra[-1]}"
                 secs = converted(model, out, recipe, ["--rounding", "gptq", *extra, *CALIBRATION])
                 emit(row(label, recipe, label, evaluate(str(out), model), secs,

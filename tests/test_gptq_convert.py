@@ -57,8 +57,8 @@ def test_the_manifest_records_the_method_and_each_modules_errors_and_verify_pass
     assert "rounded: 14 modules by GPTQ; layer-output error on the calibration data" in stdout
     m = _manifest(out)
     assert m["rounding"] == {"method": "gptq", "dampening": 0.01, "act_order": "static", "scales": "updated",
-                             "block_columns": 128, "min_tokens": 32, "inputs": "quantized", "default": "gptq",
-                             "overrides": []}
+                             "block_columns": 128, "min_tokens": 32, "inputs": "quantized", "forward": "float32",
+                             "default": "gptq", "overrides": []}
     tokens = sum(8 + 4 * (i % 3) for i in range(12))
     for e in m["modules"]:
         r = e["rounding"]

@@ -30,7 +30,7 @@ def test_every_setting_is_a_flag_in_help_with_its_fields_default(run_cli):
 
 # A value other than the default for each setting, as the command line and the file give it.
 OTHER = {"dampening": 0.05, "act_order": "none", "scales": "original", "block_columns": 64, "min_tokens": 8,
-         "inputs": "dense"}
+         "inputs": "dense", "forward": "bfloat16"}
 
 
 def test_each_setting_reaches_the_plan_from_the_command_line_and_the_file(tmp_path):

@@ -17,7 +17,7 @@ from quantcli.convert.passes.side_by_side import solve_bytes
 from quantcli.convert.passes.weight_walk import walk_threads
 from quantcli.formats.facts import NO_FACTS
 from quantcli.model.buffer import budget_bytes
-from quantcli.model.layers import batches
+from quantcli.model.layers import batches, matmuls_in
 from quantcli.model.samples import token_ids
 from quantcli.model.stack import text_config
 from quantcli.planning.plan import Plan
@@ -168,7 +168,8 @@ def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.devi
     weights (a fixed cost per column plus one per row)."""
     hidden = int(text_config(plan.source.config).get("hidden_size") or 1024)
     with walk_threads(device, rows, plan.source.config):  # at the walk's own shapes: a batch's rows x hidden
-        walk32 = _matmul_rate(device, duration=0.1, shape=(rows, hidden, hidden))  # and a group's X^T X
+        walk32 = _matmul_rate(device, duration=0.1, shape=(rows, hidden, hidden),  # and a group's X^T X
+                              autocast=plan.options.rounding.matmul_dtype)
         walk64 = _matmul_rate(device, torch.float64, duration=0.1, shape=(hidden, min(512, group_rows(hidden)), hidden))
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # as compute_threads runs the solves
@@ -213,19 +214,22 @@ def _active_params(per_layer: dict[int, int], config: dict) -> float:
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, duration: float = 0.1,
-                 shape: tuple[int, int, int] = (512, 1024, 1024)) -> float:
+                 shape: tuple[int, int, int] = (512, 1024, 1024), autocast: torch.dtype | None = None) -> float:
     """Matmul FLOP/s on `device` of an [m, k] x [k, n] `shape` in `dtype` (FP32: a forward's; FP64:
-    GPTQ's sums and solves), timed for ~`duration` s at torch's current thread count: one window,
-    not the best of several (a walk on two threads of a shared CPU stalls as often as the window
-    does; with the best of three windows the GPTQ estimate fell to 0.4-0.5x the time, docs/gptq.md)."""
+    GPTQ's sums and solves), under torch.autocast to `autocast` if given (--gptq-forward bfloat16:
+    the operands cast on each call, as the layer's Linears are), timed for ~`duration` s at
+    torch's current thread count: one window, not the best of several (a walk on two threads of a
+    shared CPU stalls as often as the window does; with the best of three windows the GPTQ
+    estimate fell to 0.4-0.5x the time, docs/gptq.md)."""
     m, k, n = (max(1, int(x)) for x in shape)
     a = torch.full((m, k), 0.5, device=device, dtype=dtype)  # values do not change a matmul's speed
     b = torch.full((k, n), 0.25, device=device, dtype=dtype)
-    a @ b  # warm-up
-    count, start = 0, time.perf_counter()
-    while count == 0 or time.perf_counter() - start < duration:
-        a @ b
-        count += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    with matmuls_in(autocast, device):
+        a @ b  # warm-up
+        count, start = 0, time.perf_counter()
+        while count == 0 or time.perf_counter() - start < duration:
+            a @ b
+            count += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     return 2.0 * m * k * n * count / (time.perf_counter() - start)

@@ -30,6 +30,8 @@ class Setting:
     expected: str = ""  # what `valid` allows, for the message: "a positive integer"
     noun: str = ""  # what a value is, for messages: "GPTQ column order" (default: the key in words)
     prefix: str = "gptq"
+    # a manifest written before the setting existed holds no value: it ran with the default
+    absent_means_default: bool = False
 
     @property
     def flag(self) -> str:
@@ -58,7 +60,7 @@ class Setting:
 
     def read_back(self, record: dict) -> object:
         """The value a manifest's record holds (KeyError, TypeError or ValueError if it cannot)."""
-        value = record[self.key]
+        value = record.get(self.key, self.default) if self.absent_means_default else record[self.key]
         if isinstance(value, bool) or (self.choices and value not in self.choices):
             raise ValueError(f"{self.key} {value!r}")
         return self.kind(value)

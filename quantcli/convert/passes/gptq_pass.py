@@ -68,6 +68,9 @@ class GptqPass:
     def feeds_quantized(self, plan: Plan) -> bool:
         return plan.options.rounding.inputs == "quantized"
 
+    def matmul_dtype(self, plan: Plan) -> torch.dtype | None:
+        return plan.options.rounding.matmul_dtype  # --gptq-forward
+
     def statistic(self, x: torch.Tensor) -> torch.Tensor:
         return gram(x.double())
 

@@ -92,6 +92,10 @@ class WeightPass(Protocol):
         logical shape, as `Recipe.quantize` returns them (the layout writes it), with or without
         an account of the rounding."""
 
+    def matmul_dtype(self, plan: Plan) -> torch.dtype | None:
+        """The dtype the walk runs the layers' matmuls in for this pass (model/layers.py
+        matmuls_in), None for FP32."""
+
     def feeds_quantized(self, plan: Plan) -> bool:
         """Whether the next layer's inputs come from this layer as quantized (sequential, as
         GPTQ compensates errors downstream) rather than from the source's own weights."""

@@ -89,6 +89,7 @@ class WeightWalk(LayerPass):
         plan = reader.plan
         self.rounded = {t.name: t for t in plan.tensors if t.action == "quantize" and wp.takes(plan, t)}
         self.feeds_changed = wp.feeds_quantized(plan)  # sequential: each layer's inputs from those rounded before
+        self.matmul_dtype = wp.matmul_dtype(plan)
         # Modules of a fused group (q/k/v, gate/up, w1/w3) read the same input: one statistic each
         # group, recorded once per batch (the same tensor reaches every member's hook).
         self.key = {t.module: t.fused_group or t.module for t in self.rounded.values()}
