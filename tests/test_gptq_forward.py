@@ -6,12 +6,13 @@ and a manifest written before the option existed reads back as float32 (what it 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
-from quantcli.model.layers import matmuls_in
+from quantcli.model.layers import linear_weights_in, matmuls_in
 from quantcli.planning.from_manifest import _roundings
 from quantcli.testing import make_llama
 
@@ -33,6 +34,17 @@ def test_matmuls_in_bfloat16_rounds_the_operands_and_leaves_the_rest_fp32():
         assert ((y.double() - exact).abs() <= exact.abs() * 2.0 ** -8).all()
         with matmuls_in(None, CPU):
             assert torch.equal(lin(x), x @ lin.weight.T)
+
+
+def test_linear_weights_cast_once_give_autocast_s_own_outputs():
+    torch.manual_seed(1)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.LayerNorm(48), torch.nn.Linear(48, 16))
+    cast, x = copy.deepcopy(layer), torch.randn(3, 64)
+    linear_weights_in(cast, torch.bfloat16)
+    assert [p.dtype for p in cast.parameters()] == [torch.bfloat16, torch.float32, torch.float32, torch.float32,
+                                                     torch.bfloat16, torch.float32]  # Linear weights only
+    with torch.inference_mode(), matmuls_in(torch.bfloat16, CPU):
+        assert torch.equal(cast(x), layer(x))  # the same values autocast casts to at each call
 
 
 @pytest.fixture(scope="module")

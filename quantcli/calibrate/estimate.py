@@ -39,6 +39,10 @@ FACTOR_FLOPS = 2.0
 # GPTQ's two forwards against a [rows per batch, hidden] x [hidden, hidden] matmul timed at the
 # walk's threads (fitted: docs/gptq.md, "Memory and time").
 GPTQ_EFFICIENCY = 0.8
+# The same under --gptq-forward bfloat16 (the matmul timed under autocast): the FP32 rest of the
+# layer (norms, softmax, activations, the rows' copies) weighs more beside 5x faster matmuls.
+# Fitted on one run: issue 32's model at full size, forward 146.2 s measured against 72.6 s at 0.8.
+GPTQ_BF16_EFFICIENCY = 0.4
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,8 @@ def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.devi
     finally:
         torch.set_num_threads(previous)
     loop = cost.updates / (2 * one64) + sum(k * (per_column + per_row * n) for n, k in cost.modules)
-    return {"forward": forward / (walk32 * GPTQ_EFFICIENCY), "statistics": cost.stats / walk64,
+    efficiency = GPTQ_EFFICIENCY if plan.options.rounding.matmul_dtype is None else GPTQ_BF16_EFFICIENCY
+    return {"forward": forward / (walk32 * efficiency), "statistics": cost.stats / walk64,
             "factorization": cost.factor / one64 / cost.side, "output_errors": cost.errors / (2 * one64) / cost.side,
             "column_loop": loop}  # Python per column, holding the GIL much of the time
 
@@ -217,13 +222,13 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, durat
                  shape: tuple[int, int, int] = (512, 1024, 1024), autocast: torch.dtype | None = None) -> float:
     """Matmul FLOP/s on `device` of an [m, k] x [k, n] `shape` in `dtype` (FP32: a forward's; FP64:
     GPTQ's sums and solves), under torch.autocast to `autocast` if given (--gptq-forward bfloat16:
-    the operands cast on each call, as the layer's Linears are), timed for ~`duration` s at
+    the activations cast on each call, the weights once, as the walk does), timed for ~`duration` s at
     torch's current thread count: one window, not the best of several (a walk on two threads of a
     shared CPU stalls as often as the window does; with the best of three windows the GPTQ
     estimate fell to 0.4-0.5x the time, docs/gptq.md)."""
     m, k, n = (max(1, int(x)) for x in shape)
     a = torch.full((m, k), 0.5, device=device, dtype=dtype)  # values do not change a matmul's speed
-    b = torch.full((k, n), 0.25, device=device, dtype=dtype)
+    b = torch.full((k, n), 0.25, device=device, dtype=autocast or dtype)  # the walk casts weights once a run
     with matmuls_in(autocast, device):
         a @ b  # warm-up
         count, start = 0, time.perf_counter()

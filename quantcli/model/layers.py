@@ -132,6 +132,18 @@ def matmuls_in(dtype: torch.dtype | None, device: torch.device):
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
+def linear_weights_in(layer, dtype: torch.dtype) -> None:
+    """The weights of the layer's Linears as `dtype`, cast once per run: autocast would cast each
+    at every call, to the same values (both round to nearest even), and for a batch of a few
+    hundred tokens that cast costs as much as the matmul. Other parameters (norms, 3-D expert
+    stacks, biases) stay as loaded; loading the layer again brings FP32 weights back."""
+    for mod in layer.modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(mod, torch.nn.Linear) and isinstance(w, torch.Tensor) and w.is_floating_point() \
+                and w.dtype != dtype:
+            mod.weight = torch.nn.Parameter(w.to(dtype), requires_grad=False)
+
+
 def run_batches(layer, index: int, buffer: ActivationBuffer, layer_args: LayerArgs, cache=None, write: bool = True,
                 batch_done=lambda j: None, matmul_dtype: torch.dtype | None = None) -> None:
     """Run every batch through the loaded layer `index` with the arguments the model's own forward
@@ -139,6 +151,8 @@ def run_batches(layer, index: int, buffer: ActivationBuffer, layer_args: LayerAr
     matmuls in `matmul_dtype` (matmuls_in); its outputs replace its inputs in `buffer` when
     `write` (else a hook may stop a batch's run by raising Observed)."""
     key = cache_kwarg(layer) if cache is not None else None
+    if matmul_dtype is not None:
+        linear_weights_in(layer, matmul_dtype)
     signature = inspect.signature(type(layer).forward) if key else None
     for j, per_layer in enumerate(layer_args):
         args, kwargs = per_layer[index]

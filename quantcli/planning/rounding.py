@@ -84,7 +84,7 @@ GPTQ_SETTINGS = (  # the --gptq-* options (planning/settings.py), in the order -
             "source model.", choices=INPUTS, noun="GPTQ inputs"),
     Setting("forward", Rounding, "DTYPE",
             "GPTQ: the layer forwards' matmuls in float32, or in bfloat16 (torch autocast; norms, softmax and sums "
-            "stay FP32): about 4x faster forwards on CPUs with AMX and on GPUs, other bytes (docs/gptq.md).",
+            "stay FP32): layers ~4x faster on CPUs with AMX, other bytes, slightly less accurate (docs/gptq.md).",
             choices=FORWARDS, noun="GPTQ forward dtype", absent_means_default=True),
 )
 
