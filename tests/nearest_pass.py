@@ -34,6 +34,9 @@ class NearestPass:
     def feeds_quantized(self, plan) -> bool:
         return True
 
+    def matmul_dtype(self, plan):
+        return None  # the layers in FP32, as GPTQ's default
+
     def statistic(self, x: torch.Tensor) -> torch.Tensor:
         x = x.double()  # products of FP32 values are exact in FP64; their sums are what the order fixes
         return x.T @ x

@@ -79,6 +79,23 @@ def test_bfloat16_forward_is_recorded_reproducible_and_verified_byte_for_byte(ru
                              env["data"], "--device", "cpu")
     assert code == 0, out + err
     assert "14 of 14 GPTQ module(s) byte-identical" in out
+    code, out, err = run_cli("inspect", tmp_path / "bf16")
+    assert code == 0 and "inputs from the quantized layers, forward in bfloat16)" in out, out + err
+
+
+def test_a_float32_manifest_without_the_key_verifies_exactly(run_cli, env, tmp_path):
+    """What a run before the option wrote: no rounding.forward, the fingerprint of float32."""
+    out = tmp_path / "fp32"
+    _convert(run_cli, env, out)
+    path = out / "quantcli_manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["rounding"]["forward"]
+    path.write_text(json.dumps(manifest, indent=2))
+    code, text, err = run_cli("verify", out, "--reference", env["llama"], "--exact", "--calibration", env["data"],
+                              "--device", "cpu")
+    assert code == 0 and "14 of 14 GPTQ module(s) byte-identical" in text, text + err
+    code, text, err = run_cli("inspect", out)
+    assert code == 0 and "forward in" not in text, text + err
 
 
 def test_resume_with_another_forward_is_refused(run_cli, env, tmp_path):

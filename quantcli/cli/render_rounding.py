@@ -35,11 +35,17 @@ def settings_line(r: dict) -> str:
     inputs = "the quantized layers" if r.get("inputs") == "quantized" else f"the {r.get('inputs')} model"
     line = (f"{str(r.get('method', '?')).upper()} (dampening {r.get('dampening')}, act order {r.get('act_order')}, "
             f"scales {r.get('scales')}, {r.get('block_columns')}-column blocks, at least "
-            f"{_tokens(r.get('min_tokens'))} a module, inputs from {inputs}); default {r.get('default')}")
+            f"{_tokens(r.get('min_tokens'))} a module, inputs from {inputs}{_forward(r)}); default {r.get('default')}")
     overrides = r.get("overrides") or []
     if overrides:
         line += ", overrides " + ", ".join(f"{p} -> {m}" for p, m in overrides)
     return line
+
+
+def _forward(r: dict) -> str:
+    """', forward in bfloat16' where --gptq-forward was not float32 (an old manifest: float32)."""
+    forward = r.get("forward", "float32")
+    return "" if forward == "float32" else f", forward in {forward}"
 
 
 def _tokens(n) -> str:

@@ -75,8 +75,8 @@ class LayerPass:
     changes_weights = False  # a weight pass: observe, update, then run again for the outputs
     feeds_changed = True  # a weight pass: the next layer's inputs come from the changed weights
     reads_last_outputs = True  # False: `finish` never reads the last layer's outputs (not computed)
-    # None: every layer run in FP32; a lower dtype (BF16): the layer's runs under torch.autocast,
-    # its matmuls in that dtype and everything else in FP32 (forward_dtype's docstring)
+    # None: every layer run in FP32; a lower dtype (BF16): the layer's runs under torch.autocast
+    # (matmuls_in's docstring says what runs in which dtype)
     matmul_dtype: torch.dtype | None = None
 
     def begin(self, stack: Stack) -> None:
@@ -124,11 +124,14 @@ def batches(ids: list[list[int]], size: int) -> list[torch.Tensor]:
 
 
 def matmuls_in(dtype: torch.dtype | None, device: torch.device):
-    """The context a layer runs in: FP32 throughout (`dtype` None), or torch.autocast to `dtype`,
-    which runs the matmuls (Linear, bmm, attention) on operands rounded to it, accumulating in
-    FP32, and keeps norms, softmax, activations and residual sums in FP32: BF16's speed (AMX
-    tiles on a recent x86 CPU, tensor cores on a GPU: ~4x FP32 on the layers of a 2048-wide
-    Llama), not its error on the hidden state a layer hands on."""
+    """The context a layer runs in: FP32 throughout (`dtype` None), or torch.autocast to `dtype`.
+    Autocast runs the matmuls (Linear, bmm, attention) on operands rounded to `dtype`,
+    accumulating in FP32, with outputs in `dtype`; what consumes those outputs stays in `dtype`
+    (a Llama's SiLU and gate x up, so down_proj's and o_proj's inputs are BF16; a router's
+    logits). A sum with an FP32 tensor promotes back: the residual stream, and the norms taken
+    of it, stay FP32. BF16's speed (AMX tiles on a recent x86 CPU, tensor cores on a GPU: ~4x
+    FP32 on the layers of a 2048-wide Llama) without rounding the hidden state a layer hands on
+    to BF16 (in a pre-norm residual architecture)."""
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 

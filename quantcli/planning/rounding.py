@@ -30,7 +30,7 @@ class Rounding:
     gptq: GptqSettings = field(default_factory=GptqSettings)
     min_tokens: int = MIN_TOKENS
     inputs: str = "quantized"  # each layer's statistics from the quantized layers before it, or the source's
-    forward: str = "float32"  # the walk's matmuls: FP32, or BF16 under torch.autocast
+    forward: str = "float32"  # the walk's layers: FP32, or their matmuls in BF16 under torch.autocast
     # How the user gave the scale choice (`--gptq-scales original`, `gptq_scales = "original" in
     # --config`); None: the default. Not a setting (no part of the fingerprint or of equality):
     # planning refuses it where it changes nothing (rounding_plan.check_scales_option).
@@ -60,7 +60,10 @@ class Rounding:
         return torch.bfloat16 if self.forward == "bfloat16" else None
 
     def fingerprint(self) -> str:
-        return repr((self.method, self.overrides, self.gptq, self.min_tokens, self.inputs, self.forward))
+        # forward only where it is not float32: what every run did before the option existed, so
+        # their manifests (verify --exact) and staged layers (--resume) keep their fingerprints
+        forward = () if self.forward == "float32" else (self.forward,)
+        return repr((self.method, self.overrides, self.gptq, self.min_tokens, self.inputs, *forward))
 
 
 GPTQ_SETTINGS = (  # the --gptq-* options (planning/settings.py), in the order --help lists them
@@ -83,8 +86,9 @@ GPTQ_SETTINGS = (  # the --gptq-* options (planning/settings.py), in the order -
             "GPTQ: quantized takes each layer's inputs from the layers already quantized (sequential), dense from the "
             "source model.", choices=INPUTS, noun="GPTQ inputs"),
     Setting("forward", Rounding, "DTYPE",
-            "GPTQ: the layer forwards' matmuls in float32, or in bfloat16 (torch autocast; norms, softmax and sums "
-            "stay FP32): layers ~4x faster on CPUs with AMX, other bytes, slightly less accurate (docs/gptq.md).",
+            "GPTQ: the layer forwards in float32, or their matmuls and what they feed in bfloat16 (torch autocast; "
+            "the residual stream stays FP32): layers ~4x faster on CPUs with AMX, other bytes, slightly less accurate "
+            "(docs/gptq.md).",
             choices=FORWARDS, noun="GPTQ forward dtype", absent_means_default=True),
 )
 
