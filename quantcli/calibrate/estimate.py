@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from quantcli.calibrate.scales import needs_walk
-from quantcli.convert.passes.gptq_pass import gram_blocks
+from quantcli.convert.passes.gptq_pass import GPTQ_PASS, gram_blocks
 from quantcli.convert.passes.ordered_sum import group_rows
 from quantcli.convert.passes.side_by_side import solve_bytes
 from quantcli.convert.passes.weight_walk import walk_threads
@@ -173,7 +173,7 @@ def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.devi
     hidden = int(text_config(plan.source.config).get("hidden_size") or 1024)
     with walk_threads(device, rows, plan.source.config):  # at the walk's own shapes: a batch's rows x hidden
         walk32 = _matmul_rate(device, duration=0.1, shape=(rows, hidden, hidden),  # and a group's X^T X
-                              autocast=plan.options.rounding.matmul_dtype)
+                              autocast=GPTQ_PASS.matmul_dtype(plan))
         walk64 = _matmul_rate(device, torch.float64, duration=0.1, shape=(hidden, min(512, group_rows(hidden)), hidden))
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # as compute_threads runs the solves
@@ -183,7 +183,7 @@ def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.devi
     finally:
         torch.set_num_threads(previous)
     loop = cost.updates / (2 * one64) + sum(k * (per_column + per_row * n) for n, k in cost.modules)
-    efficiency = GPTQ_EFFICIENCY if plan.options.rounding.matmul_dtype is None else GPTQ_BF16_EFFICIENCY
+    efficiency = GPTQ_EFFICIENCY if GPTQ_PASS.matmul_dtype(plan) is None else GPTQ_BF16_EFFICIENCY
     return {"forward": forward / (walk32 * efficiency), "statistics": cost.stats / walk64,
             "factorization": cost.factor / one64 / cost.side, "output_errors": cost.errors / (2 * one64) / cost.side,
             "column_loop": loop}  # Python per column, holding the GIL much of the time

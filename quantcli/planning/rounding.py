@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from quantcli.errors import QuantcliError
 from quantcli.formats.patterns import matches, validate
 from quantcli.planning.settings import Setting
@@ -53,11 +51,6 @@ class Rounding:
         own = {s.key: getattr(self, s.key) for s in GPTQ_SETTINGS if s.owner is Rounding}
         return {"method": GPTQ, **asdict(self.gptq), **own, "default": self.method,
                 "overrides": [list(o) for o in self.overrides]}
-
-    @property
-    def matmul_dtype(self) -> torch.dtype | None:
-        """The dtype the weight walk runs the layers' matmuls in (model/layers.py matmuls_in), None: FP32."""
-        return torch.bfloat16 if self.forward == "bfloat16" else None
 
     def fingerprint(self) -> str:
         # forward only where it is not float32: what every run did before the option existed, so

@@ -69,7 +69,7 @@ class GptqPass:
         return plan.options.rounding.inputs == "quantized"
 
     def matmul_dtype(self, plan: Plan) -> torch.dtype | None:
-        return plan.options.rounding.matmul_dtype  # --gptq-forward
+        return torch.bfloat16 if plan.options.rounding.forward == "bfloat16" else None  # --gptq-forward
 
     def statistic(self, x: torch.Tensor) -> torch.Tensor:
         return gram(x.double())
