@@ -1,6 +1,6 @@
 """`--gptq-forward bfloat16`: the weight walk runs each layer's matmuls under torch.autocast to
-BF16 (model/layers.py matmuls_in), everything else in FP32. What must hold: the matmuls really
-take BF16 operands, the option reaches the manifest and the plan's fingerprint (so --resume and
+BF16 (model/layers.py matmuls_in), the residual stream in FP32. What must hold: the matmuls
+really take BF16 operands, the option reaches the manifest and the plan's fingerprint (so --resume and
 verify --exact tell the two apart), its bytes are reproducible and verify --exact reruns them,
 and a manifest written before the option existed reads back as float32 (what it ran)."""
 

@@ -171,9 +171,9 @@ def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.devi
     at its per-column cost, timed on this machine by running the recipe's own loop on two small
     weights (a fixed cost per column plus one per row)."""
     hidden = int(text_config(plan.source.config).get("hidden_size") or 1024)
+    autocast = GPTQ_PASS.matmul_dtype(plan)  # --gptq-forward
     with walk_threads(device, rows, plan.source.config):  # at the walk's own shapes: a batch's rows x hidden
-        walk32 = _matmul_rate(device, duration=0.1, shape=(rows, hidden, hidden),  # and a group's X^T X
-                              autocast=GPTQ_PASS.matmul_dtype(plan))
+        walk32 = _matmul_rate(device, duration=0.1, shape=(rows, hidden, hidden), autocast=autocast)  # and X^T X
         walk64 = _matmul_rate(device, torch.float64, duration=0.1, shape=(hidden, min(512, group_rows(hidden)), hidden))
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # as compute_threads runs the solves
@@ -183,7 +183,7 @@ def _gptq_seconds(plan: Plan, cost: GptqCost, forward: float, device: torch.devi
     finally:
         torch.set_num_threads(previous)
     loop = cost.updates / (2 * one64) + sum(k * (per_column + per_row * n) for n, k in cost.modules)
-    efficiency = GPTQ_EFFICIENCY if GPTQ_PASS.matmul_dtype(plan) is None else GPTQ_BF16_EFFICIENCY
+    efficiency = GPTQ_EFFICIENCY if autocast is None else GPTQ_BF16_EFFICIENCY
     return {"forward": forward / (walk32 * efficiency), "statistics": cost.stats / walk64,
             "factorization": cost.factor / one64 / cost.side, "output_errors": cost.errors / (2 * one64) / cost.side,
             "column_loop": loop}  # Python per column, holding the GIL much of the time

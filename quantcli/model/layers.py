@@ -141,10 +141,8 @@ def linear_weights_in(layer, dtype: torch.dtype) -> None:
     hundred tokens that cast costs as much as the matmul. Other parameters (norms, 3-D expert
     stacks, biases) stay as loaded; loading the layer again brings FP32 weights back."""
     for mod in layer.modules():
-        w = getattr(mod, "weight", None)
-        if isinstance(mod, torch.nn.Linear) and isinstance(w, torch.Tensor) and w.is_floating_point() \
-                and w.dtype != dtype:
-            mod.weight = torch.nn.Parameter(w.to(dtype), requires_grad=False)
+        if isinstance(mod, torch.nn.Linear) and mod.weight.dtype != dtype:
+            mod.weight = torch.nn.Parameter(mod.weight.to(dtype), requires_grad=False)
 
 
 def run_batches(layer, index: int, buffer: ActivationBuffer, layer_args: LayerArgs, cache=None, write: bool = True,
