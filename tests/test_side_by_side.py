@@ -69,12 +69,41 @@ def test_at_most_threads_tasks_are_made_before_the_oldest_ends():
     assert works.most <= 3  # two running, a third made once the oldest has ended
 
 
+def test_a_task_starts_when_any_running_one_ends_not_only_the_oldest():
+    c_ran = threading.Event()
+
+    def solve(j):
+        if j == 0:  # the long task: still running when the short one ends and the third has run
+            assert c_ran.wait(timeout=10), "the third task waited for the oldest"
+        if j == 2:
+            c_ran.set()
+        return j
+
+    assert side_by_side(solve, lambda j: j, ["long", "short", "third"], threads=2) == [0, 1, 2]
+
+
+def test_failures_are_raised_in_task_order_after_every_running_task_ends():
+    ended = []
+
+    def solve(j):
+        if j == 1:
+            raise ValueError("module 1 failed first")
+        time.sleep(0.2)
+        ended.append(j)
+        raise ValueError("module 0 failed later")
+
+    with pytest.raises(ValueError, match="module 0"):  # task 0's, though task 1's failure came first
+        side_by_side(solve, lambda j: j, ["a", "b", "c"], threads=2)
+    assert ended == [0]  # task 0 ran to its end; task 2 never started
+
+
 def test_the_first_failure_is_raised_and_no_task_starts_after_it():
     made = []
 
     def solve(j):
         if j == 0:
             raise ValueError("H of module 0 is not finite")
+        time.sleep(0.2)  # task 1 ends after task 0's failure
         return j
 
     with pytest.raises(ValueError, match="module 0"):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from quantcli.evaluate.emulate import detach, experts_name, quantize_expert_inputs
 from quantcli.evaluate.engine import load_block, release_block, side_map
 from quantcli.evaluate.metrics import pool
-from quantcli.memory import fix_mmap_threshold
+from quantcli.memory import fix_mmap_threshold, release_freed_memory
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
 from quantcli.model.inputs import experts_params
 from quantcli.model.layers import run_batches
@@ -140,6 +140,7 @@ def walk_sensitivity(stack: Stack, ref, quant, input_batches: list[torch.Tensor]
         for i in range(len(stack.layers)):
             new = {m: held.enter_context(ActivationBuffer(device, share)) for m in chosen.get(i, [])}
             _block(stack, i, (ref, quant), maps, ref_buf, bufs, new, layer_args, steps)
+            release_freed_memory()
             if progress is not None:
                 progress(i + 1, len(stack.layers), (time.monotonic() - start) / (i + 1), phase)
         return _scores(stack, ref, input_batches, ref_buf, bufs, pooled)
