@@ -203,6 +203,42 @@ def test_every_quantizing_recipe_is_covered():
     assert set(ALL) == set(RECIPES)
 
 
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("order", ["static", "none"])
+def test_gptqs_output_error_from_its_loop_equals_the_product(name, order):
+    """E = Err U, so tr(E H_d E^T) = ||Err||^2: the loop's errors give GPTQ's ||(W - Q) X||^2
+    without an N x K x K product, dead channels and the dampening's ridge taken off."""
+    from quantcli.rounding import gptq
+
+    recipe, w, x = get_recipe(name), _weight(), _inputs()
+    x[:, 5] = 0  # a dead channel
+    h = _h(x)
+    settings = GptqSettings(act_order=order)
+    factor = gptq.factorize(h, settings)
+    q, squared = gptq._rounded(w, factor.hinv, factor.perm, recipe, NO_FACTS, settings, "auto")
+    rounded = recipe.dequantize(q)
+    from_loop = gptq.loop_output_error(w, rounded, h, squared, factor.ridge)
+    _, (product,) = gptq.output_errors(w, [rounded], h)
+    assert from_loop == pytest.approx(product, rel=3e-5)  # measured: within 7e-6; the FP32 product 1.6e-6
+
+
+def test_the_loop_error_gives_way_to_the_product_where_the_difference_would_lose_digits(monkeypatch):
+    from quantcli.rounding import gptq
+
+    w, h = _weight(), _h(_inputs())
+    rounded = w.float() + 0.01
+    assert gptq.loop_output_error(w, rounded, h, 1.0, ridge=1e6) is None  # the ridge's share > half
+    calls = []
+    real = gptq.relative_output_errors
+    monkeypatch.setattr(gptq, "relative_output_errors", lambda *a, **k: calls.append(a[-1] if len(a) > 3 else
+                                                                                     torch.float64) or real(*a, **k))
+    gptq.safeguard_errors(w, rounded, w.float(), h, loop_error=None)
+    assert calls == [torch.float32]  # no loop error: both products in FP32
+    calls.clear()
+    rtn, error = gptq.safeguard_errors(w, rounded, w.float(), h, loop_error=0.0)
+    assert calls == [] and error == 0.0 and rtn > 0  # the loop's error: one product (round to nearest's)
+
+
 def test_the_safeguard_decides_in_fp64_near_a_tie(monkeypatch):
     import quantcli.rounding.gptq as gptq
 

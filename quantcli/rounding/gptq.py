@@ -31,9 +31,10 @@ The codes written are the recipe's encoding of the values each column was rounde
 the scales chosen: the bytes the loop's rounding decoded (tests/test_gptq.py). The result is
 kept only if its layer-output error on the calibration inputs, ||(W - Q) X||^2 / ||W X||^2 =
 tr((W-Q) H (W-Q)^T) / tr(W H W^T), is below round to nearest's; else round to nearest is
-written and the reason recorded (a safeguard; on real models it has not triggered). Its
-products run in FP32 and again in FP64 where the two errors are within TIE of each other, so
-it decides as FP64 would at half the cost.
+written and the reason recorded (a safeguard; on real models it has not triggered). GPTQ's
+error comes from its own loop (loop_output_error), so the safeguard takes two N x K x K
+products, not three; they run in FP32, and all three again in FP64 where the two errors are
+within TIE of each other, so it decides as FP64 would.
 """
 
 from __future__ import annotations
@@ -61,28 +62,56 @@ class Outcome:
     reason: str | None = None  # why round to nearest was written instead
 
 
-def relative_output_errors(w: torch.Tensor, qs: list[torch.Tensor], h: torch.Tensor,
-                           dtype: torch.dtype = torch.float64) -> list[float]:
-    """||(W - Q) X||^2 / ||W X||^2 of each Q from H = X^T X, its products in `dtype` and their
-    sums in FP64 (0 when W X is 0)."""
+def output_errors(w: torch.Tensor, qs: list[torch.Tensor], h: torch.Tensor,
+                  dtype: torch.dtype = torch.float64) -> tuple[float, list[float]]:
+    """(||W X||^2, [||(W - Q) X||^2 of each Q]) from H = X^T X, the products in `dtype`, their
+    sums in FP64."""
     w_, h_ = w.to(dtype), h.to(dtype)
     den = float(((w_ @ h_) * w_).sum(dtype=torch.float64))
     out = []
     for q in qs:
         d = w_ - q.to(dtype)
-        out.append(float(((d @ h_) * d).sum(dtype=torch.float64)) / den if den > 0 else 0.0)
-    return out
+        out.append(float(((d @ h_) * d).sum(dtype=torch.float64)))
+    return den, out
 
 
-def safeguard_errors(w: torch.Tensor, nearest: torch.Tensor, rounded: torch.Tensor,
-                     h: torch.Tensor) -> tuple[float, float]:
+def relative_output_errors(w: torch.Tensor, qs: list[torch.Tensor], h: torch.Tensor,
+                           dtype: torch.dtype = torch.float64) -> list[float]:
+    """||(W - Q) X||^2 / ||W X||^2 of each Q from H = X^T X, its products in `dtype` and their
+    sums in FP64 (0 when W X is 0)."""
+    den, errors = output_errors(w, qs, h, dtype)
+    return [e / den if den > 0 else 0.0 for e in errors]
+
+
+def safeguard_errors(w: torch.Tensor, nearest: torch.Tensor, rounded: torch.Tensor, h: torch.Tensor,
+                     loop_error: float | None = None) -> tuple[float, float]:
     """(round to nearest's, GPTQ's) relative output errors, ordered as FP64 orders them: the
-    products in FP32 (half the time of FP64's three N x K x K), again in FP64 where the two are
-    within TIE of each other, closer than FP32's error in them could be trusted to order."""
-    errors = relative_output_errors(w, [nearest, rounded], h, torch.float32)
+    products in FP32 (half the time of FP64's), GPTQ's ||(W - Q) X||^2 from its column loop where
+    given (`loop_error`: one N x K x K product fewer), again all in FP64 where the two are within
+    TIE of each other, closer than FP32's error in them could be trusted to order."""
+    if loop_error is None:
+        errors = relative_output_errors(w, [nearest, rounded], h, torch.float32)
+    else:
+        den, (rtn,) = output_errors(w, [nearest], h, torch.float32)
+        errors = [rtn / den, loop_error / den] if den > 0 else [0.0, 0.0]
     if abs(errors[0] - errors[1]) <= TIE * max(errors):
         errors = relative_output_errors(w, [nearest, rounded], h)
     return errors[0], errors[1]
+
+
+def loop_output_error(w: torch.Tensor, rounded: torch.Tensor, h: torch.Tensor, squared_errors: float,
+                      ridge: float) -> float | None:
+    """||(W - Q) X||^2 = tr(E H E^T), E = W - Q, from the column loop's sum of err_j^2: with U the
+    loop's upper factor of H_d^-1, E = Err U, so tr(E H_d E^T) = ||Err||^2 exactly, where H_d is H
+    with dead channels' H_jj = 1 and `ridge` (the dampening's d x mean diag) on the diagonal; the
+    two are taken off. GPTQ moves error where H is small, so they are typically 1/8 to 2/3 of it
+    (tests/test_gptq.py), and the difference is within ~1e-5 of the FP64 product, as close as
+    the FP32 product; None where they are over 9/10 of it (the difference would lose more than a
+    digit): then the product is computed."""
+    e = (w.float() - rounded.float()).double()
+    dead = torch.diagonal(h) == 0
+    added = ridge * float(e.square().sum()) + float(e[:, dead].square().sum())
+    return squared_errors - added if added <= 0.9 * squared_errors else None
 
 
 LEAF = 512  # lower_inverse: blocks up to this size are inverted by one triangular solve against I
@@ -104,6 +133,14 @@ def lower_inverse(low: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def loop_diagonal(h: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """H's diagonal in loop `order` with dead input channels' H_jj = 1, and its mean (summed in
+    `order`: its bits, and the dampening's)."""
+    diagonal = torch.diagonal(h)[order.to(h.device)].double()
+    diagonal[diagonal == 0] = 1.0
+    return diagonal, float(diagonal.mean())
+
+
 def upper_inverse_factor(h: torch.Tensor, dampening: float,
                          order: torch.Tensor | None = None) -> tuple[torch.Tensor | None, float]:
     """U (FP32) with H_damped^-1 = U^T U (upper Cholesky factor of the inverse) for H with its rows
@@ -116,11 +153,8 @@ def upper_inverse_factor(h: torch.Tensor, dampening: float,
     inverse: half the time of inverting H (`cholesky_solve` against I) and factorizing the
     inverse again. J H J in `order` is one gather of H's rows and columns in the reversed order."""
     h = h.double()  # the caller's H where it is FP64 already: read, never written
-    k = h.shape[0]
-    order = torch.arange(k, device=h.device) if order is None else order.to(h.device)
-    diagonal = torch.diagonal(h)[order]
-    diagonal[diagonal == 0] = 1.0  # dead input channels
-    mean_diag = float(diagonal.mean())  # summed in `order`, not reversed: its bits, and the dampening's
+    order = torch.arange(h.shape[0], device=h.device) if order is None else order.to(h.device)
+    diagonal, mean_diag = loop_diagonal(h, order)
     reverse, diagonal = order.flip(0), diagonal.flip(0)  # J H J's
     d = dampening
     while True:  # besides H at most two and a half K x K FP64 matrices at a time: J H J and L, then L and L^-1
@@ -143,17 +177,20 @@ def upper_inverse_factor(h: torch.Tensor, dampening: float,
 @dataclass(frozen=True)
 class Factor:
     """H's share of the solve: the loop order, Hinv in it (FP32; None: H did not factorize) and
-    the dampening used. Modules that read one input (q/k/v, gate/up) share one H, hence one Factor."""
+    the dampening used, and what that dampening added to H's diagonal (d x its mean). Modules that
+    read one input (q/k/v, gate/up) share one H, hence one Factor."""
     perm: torch.Tensor | None
     hinv: torch.Tensor | None
     dampening: float
+    ridge: float = 0.0
 
 
 def factorize(h: torch.Tensor, settings: GptqSettings) -> Factor:
     """The Factor of H = X^T X `h` [K, K] (FP64) under `settings` (act order, dampening)."""
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if settings.act_order == "static" else None
     hinv, used = upper_inverse_factor(h, settings.dampening, perm)
-    return Factor(perm, hinv, used)
+    _, mean_diag = loop_diagonal(h, torch.arange(h.shape[0], device=h.device) if perm is None else perm)
+    return Factor(perm, hinv, used, used * mean_diag)
 
 
 def gptq_quantize(name: str, w: torch.Tensor, h: torch.Tensor, recipe: Recipe, facts: ModuleFacts,
@@ -167,8 +204,10 @@ def gptq_quantize(name: str, w: torch.Tensor, h: torch.Tensor, recipe: Recipe, f
         return Outcome(nearest, "nearest", rtn_error, rtn_error, None,
                        f"H is not positive definite even with dampening {factor.dampening:g} (or its inverse's "
                        f"factor overflows FP32: inputs near FP32's smallest numbers)")
-    q = _rounded(w, factor.hinv, factor.perm, recipe, facts, settings, backend)
-    rtn_error, error = safeguard_errors(w, *[recipe.dequantize(x, backend=backend) for x in (nearest, q)], h)
+    q, squared_errors = _rounded(w, factor.hinv, factor.perm, recipe, facts, settings, backend)
+    near, rounded = [recipe.dequantize(x, backend=backend) for x in (nearest, q)]
+    rtn_error, error = safeguard_errors(w, near, rounded, h,
+                                        loop_output_error(w, rounded, h, squared_errors, factor.ridge))
     used = factor.dampening
     if error >= rtn_error and rtn_error > 0:
         return Outcome(nearest, "nearest", rtn_error, rtn_error, used,
@@ -177,9 +216,10 @@ def gptq_quantize(name: str, w: torch.Tensor, h: torch.Tensor, recipe: Recipe, f
 
 
 def _rounded(w: torch.Tensor, hinv: torch.Tensor, perm: torch.Tensor | None, recipe: Recipe, facts: ModuleFacts,
-             settings: GptqSettings, backend: str) -> QuantizedTensor:
+             settings: GptqSettings, backend: str) -> tuple[QuantizedTensor, float]:
     """The codes and scales GPTQ writes for `w`, `hinv` being the paper's H^-1 (the upper
-    Cholesky factor of the damped inverse) with its columns in loop order (`perm`)."""
+    Cholesky factor of the damped inverse) with its columns in loop order (`perm`), and the
+    loop's sum of err_j^2 (loop_output_error)."""
     spec = recipe.spec
     n, k = w.shape
     amax = facts.group_amax if facts.group_amax is not None else tensor_amax(w)
@@ -190,16 +230,17 @@ def _rounded(w: torch.Tensor, hinv: torch.Tensor, perm: torch.Tensor | None, rec
     fixed = None if spans.chosen_per_span and settings.scales == "updated" else spans.choose_all(w.float())
     # columns contiguous in memory (W stored as W^T): a column's update is one row, 10x faster on the CPU
     cols = w.float()[:, order].T.contiguous().T
-    source, divisor, scales = _columns(cols, hinv, order, spans, fixed, settings.block_columns)
+    source, divisor, scales, squared_errors = _columns(cols, hinv, order, spans, fixed, settings.block_columns)
     codes = spans.encode(source, divisor)
-    return QuantizedTensor(recipe.name, (n, k), codes, scales, spans.global_scale, spec.scale_rule)
+    return QuantizedTensor(recipe.name, (n, k), codes, scales, spans.global_scale, spec.scale_rule), squared_errors
 
 
 def _columns(W: torch.Tensor, hinv: torch.Tensor, order: torch.Tensor, spans: Spans,  # noqa: N803 (the paper's W)
              fixed: tuple[torch.Tensor, torch.Tensor] | None, block: int):
     """The paper's Algorithm 1 on W [N, K], whose column j is the weight's column `order[j]`,
     in place: returns, in the weight's own column order, the values each column was rounded
-    from and their scales' divisors [N, K], and the stored scales. `fixed`: the scales and
+    from and their scales' divisors [N, K], the stored scales and the sum of the loop's err^2
+    (FP64: loop_output_error). `fixed`: the scales and
     divisors chosen before the loop, or None to choose each span's when the loop first reaches
     one of its columns, from its values as updated so far (`_span_values`)."""
     n, k = W.shape
@@ -208,6 +249,7 @@ def _columns(W: torch.Tensor, hinv: torch.Tensor, order: torch.Tensor, spans: Sp
     source = torch.empty_like(W)
     scales: dict[int, torch.Tensor] = {}  # by the span's first column, as the loop chooses them
     D = torch.empty_like(W) if fixed is None else fixed[1][:, order].T.contiguous().T  # noqa: N806
+    squared_errors = 0.0
     for i0 in range(0, k, block):
         i1 = min(i0 + block, k)
         E = torch.empty(i1 - i0, n, dtype=W.dtype, device=W.device).T  # noqa: N806 (columns contiguous, as W's)
@@ -222,8 +264,10 @@ def _columns(W: torch.Tensor, hinv: torch.Tensor, order: torch.Tensor, spans: Sp
             E[:, j - i0] = (W[:, j] - q) / hinv[j, j]
             W[:, j:i1].addmm_(E[:, j - i0, None], hinv[None, j, j:i1], alpha=-1)  # a BLAS call: addr_ is 15x slower
         W[:, i1:].addmm_(E, hinv[i0:i1, i1:], alpha=-1)  # the lazy block update
+        squared_errors += float(torch.linalg.vector_norm(E, dtype=torch.float64)) ** 2
     stored = fixed[0] if fixed is not None else Spans.scale_tensor([scales[s] for s in sorted(scales)])
-    return source.T[at].T.contiguous(), D.T[at].T.contiguous(), stored  # columns back in the weight's order
+    # columns back in the weight's order
+    return source.T[at].T.contiguous(), D.T[at].T.contiguous(), stored, squared_errors
 
 
 def _span_values(W: torch.Tensor, span: torch.Tensor, hinv: torch.Tensor, E: torch.Tensor,  # noqa: N803
