@@ -37,12 +37,14 @@ START_SECONDS = 5.0
 # 4.1, 3.2, 1.85 and 1.6 K^3 at K 1024, 2048, 5632 and 18,432; the large K dominate the time).
 FACTOR_FLOPS = 2.0
 # GPTQ's two forwards against a [rows per batch, hidden] x [hidden, hidden] matmul timed at the
-# walk's threads (fitted: docs/gptq.md, "Memory and time").
-GPTQ_EFFICIENCY = 0.8
+# walk's threads (fitted: docs/gptq.md, "Memory and time"; refitted once the walk's activations
+# stopped being fresh mappings (quantcli/memory.py): issue 32's model at full size, forward
+# 310.1 s measured against 365.8 s estimated at 0.8).
+GPTQ_EFFICIENCY = 0.94
 # The same under --gptq-forward bfloat16 (the matmul timed under autocast): the FP32 rest of the
 # layer (norms, softmax, activations, the rows' copies) weighs more beside 5x faster matmuls.
-# Fitted on one run: issue 32's model at full size, forward 146.2 s measured against 72.6 s at 0.8.
-GPTQ_BF16_EFFICIENCY = 0.4
+# Fitted on the same model: forward 86.7 s measured against 159.8 s estimated at 0.4.
+GPTQ_BF16_EFFICIENCY = 0.74
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,8 @@ def _gptq_cost(plan: Plan, tokens: int, solvers: int) -> GptqCost:
     """GPTQ's work and memory: per layer one FP64 K x K sum per distinct input (a fused group
     shares one: 2 T K^2 FLOPs for T tokens, less the blocks gram() does not compute) and one
     factorization of it (~K^3); per module the
-    column loop (its lazy updates ~N K^2) and the two layer-output errors with H's (three FP32
-    products, 6 N K^2); the bytes are the largest layer's sums with the rows waiting for their
+    column loop (its lazy updates ~N K^2) and the two layer-output errors with H's (two FP32
+    products, 4 N K^2: GPTQ's own error comes from its loop); the bytes are the largest layer's sums with the rows waiting for their
     X^T X (ordered_sum.group_rows(K) FP32 rows of K per sum), plus the largest solve
     (side_by_side.solve_bytes: its K x K matrices and the weight's FP32 copies) for each of the
     `solvers` solves side by side (at most as many as a layer has distinct inputs; fewer where
@@ -157,7 +159,7 @@ def _gptq_cost(plan: Plan, tokens: int, solvers: int) -> GptqCost:
     return GptqCost(sums + side * solve,
                     sum(tokens * k * k * (1 + 1 / gram_blocks(k)) for k in distinct),
                     sum(FACTOR_FLOPS * float(k) ** 3 for k in distinct),
-                    sum(6.0 * n * k * k for n, k in modules), sum(float(n) * k * k for n, k in modules),
+                    sum(4.0 * n * k * k for n, k in modules), sum(float(n) * k * k for n, k in modules),
                     modules, counted.most_common(1)[0][0] if counted else None, side)
 
 
