@@ -11,9 +11,10 @@ suffer, and each gets the remedy that costs it least:
   (`fix_mmap_threshold`: no adjustment; MMAP_THRESHOLD, the largest glibc takes, so a batch's
   activations, freed and allocated again batch after batch, reuse heap memory instead of being
   a fresh mapping each, whose page faults made a 2048-wide Llama layer 1.7x slower at the
-  glibc default of 128 KiB) and return the heap's free pages after each layer
-  (`release_freed_memory`): peak memory is flat in depth (4, 12 and 24 layers of that model:
-  670, 683 and 655 MB);
+  128 KiB the walks fixed before, glibc's starting value) and return the heap's free pages
+  after each layer (`release_freed_memory`): peak memory is flat in depth (4, 12 and 24 layers
+  of that model: 670, 683 and 655 MB; 646-649 MB at 128 KiB, the cost of the heap kept between
+  batches). The thresholds hold for the rest of the process (the shard job after the walk);
 - convert frees a tensor's FP32 temporaries (several threads) thousands of times: returning the
   free pages after each tensor (`release_freed_memory`, malloc_trim) keeps its peak below that
   of loading whole shards (fp8-block, 0.72 GB: 611 -> 581 MB) without making every allocation

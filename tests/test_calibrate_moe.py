@@ -261,9 +261,10 @@ print(held - rss())
 
 def test_the_walks_allocator_reuses_a_batchs_memory_and_gives_freed_layers_back_on_glibc():
     """quantcli/memory.py: with the walks' thresholds a batch's activations come from heap memory
-    already faulted in (at glibc's 128 KiB each was a fresh mapping: a 2048-wide Llama layer ran
-    1.7x slower), and release_freed_memory, run after each layer, returns freed blocks to the OS
-    (else memory grew ~15 MiB per layer at hidden 1024)."""
+    already faulted in (at the 128 KiB the walks fixed before, each was a fresh mapping: a
+    2048-wide Llama layer ran 1.7x slower), and release_freed_memory, run after each layer,
+    returns freed blocks to the OS (without a fix, glibc's own adjustment let memory grow ~15
+    MiB per layer at hidden 1024)."""
     import platform
     import subprocess
     import sys

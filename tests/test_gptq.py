@@ -227,7 +227,7 @@ def test_the_loop_error_gives_way_to_the_product_where_the_difference_would_lose
 
     w, h = _weight(), _h(_inputs())
     rounded = w.float() + 0.01
-    assert gptq.loop_output_error(w, rounded, h, 1.0, ridge=1e6) is None  # the ridge's share > half
+    assert gptq.loop_output_error(w, rounded, h, 1.0, ridge=1e6) is None  # the ridge's share > 9/10
     calls = []
     real = gptq.relative_output_errors
     monkeypatch.setattr(gptq, "relative_output_errors", lambda *a, **k: calls.append(a[-1] if len(a) > 3 else

@@ -39,7 +39,8 @@ FACTOR_FLOPS = 2.0
 # GPTQ's two forwards against a [rows per batch, hidden] x [hidden, hidden] matmul timed at the
 # walk's threads (fitted: docs/gptq.md, "Memory and time"; refitted once the walk's activations
 # stopped being fresh mappings (quantcli/memory.py): issue 32's model at full size, forward
-# 310.1 s measured against 365.8 s estimated at 0.8).
+# 310.1 s measured against 365.8 s estimated at 0.8; a later dry run, its matmul timed ~10%
+# slower, estimated 340.9 s at 0.94).
 GPTQ_EFFICIENCY = 0.94
 # The same under --gptq-forward bfloat16 (the matmul timed under autocast): the FP32 rest of the
 # layer (norms, softmax, activations, the rows' copies) weighs more beside 5x faster matmuls.
@@ -137,8 +138,9 @@ def _gptq_cost(plan: Plan, tokens: int, solvers: int) -> GptqCost:
     shares one: 2 T K^2 FLOPs for T tokens, less the blocks gram() does not compute) and one
     factorization of it (~K^3); per module the
     column loop (its lazy updates ~N K^2) and the two layer-output errors with H's (two FP32
-    products, 4 N K^2: GPTQ's own error comes from its loop); the bytes are the largest layer's sums with the rows waiting for their
-    X^T X (ordered_sum.group_rows(K) FP32 rows of K per sum), plus the largest solve
+    products, 4 N K^2: GPTQ's own error comes from its loop); the bytes are the largest layer's
+    sums with the rows waiting for their X^T X (ordered_sum.group_rows(K) FP32 rows of K per
+    sum), plus the largest solve
     (side_by_side.solve_bytes: its K x K matrices and the weight's FP32 copies) for each of the
     `solvers` solves side by side (at most as many as a layer has distinct inputs; fewer where
     memory is short, which the estimate does not assume)."""

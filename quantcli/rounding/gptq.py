@@ -104,10 +104,11 @@ def loop_output_error(w: torch.Tensor, rounded: torch.Tensor, h: torch.Tensor, s
     """||(W - Q) X||^2 = tr(E H E^T), E = W - Q, from the column loop's sum of err_j^2: with U the
     loop's upper factor of H_d^-1, E = Err U, so tr(E H_d E^T) = ||Err||^2 exactly, where H_d is H
     with dead channels' H_jj = 1 and `ridge` (the dampening's d x mean diag) on the diagonal; the
-    two are taken off. GPTQ moves error where H is small, so they are typically 1/8 to 2/3 of it
-    (tests/test_gptq.py), and the difference is within ~1e-5 of the FP64 product, as close as
-    the FP32 product; None where they are over 9/10 of it (the difference would lose more than a
-    digit): then the product is computed."""
+    two are taken off: on the tests' inputs 1/8 to 2/3 of it, and the difference within ~1e-5 of
+    the FP64 product, as close as the FP32 product. GPTQ moves error where H is small, so on a
+    nearly low-rank H (fewer tokens than K, act order static) they can be over 99% of it: None
+    where they are over 9/10 (the difference would lose more than a digit), and the product is
+    computed as before."""
     e = (w.float() - rounded.float()).double()
     dead = torch.diagonal(h) == 0
     added = ridge * float(e.square().sum()) + float(e[:, dead].square().sum())
@@ -182,7 +183,7 @@ class Factor:
     perm: torch.Tensor | None
     hinv: torch.Tensor | None
     dampening: float
-    ridge: float = 0.0
+    ridge: float  # required: a Factor without it would leave the ridge in GPTQ's error (loop_output_error)
 
 
 def factorize(h: torch.Tensor, settings: GptqSettings) -> Factor:

@@ -83,8 +83,8 @@ class WeightPass(Protocol):
         the shard job quantizes the rest as usual."""
 
     def statistic(self, x: torch.Tensor) -> torch.Tensor:
-        """The partial statistic of a module from a group of its input rows `x` [rows, K] (FP32,
-        or FP64 holding FP32 values where the group joins several batches' rows),
+        """The partial statistic of a module from a group of its input rows `x` [rows, K] (as
+        recorded: FP32 or BF16; FP64 holding those values where the group joins several batches'),
         e.g. X^T X in FP64; additive over rows: the walk sums it over consecutive groups of rows
         in global batch order (ordered_sum.py), a group holding one batch's rows or several's."""
 

@@ -80,8 +80,8 @@ def side_by_side(solve: Callable, make: Callable[[int], object], keys: list[str]
 
     def wait_for_one() -> None:
         """Until a running task ends (whichever: a short one's thread takes the next task
-        while a long one runs on); a failure is raised once every running task has ended,
-        the first in task order, and no task starts after it."""
+        while a long one runs on); once a failure is seen here, every running task is let
+        end, the first failure in task order among them is raised, and no task starts after."""
         done, _ = wait(running, return_when=FIRST_COMPLETED)
         ended.extend((running.pop(f)[0], f) for f in done)
         if any(f.exception() is not None for _, f in ended):
