@@ -194,3 +194,26 @@ def test_uncalibrated_output_unchanged(src, tmp_path, run_cli):
     out = tmp_path / "out"
     assert run_cli("convert", str(src), str(out), "--recipe", "nvfp4", "--quiet")[0] == 0
     assert not any(k.endswith(("input_scale", "k_scale", "v_scale")) for k in _tensors(out))
+
+
+def test_the_output_head_runs_only_where_its_input_is_used(src, data, tmp_path, run_cli, monkeypatch):
+    """The head's input statistics serve only a quantized head: an unquantized one (every
+    convert's: the output head is never quantized) is not run on the batches (a [tokens, vocab]
+    product, the embedding and the head loaded in FP32: +0.4 GiB of peak at hidden 2048)."""
+    from types import SimpleNamespace
+
+    import quantcli.calibrate.engine as engine
+
+    runs = []
+    real = engine.head_inputs
+    monkeypatch.setattr(engine, "head_inputs", lambda *a, **k: runs.append(1) or real(*a, **k))
+    code, _, err = run_cli("convert", str(src), str(tmp_path / "out"), "--recipe", "nvfp4", "--activations",
+                           "static", "--calibration", str(data), "--quiet")
+    assert code == 0, err
+    assert runs == []
+    stack = SimpleNamespace(kind=engine.CAUSAL, head=lambda: "lm_head",
+                            names=SimpleNamespace(linear_modules=lambda path: [path]))
+    for quantized, head in ((None, "lm_head"), (frozenset({"lm_head"}), "lm_head"), (frozenset({"x"}), None)):
+        stats_pass = engine.StatsPass(engine.Stats(), quantized)
+        stats_pass.begin(stack)
+        assert stats_pass.head == head

@@ -59,7 +59,8 @@ def collect_stats(plan: Plan, tensors, device: torch.device, progress: Callable[
     with walk_threads(device, sum(map(len, ids)) / max(1, len(batches(ids, cal.batch))), plan.source.config):
         return collect(plan.source.config, Weights.of(tensors, plan.transforms), ids, cal.batch, device,
                        progress=_LayerProgress(progress) if progress is not None else None,
-                       channel_stats=plan.options.scale_search == "mse", part=part)
+                       channel_stats=plan.options.scale_search == "mse", part=part,
+                       quantized=frozenset(t.module for t in plan.tensors if t.quantized))
 
 
 def walk_source(plan: Plan, tensors, device: torch.device, layer_pass: LayerPass, ids: list[list[int]],
