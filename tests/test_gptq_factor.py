@@ -60,7 +60,7 @@ def test_the_factor_in_loop_order_is_the_inverse_s_upper_cholesky_factor():
     k = LEAF + 40
     h = _h(k, seed=3)
     order = torch.randperm(k, generator=torch.Generator().manual_seed(4))
-    up, d = upper_inverse_factor(h, 0.01, order)
+    up, d, _ = upper_inverse_factor(h, 0.01, order)
     assert up.dtype == torch.float32 and torch.equal(up, up.triu()) and bool((up.diagonal() > 0).all())
     damped = h[order][:, order]
     damped.diagonal().add_(d * float(torch.diagonal(h).mean()))

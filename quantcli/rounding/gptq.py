@@ -134,19 +134,12 @@ def lower_inverse(low: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def loop_diagonal(h: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """H's diagonal in loop `order` with dead input channels' H_jj = 1, and its mean (summed in
-    `order`: its bits, and the dampening's)."""
-    diagonal = torch.diagonal(h)[order.to(h.device)].double()
-    diagonal[diagonal == 0] = 1.0
-    return diagonal, float(diagonal.mean())
-
-
 def upper_inverse_factor(h: torch.Tensor, dampening: float,
-                         order: torch.Tensor | None = None) -> tuple[torch.Tensor | None, float]:
+                         order: torch.Tensor | None = None) -> tuple[torch.Tensor | None, float, float]:
     """U (FP32) with H_damped^-1 = U^T U (upper Cholesky factor of the inverse) for H with its rows
-    and columns in `order` (None: as they are), and the dampening that worked, raised x10 up to
-    MAX_DAMPENING while the factorization fails; (None, last) if none did.
+    and columns in `order` (None: as they are), the dampening that worked, raised x10 up to
+    MAX_DAMPENING while the factorization fails, and what it added to the diagonal (d x its
+    mean, loop_output_error's ridge); (None, last, its ridge) if none did.
 
     With J the reversal of rows and columns, L the lower Cholesky factor of J H J and A = L^-1
     (lower): H^-1 = J (J H J)^-1 J = J A^T A J = (J A J)^T (J A J), and J A J is upper with a
@@ -154,8 +147,11 @@ def upper_inverse_factor(h: torch.Tensor, dampening: float,
     inverse: half the time of inverting H (`cholesky_solve` against I) and factorizing the
     inverse again. J H J in `order` is one gather of H's rows and columns in the reversed order."""
     h = h.double()  # the caller's H where it is FP64 already: read, never written
-    order = torch.arange(h.shape[0], device=h.device) if order is None else order.to(h.device)
-    diagonal, mean_diag = loop_diagonal(h, order)
+    k = h.shape[0]
+    order = torch.arange(k, device=h.device) if order is None else order.to(h.device)
+    diagonal = torch.diagonal(h)[order]
+    diagonal[diagonal == 0] = 1.0  # dead input channels
+    mean_diag = float(diagonal.mean())  # summed in `order`, not reversed: its bits, and the dampening's
     reverse, diagonal = order.flip(0), diagonal.flip(0)  # J H J's
     d = dampening
     while True:  # besides H at most two and a half K x K FP64 matrices at a time: J H J and L, then L and L^-1
@@ -168,10 +164,10 @@ def upper_inverse_factor(h: torch.Tensor, dampening: float,
             del low
             low_end, high_end = torch.aminmax(inverse)  # NaN propagates: both finite iff every value is
             if bool(torch.isfinite(low_end)) and bool(torch.isfinite(high_end)):
-                return inverse.flip(0, 1), d
+                return inverse.flip(0, 1), d, d * mean_diag
             del inverse
         if d >= MAX_DAMPENING:
-            return None, d
+            return None, d, d * mean_diag
         d = min(d * 10, MAX_DAMPENING)
 
 
@@ -189,9 +185,7 @@ class Factor:
 def factorize(h: torch.Tensor, settings: GptqSettings) -> Factor:
     """The Factor of H = X^T X `h` [K, K] (FP64) under `settings` (act order, dampening)."""
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if settings.act_order == "static" else None
-    hinv, used = upper_inverse_factor(h, settings.dampening, perm)
-    _, mean_diag = loop_diagonal(h, torch.arange(h.shape[0], device=h.device) if perm is None else perm)
-    return Factor(perm, hinv, used, used * mean_diag)
+    return Factor(perm, *upper_inverse_factor(h, settings.dampening, perm))
 
 
 def gptq_quantize(name: str, w: torch.Tensor, h: torch.Tensor, recipe: Recipe, facts: ModuleFacts,

@@ -76,18 +76,18 @@ def side_by_side(solve: Callable, make: Callable[[int], object], keys: list[str]
 
     pool = ThreadPoolExecutor(min(threads, len(tasks)), thread_name_prefix="quantcli-solve")
     running: dict = {}  # future -> (task index, bytes)
-    ended: list = []  # (task index, future), every task that ended
 
     def wait_for_one() -> None:
         """Until a running task ends (whichever: a short one's thread takes the next task
         while a long one runs on); once a failure is seen here, every running task is let
         end, the first failure in task order among them is raised, and no task starts after."""
         done, _ = wait(running, return_when=FIRST_COMPLETED)
-        ended.extend((running.pop(f)[0], f) for f in done)
-        if any(f.exception() is not None for _, f in ended):
+        if any(f.exception() is not None for f in done):
             wait(running)
-            ended.extend((running.pop(f)[0], f) for f in list(running))
-            next(f for _, f in sorted(ended, key=lambda e: e[0]) if f.exception() is not None).result()
+            failed = [(t, f) for f, (t, _) in running.items() if f.exception() is not None]
+            min(failed, key=lambda e: e[0])[1].result()  # the first in task order
+        for f in done:
+            del running[f]
 
     try:
         for t, indices in enumerate(order):
