@@ -8,7 +8,7 @@ suffer, and each gets the remedy that costs it least:
 - the layer walks (calibration, GPTQ, eval) allocate and free a decoder layer's tensors, layer
   after layer: with glibc's adjustment memory grew ~15 MiB per layer (hidden 1024; 39 MiB in an
   earlier measurement) although nothing was alive. They fix the thresholds instead
-  (`fix_mmap_threshold`: no adjustment; MMAP_THRESHOLD, the largest glibc takes, so a batch's
+  (`fix_malloc_thresholds`: no adjustment; MMAP_THRESHOLD, the largest glibc takes, so a batch's
   activations, freed and allocated again batch after batch, reuse heap memory instead of being
   a fresh mapping each, whose page faults made a 2048-wide Llama layer 1.7x slower at the
   128 KiB the walks fixed before, glibc's starting value) and return the heap's free pages
@@ -44,7 +44,7 @@ def _libc():
 
 
 @functools.cache
-def fix_mmap_threshold() -> bool:
+def fix_malloc_thresholds() -> bool:
     """Fix glibc's mmap and trim thresholds (module docstring); True when glibc accepted both."""
     mallopt = getattr(_libc(), "mallopt", None)
     return bool(mallopt and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1

@@ -239,8 +239,8 @@ def test_resume_reuses_the_calibration_and_output_is_identical(mixtral, tmp_path
 
 ALLOCATOR_CHECK = """
 import resource, torch
-from quantcli.memory import fix_mmap_threshold, release_freed_memory
-assert fix_mmap_threshold()
+from quantcli.memory import fix_malloc_thresholds, release_freed_memory
+assert fix_malloc_thresholds()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def rss():

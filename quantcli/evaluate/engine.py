@@ -16,7 +16,7 @@ import torch
 from quantcli.errors import QuantcliError
 from quantcli.evaluate.emulate import ErrorSum, attach, detach
 from quantcli.evaluate.fake_quant import KvQuantCache
-from quantcli.memory import fix_mmap_threshold, release_freed_memory
+from quantcli.memory import fix_malloc_thresholds, release_freed_memory
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
 from quantcli.model.layers import layer_sources, load_layer, run_batches
 from quantcli.model.names import CheckpointMap
@@ -133,7 +133,7 @@ def walk(stack: Stack, ref, quant, input_batches: list[torch.Tensor], device: to
          finish, progress=None) -> Walked:
     """Run both sides over `input_batches`; `finish(stack, maps, buffers, input_batches)` computes
     the model-level metrics from the last block's outputs; `progress(done, total, seconds_per_block)`."""
-    fix_mmap_threshold()  # with release_freed_memory after each block: memory flat in depth (quantcli/memory.py)
+    fix_malloc_thresholds()  # with release_freed_memory after each block: memory flat in depth (quantcli/memory.py)
     maps = (stack.names, side_map(stack, quant))
     walked, start = Walked(), time.monotonic()
     with torch.inference_mode(), ActivationBuffer(device, budget_bytes()) as ref_buf, \

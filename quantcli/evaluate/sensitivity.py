@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from quantcli.evaluate.emulate import detach, experts_name, quantize_expert_inputs
 from quantcli.evaluate.engine import load_block, release_block, side_map
 from quantcli.evaluate.metrics import pool
-from quantcli.memory import fix_mmap_threshold, release_freed_memory
+from quantcli.memory import fix_malloc_thresholds, release_freed_memory
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
 from quantcli.model.inputs import experts_params
 from quantcli.model.layers import run_batches
@@ -127,7 +127,7 @@ def walk_sensitivity(stack: Stack, ref, quant, input_batches: list[torch.Tensor]
                      steps: dict, chosen: dict[int, list[str]], pooled=None, progress=None) -> dict[str, ScoreSums]:
     """{module: Score} for `chosen` ({block index: checkpoint modules in it}); `pooled` is the
     encoder's metrics.Encoder (None for a causal LM); `progress(done, total, seconds_per_block, phase)`."""
-    fix_mmap_threshold()
+    fix_malloc_thresholds()
     phase, start = f"sensitivity of {sum(len(m) for m in chosen.values())} modules", time.monotonic()
     maps = (stack.names, side_map(stack, quant))
     share = budget_bytes() // (1 + sum(len(m) for m in chosen.values()))

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from quantcli.memory import fix_mmap_threshold, release_freed_memory
+from quantcli.memory import fix_malloc_thresholds, release_freed_memory
 from quantcli.model.buffer import ActivationBuffer, budget_bytes
 from quantcli.model.names import CheckpointMap, Get
 from quantcli.model.outer import load_module, to_meta
@@ -222,7 +222,7 @@ def walk_layers(config_dict: dict, source: Weights, ids: list[list[int]], batch:
     """Run `layer_pass` over the model of `config_dict` on `ids`, layer by layer, reading
     `source`; `progress(done, total, samples)` is called after each layer; `part` = (i, n): only
     batches i, i + n, ... (rank i of n)."""
-    fix_mmap_threshold()  # with release_freed_memory after each layer: memory flat in depth (quantcli/memory.py)
+    fix_malloc_thresholds()  # with release_freed_memory after each layer: memory flat in depth (quantcli/memory.py)
     stack = build_stack(config_dict, source.names, source.shape, "--calibration")
     input_batches = batches(ids, batch)[part[0]::part[1]]
     layer_pass.begin(stack)
